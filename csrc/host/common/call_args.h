@@ -1,0 +1,36 @@
+// Argument checking and normalisation of one gemm_allreduce call (design.md §1).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/algorithm.h"
+
+namespace gemm_ar {
+
+// What one rank can say about its own arguments before any data moves. `error` is empty when they are fine.
+struct CallArgs {
+  at::Tensor a2d;                  // [M, K], a's leading dims flattened (a view when a allows it)
+  at::Tensor b;                    // [K, N], caller's strides kept (weight.t() is not copied)
+  std::optional<at::Tensor> bias;  // [N]
+  std::vector<int64_t> out_shape;  // a.shape[:-1] + [N]
+  int64_t m = 0, k = 0, n = 0;
+  at::ScalarType dtype = at::kFloat;
+  Algorithm algorithm = Algorithm::Auto;
+  std::string error;               // the local error message, if any
+  int64_t error_code = 0;          // nonzero with `error`: which check failed (shared with peers)
+};
+
+// Validates and normalises; never throws for bad user input (the message is carried in `error` so that every
+// rank can raise together after the agreement exchange).
+CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                      std::string_view algorithm, c10::DeviceType device_type,
+                      const std::vector<at::ScalarType>& supported_dtypes);
+
+// Short description of an error code, used when another rank reports it.
+const char* error_code_summary(int64_t code);
+
+}  // namespace gemm_ar

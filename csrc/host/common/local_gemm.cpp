@@ -1,0 +1,35 @@
+#include "common/local_gemm.h"
+
+namespace gemm_ar {
+
+bool computes_in_fp32(const at::Tensor& t) {
+  return t.is_cpu() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf);
+}
+
+LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                     bool add_bias) {
+  const bool widen = computes_in_fp32(a2d);
+  // .to() keeps b's strides, so a transposed weight view stays a transposed view for BLAS.
+  a_ = widen ? a2d.to(at::kFloat) : a2d;
+  b_ = widen ? b.to(at::kFloat) : b;
+  if (add_bias && bias.has_value()) bias_ = widen ? bias->to(at::kFloat) : *bias;
+}
+
+void LocalGemm::compute(int64_t row0, int64_t rows, int64_t col0, int64_t cols, at::Tensor out) const {
+  if (rows == 0 || cols == 0) return;
+  auto a_rows = a_.narrow(0, row0, rows);
+  auto b_cols = cols == b_.size(1) ? b_ : b_.narrow(1, col0, cols);
+  const bool direct = out.scalar_type() == a_.scalar_type();
+  at::Tensor target = direct ? out : at::empty({rows, cols}, out.options().dtype(a_.scalar_type()));
+  if (a_.size(1) == 0) {
+    target.zero_();
+    if (bias_) target.add_(bias_->narrow(0, col0, cols));
+  } else if (bias_) {
+    at::addmm_out(target, bias_->narrow(0, col0, cols), a_rows, b_cols);
+  } else {
+    at::mm_out(target, a_rows, b_cols);
+  }
+  if (!direct) out.copy_(target);
+}
+
+}  // namespace gemm_ar

@@ -1,0 +1,30 @@
+// The local product a @ b (+ bias) for whole outputs, row chunks or tiles, accumulated in fp32.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace gemm_ar {
+
+// CPU bf16/fp16 GEMMs in ATen run 50-100x slower than fp32 on AVX2 hosts, so on CPU those are computed in fp32
+// (inputs converted once per call) and rounded once when stored.
+bool computes_in_fp32(const at::Tensor& t);
+
+class LocalGemm {
+ public:
+  // `add_bias`: whether this rank contributes the bias (exactly one rank does, so it is added once).
+  LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool add_bias);
+
+  // out = a[row0 : row0+rows] @ b[:, col0 : col0+cols] (+ bias[col0 : col0+cols]).
+  // `out` is a [rows, cols] view with unit column stride, of the compute dtype or the call dtype.
+  // Thread-safe for disjoint outputs.
+  void compute(int64_t row0, int64_t rows, int64_t col0, int64_t cols, at::Tensor out) const;
+
+  at::ScalarType compute_dtype() const { return a_.scalar_type(); }
+
+ private:
+  at::Tensor a_, b_;
+  std::optional<at::Tensor> bias_;
+};
+
+}  // namespace gemm_ar

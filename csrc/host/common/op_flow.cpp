@@ -1,0 +1,49 @@
+#include "common/op_flow.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include "common/portable_algorithms.h"
+#include "common/rank_agreement.h"
+#include "common/settings.h"
+
+namespace gemm_ar {
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name) {
+  try {
+    return c10d::resolve_process_group(std::string(group_name));
+  } catch (const std::exception&) {
+    TORCH_CHECK_VALUE(false, "gemm_allreduce: group_name '", group_name,
+                      "' is not a registered process group (pass ProcessGroup.group_name of a group created by "
+                      "torch.distributed.init_process_group or new_group)");
+  }
+}
+
+at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
+                              const std::optional<at::Tensor>& bias, std::string_view algorithm,
+                              const BackendHooks& backend) {
+  auto group = resolve_group(group_name);
+  CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
+  if (group->getSize() == 1) {
+    TORCH_CHECK_VALUE(call.error.empty(), call.error);
+    return run_local(call);
+  }
+  check_ranks_agree(*group, call, a.device());
+  Algorithm chosen = call.algorithm;
+  if (chosen == Algorithm::Fused) {
+    std::string reason = backend.fused_unavailable_reason(call, *group);
+    TORCH_CHECK(reason.empty(), "gemm_allreduce: algorithm='fused' is not available for this call: ", reason,
+                " (use algorithm='auto', 'chunked' or 'sequential')");
+  } else if (chosen == Algorithm::Auto) {
+    chosen = backend.choose_auto(call, *group, backend.fused_unavailable_reason(call, *group).empty());
+  }
+  if (call.m == 0) return at::empty(call.out_shape, b.options());
+  switch (chosen) {
+    case Algorithm::Sequential: return run_sequential(call, *group);
+    case Algorithm::Chunked: return run_chunked(call, *group, chunk_count());
+    case Algorithm::Fused: return backend.run_fused(call, *group);
+    case Algorithm::Auto: break;
+  }
+  TORCH_CHECK(false, "gemm_allreduce: internal error: no algorithm chosen");
+}
+
+}  // namespace gemm_ar

@@ -1,0 +1,29 @@
+// The steps every device backend of the op shares: resolve the group, check the arguments on every rank,
+// choose the algorithm, run it. A backend contributes its dtypes, its fused path and its `auto` policy.
+#pragma once
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <string>
+
+#include "common/call_args.h"
+
+namespace gemm_ar {
+
+struct BackendHooks {
+  c10::DeviceType device_type;
+  std::vector<at::ScalarType> dtypes;
+  // Empty when `fused` can run this call on this group; otherwise what is missing.
+  std::function<std::string(const CallArgs&, c10d::ProcessGroup&)> fused_unavailable_reason;
+  std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&)> run_fused;
+  // Picks sequential, chunked or fused for `algorithm="auto"`; must give the same answer on every rank.
+  std::function<Algorithm(const CallArgs&, c10d::ProcessGroup&, bool fused_available)> choose_auto;
+};
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name);
+
+at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
+                              const std::optional<at::Tensor>& bias, std::string_view algorithm,
+                              const BackendHooks& backend);
+
+}  // namespace gemm_ar

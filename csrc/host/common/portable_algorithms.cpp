@@ -1,0 +1,59 @@
+#include "common/portable_algorithms.h"
+
+#include "common/local_gemm.h"
+#include "common/settings.h"
+
+namespace gemm_ar {
+namespace {
+
+// The dtype the all_reduce moves: the call dtype, except where the backend cannot reduce it.
+at::ScalarType reduce_dtype(const CallArgs& call, c10d::ProcessGroup& group) {
+  // gloo has no fp16/bf16 sum on every build; reducing fp32 partials is also more accurate.
+  if (call.b.is_cpu() && (call.dtype == at::kBFloat16 || call.dtype == at::kHalf)) return at::kFloat;
+  return call.dtype;
+}
+
+c10::intrusive_ptr<c10d::Work> start_allreduce(c10d::ProcessGroup& group, const at::Tensor& t) {
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions options;
+  options.timeout = wait_timeout();
+  return group.allreduce(tensors, options);
+}
+
+at::Tensor finish(const CallArgs& call, const at::Tensor& out2d) {
+  return out2d.to(call.dtype).view(call.out_shape);
+}
+
+}  // namespace
+
+at::Tensor run_local(const CallArgs& call) {
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/true);
+  auto out = at::empty({call.m, call.n}, call.b.options());
+  gemm.compute(0, call.m, 0, call.n, out);
+  return out.view(call.out_shape);
+}
+
+at::Tensor run_sequential(const CallArgs& call, c10d::ProcessGroup& group) {
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/group.getRank() == 0);
+  auto out = at::empty({call.m, call.n}, call.b.options().dtype(reduce_dtype(call, group)));
+  gemm.compute(0, call.m, 0, call.n, out);
+  if (out.numel() > 0) start_allreduce(group, out)->wait(wait_timeout());
+  return finish(call, out);
+}
+
+at::Tensor run_chunked(const CallArgs& call, c10d::ProcessGroup& group, int64_t chunks) {
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/group.getRank() == 0);
+  auto out = at::empty({call.m, call.n}, call.b.options().dtype(reduce_dtype(call, group)));
+  const int64_t rows_per_chunk = std::max<int64_t>(1, (call.m + chunks - 1) / std::max<int64_t>(chunks, 1));
+  std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
+  for (int64_t row0 = 0; row0 < call.m; row0 += rows_per_chunk) {
+    const int64_t rows = std::min(rows_per_chunk, call.m - row0);
+    auto slice = out.narrow(0, row0, rows);  // contiguous: whole rows of a row-major buffer
+    gemm.compute(row0, rows, 0, call.n, slice);
+    if (slice.numel() > 0) in_flight.push_back(start_allreduce(group, slice));
+  }
+  for (auto& work : in_flight) work->wait(wait_timeout());
+  return finish(call, out);
+}
+
+}  // namespace gemm_ar

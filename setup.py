@@ -1,0 +1,42 @@
+"""Builds torch_gemm_ar._C (CPU engine, portable algorithms, op registration) everywhere, and the Ascend NPU
+pieces only where CANN and torch_npu are found (see build_npu.py)."""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+import build_npu
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+cpu_extension = CppExtension(
+    "torch_gemm_ar._C",
+    sources=_rel("csrc/host/*.cpp") + _rel("csrc/host/common/*.cpp") + _rel("csrc/host/cpu/*.cpp"),
+    include_dirs=[os.path.join(ROOT, "csrc/include"), os.path.join(ROOT, "csrc/host")],
+    # No -march=native: the wheel must run on any x86-64 with AVX2 (no AVX-512 SIGILL on older hosts).
+    extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    libraries=["rt"],
+)
+
+setup(
+    name="torch-gemm-ar",
+    version="0.1.0",
+    description="Fused GEMM + AllReduce for tensor-parallel PyTorch (Ascend NPU and CPU)",
+    packages=find_packages(include=["torch_gemm_ar", "torch_gemm_ar.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        "bench": ["matplotlib"],
+        "npu": ["torch_npu"],
+    },
+    ext_modules=[cpu_extension] + build_npu.npu_extensions(ROOT),
+    cmdclass={"build_ext": BuildExtension},
+    zip_safe=False,
+)

@@ -1,0 +1,11 @@
+"""torch-gemm-ar: GEMM fused with the AllReduce that follows it (tensor-parallel row-parallel layers).
+
+`gemm_allreduce(a, b, group)` returns `all_reduce_sum(a_rank @ b) [+ bias]`, identical on every rank; it is also
+available as `torch.ops.pto.gemm_allreduce(a, b, group_name, *, bias=None, algorithm="auto")`.
+"""
+from . import _C  # noqa: F401  (registers torch.ops.pto.gemm_allreduce)
+from . import _registrations  # noqa: F401  (fake kernel and autograd formula)
+from ._ops import ALGORITHMS, gemm_allreduce, group_name_of
+
+__all__ = ["ALGORITHMS", "gemm_allreduce", "group_name_of"]
+__version__ = "0.1.0"

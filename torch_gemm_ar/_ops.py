@@ -1,0 +1,41 @@
+"""The Python entry point of the op: group resolution, then torch.ops.pto.gemm_allreduce."""
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+ALGORITHMS = ("auto", "sequential", "chunked", "fused")
+
+GroupLike = Union[None, str, dist.ProcessGroup]
+
+
+def group_name_of(group: GroupLike) -> str:
+    """The c10d group name of `group` (None: the default group), as torch.ops.pto.gemm_allreduce takes it."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "gemm_allreduce: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() first or pass group="
+            )
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"gemm_allreduce: group must be a ProcessGroup, a group name or None; got {type(group)}")
+    return group.group_name
+
+
+def gemm_allreduce(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    algorithm: str = "auto",
+) -> torch.Tensor:
+    """`all_reduce_sum(a @ b) + bias` over `group`, the same tensor on every rank.
+
+    a: [M, K] or [B, S, K], this rank's shard. b: [K, N], any strides (weight.t() of an nn.Linear is not copied).
+    bias: [N], added once to the reduced result. algorithm: one of auto, sequential, chunked, fused.
+    """
+    return torch.ops.pto.gemm_allreduce(a, b, group_name_of(group), bias=bias, algorithm=algorithm)
