@@ -1,0 +1,10 @@
+// Every protocol header at once.
+#pragma once
+#include "comm_schedule.hpp"
+#include "epoch.hpp"
+#include "fn.hpp"
+#include "layout.hpp"
+#include "ownership.hpp"
+#include "partition.hpp"
+#include "swizzle.hpp"
+#include "tile_plan.hpp"
