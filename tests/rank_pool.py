@@ -30,6 +30,8 @@ def _rank_main(rank, world, port, conn, threads):
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    # Engine waits end well before the pool's own bound, so a protocol hang shows up as the engine's error.
+    os.environ.setdefault("TORCH_GEMM_AR_TIMEOUT_S", "30")
     try:
         dist.init_process_group(
             "gloo",

@@ -26,7 +26,7 @@ def check_shapes(rank, world, seed, algorithm, dtype):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "auto"])
+@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "fused", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64_reference(ranks, world, algorithm, dtype):
     digests = ranks(world).run(check_shapes, random.randrange(1 << 30), algorithm, dtype)
@@ -47,7 +47,7 @@ def empty_and_k0(rank, world, algorithm):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "auto"])
+@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "fused", "auto"])
 def test_empty_m_and_zero_k(ranks, world, algorithm):
     ranks(world).run(empty_and_k0, algorithm)
 

@@ -18,31 +18,30 @@ CallHeader* header_of(const void* window) {
 }  // namespace
 
 void publish_header(void* window, uint32_t epoch, const CallSignature& signature) {
-  CallHeader* h = header_of(window);
+  CallHeaderSlot& slot = header_of(window)->slots[epoch & 1];
   for (int64_t f = 0; f < kSignatureFields; ++f) {
-    std::atomic_ref<int64_t>(h->signature[f]).store(signature[f], std::memory_order_relaxed);
+    std::atomic_ref<int64_t>(slot.signature[f]).store(signature[f], std::memory_order_relaxed);
   }
-  store_release(&h->epoch, epoch);
+  store_release(&slot.epoch, epoch);
 }
 
 void publish_abort(void* window, uint32_t epoch) { store_release(&header_of(window)->abort_epoch, epoch); }
 
-bool abandoned(const void* window, uint32_t epoch) {
-  CallHeader* h = header_of(window);
-  const uint32_t seen = load_acquire(&h->epoch);
-  return load_acquire(&h->abort_epoch) == epoch || (seen != epoch && counter_reached(seen, epoch));
-}
+bool abandoned(const void* window, uint32_t epoch) { return load_acquire(&header_of(window)->abort_epoch) == epoch; }
 
 PeerCallState read_header(const void* window, uint32_t epoch, CallSignature* signature) {
   CallHeader* h = header_of(window);
-  const uint32_t before = load_acquire(&h->epoch);
+  CallHeaderSlot& slot = h->slots[epoch & 1];
+  if (load_acquire(&h->abort_epoch) == epoch) return PeerCallState::kAbandoned;
+  const uint32_t before = load_acquire(&slot.epoch);
   if (before != epoch) return counter_reached(before, epoch) ? PeerCallState::kAbandoned : PeerCallState::kNotYet;
   for (int64_t f = 0; f < kSignatureFields; ++f) {
-    (*signature)[f] = std::atomic_ref<int64_t>(h->signature[f]).load(std::memory_order_relaxed);
+    (*signature)[f] = std::atomic_ref<int64_t>(slot.signature[f]).load(std::memory_order_relaxed);
   }
-  // Re-read: a peer that moved on meanwhile abandoned this call (and may have overwritten the fields).
+  // Re-read (seqlock): a slot overwritten meanwhile means the peer is two calls ahead, which only an abandoned
+  // call allows.
   std::atomic_thread_fence(std::memory_order_acquire);
-  if (load_acquire(&h->epoch) != epoch || load_acquire(&h->abort_epoch) == epoch) return PeerCallState::kAbandoned;
+  if (load_acquire(&slot.epoch) != epoch || load_acquire(&h->abort_epoch) == epoch) return PeerCallState::kAbandoned;
   return PeerCallState::kArrived;
 }
 

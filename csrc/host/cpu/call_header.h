@@ -9,10 +9,16 @@
 
 namespace gemm_ar::cpu {
 
-struct CallHeader {
-  uint32_t epoch;        // the call `signature` describes; stored last, with release order
-  uint32_t abort_epoch;  // the latest call this rank abandoned after an error
+// Two slots, by call parity: a peer that has read this rank's call e may already publish call e+1 while slower
+// ranks still read call e; it cannot reach call e+2 before every rank has published e+1 (so has finished e).
+struct CallHeaderSlot {
+  uint32_t epoch;  // the call `signature` describes; stored last, with release order
+  uint32_t unused;
   int64_t signature[kSignatureFields];
+};
+struct CallHeader {
+  CallHeaderSlot slots[2];
+  uint32_t abort_epoch;  // the latest call this rank abandoned after an error
 };
 
 enum class PeerCallState { kNotYet, kArrived, kAbandoned };
@@ -21,8 +27,7 @@ enum class PeerCallState { kNotYet, kArrived, kAbandoned };
 void publish_header(void* window, uint32_t epoch, const CallSignature& signature);
 // Tells peers that this rank gave up call `epoch`.
 void publish_abort(void* window, uint32_t epoch);
-// Where a peer stands with call `epoch`; fills `signature` when it has arrived. A peer whose header already names
-// a later call, or that abandoned this one, has abandoned it (it cannot finish a call without this rank).
+// Where a peer stands with call `epoch`; fills `signature` when it has arrived.
 PeerCallState read_header(const void* window, uint32_t epoch, CallSignature* signature);
 bool abandoned(const void* window, uint32_t epoch);
 
