@@ -1,7 +1,7 @@
 """The CPU fused engine against its own sequential mode, the GEMM alone and the torch baseline, on three shapes
 from communication-heavy to compute-heavy (fp32, 2 ranks by default), in the seed's terms.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_cpu_fused.py [--json out.json]
+    torchrun --nproc-per-node 2 benchmarks/bench_cpu_fused.py -- [--json out.json]
 
 The target: fused / compute-only <= 1.10 (the communication almost entirely hidden under the GEMM).
 """

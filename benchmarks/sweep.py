@@ -45,9 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on cpu, float16 on npu")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="timing budget per point after warm-up (default 1.0; quick 0.3)")
-    p.add_argument("--max-iters", type=int, default=None, help="timed iterations per point at most (default 30; "
-                                                                "quick 10)")
+                   help="timing budget per point after warm-up (default 2.0; quick 0.8)")
+    p.add_argument("--min-iters", type=int, default=5, help="timed iterations per point at least")
+    p.add_argument("--max-iters", type=int, default=None, help="timed iterations per point at most (default 40; "
+                                                                "quick 20)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference (saves time at large M)")
@@ -62,8 +63,9 @@ def parse_args(argv=None):
     args.m_list = int_list(args.m_list or (QUICK_MS if args.quick else FULL_MS))
     args.scale = args.scale or (8 if args.device == "cpu" else 1)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "float16")
-    args.budget_s = args.budget_s if args.budget_s is not None else (0.3 if args.quick else 1.0)
-    args.max_iters = args.max_iters or (10 if args.quick else 30)
+    args.budget_s = args.budget_s if args.budget_s is not None else (0.8 if args.quick else 2.0)
+    args.max_iters = args.max_iters or (20 if args.quick else 40)
+    args.min_iters = min(args.min_iters, args.max_iters)
     if min(args.m_list, default=0) < 1 or min(args.tp) < 1 or args.scale < 1:
         p.error("--m-list, --tp and --scale take positive integers")
     return args
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     try:
         keys = [k for k in available_row_keys(args.device, dtype) if k in SWEPT_ROWS]
         settings = Settings(seed=args.seed, warmup=args.warmup, iters=None, budget_s=args.budget_s,
-                            max_iters=args.max_iters, check=not args.no_check)
+                            min_iters=args.min_iters, max_iters=args.max_iters, check=not args.no_check)
         progress = Progress(len(sweep_layers) * len(args.m_list), enabled=env.rank == 0)
         points_by_layer = []
         for layer in sweep_layers:

@@ -37,6 +37,9 @@ def speedup_plot(path: str, title: str, layer_names: List[str], ms: List[int], p
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axhline(floor, color="red", linewidth=0.8, linestyle=":", label=f"{floor} x baseline")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ms)
+        ax.set_xticklabels([str(m) for m in ms], fontsize=7)
+        ax.minorticks_off()
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel("speedup over torch baseline")
@@ -44,8 +47,9 @@ def speedup_plot(path: str, title: str, layer_names: List[str], ms: List[int], p
     for ax in list(axes.flat)[len(layer_names):]:
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
     fig.suptitle(title, fontsize=10, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    top = 1 - 0.75 / fig.get_figheight()  # room for the title and, under it, the legend
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, top), ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
