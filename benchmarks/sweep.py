@@ -45,10 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on cpu, float16 on npu")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="timing budget per point after warm-up (default 2.0; quick 0.8)")
+                   help="timing budget per point after warm-up (default 2.0; quick 1.5)")
     p.add_argument("--min-iters", type=int, default=5, help="timed iterations per point at least")
     p.add_argument("--max-iters", type=int, default=None, help="timed iterations per point at most (default 40; "
-                                                                "quick 20)")
+                                                                "quick 30)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference (saves time at large M)")
@@ -63,8 +63,8 @@ def parse_args(argv=None):
     args.m_list = int_list(args.m_list or (QUICK_MS if args.quick else FULL_MS))
     args.scale = args.scale or (8 if args.device == "cpu" else 1)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "float16")
-    args.budget_s = args.budget_s if args.budget_s is not None else (0.8 if args.quick else 2.0)
-    args.max_iters = args.max_iters or (20 if args.quick else 40)
+    args.budget_s = args.budget_s if args.budget_s is not None else (1.5 if args.quick else 2.0)
+    args.max_iters = args.max_iters or (30 if args.quick else 40)
     args.min_iters = min(args.min_iters, args.max_iters)
     if min(args.m_list, default=0) < 1 or min(args.tp) < 1 or args.scale < 1:
         p.error("--m-list, --tp and --scale take positive integers")

@@ -3,6 +3,7 @@ synthetic data, and every script end to end on tiny odd shapes with real ranks (
 column checked; no timing assertions: this machine is shared)."""
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -163,6 +164,7 @@ def test_same_engine_sequential_row(with_mode):
 # --- the scripts end to end ------------------------------------------------------------------------------------------
 
 def run_script(script, *args, torchrun=True):
+    args = [*args, "--seed", str(random.randrange(1 << 30))]  # fresh inputs on every test run
     if torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
                    "--master-addr=127.0.0.1", f"--master-port={free_port()}", os.path.join(BENCH, script), "--",
