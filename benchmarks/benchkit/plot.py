@@ -40,6 +40,7 @@ def speedup_plot(path: str, title: str, layer_names: List[str], ms: List[int], p
         ax.set_xticks(ms)
         ax.set_xticklabels([str(m) for m in ms], fontsize=7)
         ax.minorticks_off()
+        ax.tick_params(labelbottom=True)  # also under panels whose column ends early
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel("speedup over torch baseline")

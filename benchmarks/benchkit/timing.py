@@ -42,6 +42,8 @@ def time_rows(env: DistEnv, rows: List[Row], n_sets: int, warmup: int, iters: Op
               budget_s: float = 0.0, min_iters: int = 3, max_iters: int = 50) -> Dict[str, List[float]]:
     """This rank's timed iterations per row key (seconds). With iters=None the count comes from budget_s."""
     rows = [r for r in rows if r.absent_reason is None]
+    if iters is None:
+        warmup = max(warmup, 1)  # the budget is split by the time of one warm-up round
     warm_start = time.perf_counter()
     for w in range(warmup):
         for row in rows:
