@@ -23,10 +23,6 @@ class Shape:
     dtype: torch.dtype
     bias: bool = False
 
-    def describe(self) -> str:
-        return f"M={self.m} K={self.k} N={self.n} {str(self.dtype).replace('torch.', '')}" + (
-            " +bias" if self.bias else "")
-
 
 @dataclass
 class Settings:
