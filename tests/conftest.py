@@ -17,6 +17,8 @@ class _Pools:
     def __call__(self, world: int) -> RankPool:
         pool = self._pools.get(world)
         if pool is None or pool.broken:
+            if pool is not None:
+                pool.close(force=True)
             pool = self._pools[world] = RankPool(world)
         return pool
 

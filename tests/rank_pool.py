@@ -81,7 +81,7 @@ class RankPool:
             self.procs.append(proc)
         self._collect("start-up", timeout_s)
 
-    def _collect(self, what, timeout_s):
+    def _collect(self, what, timeout_s, tolerate_deaths=False):
         import time
 
         deadline = time.monotonic() + timeout_s
@@ -93,8 +93,11 @@ class RankPool:
                 if conn.poll(0.02):
                     try:
                         status, value = conn.recv()
-                    except EOFError:
+                    except EOFError:  # the rank exited or was killed
+                        proc.join(timeout=5)
                         status, value = "error", f"rank {rank} closed its pipe (exit code {proc.exitcode})"
+                        if tolerate_deaths:
+                            status, value = "ok", None
                     pending.discard(rank)
                     if status == "error":
                         errors.append(f"--- rank {rank} ---\n{value}")
@@ -102,24 +105,29 @@ class RankPool:
                         results[rank] = value
                 elif not proc.is_alive():
                     pending.discard(rank)
-                    errors.append(f"--- rank {rank} died with exit code {proc.exitcode} ---")
+                    if not tolerate_deaths:
+                        errors.append(f"--- rank {rank} died with exit code {proc.exitcode} ---")
             if pending and time.monotonic() > deadline:
                 self.close(force=True)
                 raise RankFailure(
                     f"{what}: ranks {sorted(pending)} did not answer within {timeout_s:.0f}s\n" + "\n".join(errors)
                 )
+        if tolerate_deaths and any(not p.is_alive() for p in self.procs):
+            self.broken = True
         if errors:
             if any("died" in e or "closed its pipe" in e for e in errors):
                 self.close(force=True)
             raise RankFailure(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return results
 
-    def run(self, fn, *args, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
+    def run(self, fn, *args, timeout_s: float = DEFAULT_TIMEOUT_S, tolerate_deaths: bool = False, **kwargs):
+        """fn(rank, world, *args, **kwargs) on every rank; the list of their results. With tolerate_deaths, a rank
+        that dies (on purpose) gives None and the pool is retired afterwards."""
         if self.broken:
             raise RankFailure("this rank pool was torn down by an earlier failure")
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        return self._collect(getattr(fn, "__name__", "call"), timeout_s)
+        return self._collect(getattr(fn, "__name__", "call"), timeout_s, tolerate_deaths)
 
     def close(self, force: bool = False):
         self.broken = True

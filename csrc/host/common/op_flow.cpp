@@ -31,8 +31,11 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
   const std::string fused_reason = backend.fused_unavailable_reason(call, *group);
   Algorithm chosen = call.algorithm;
   if (call.error.empty() && chosen == Algorithm::Fused) {
-    TORCH_CHECK(fused_reason.empty(), "gemm_allreduce: algorithm='fused' is not available for this call: ",
-                fused_reason, " (use algorithm='auto', 'chunked' or 'sequential')");
+    if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
+      call.error_code = kFusedUnavailableError;
+      call.error = "gemm_allreduce: algorithm='fused' is not available for this call: " + fused_reason +
+                   " (use algorithm='auto', 'chunked' or 'sequential')";
+    }
   } else if (call.error.empty() && chosen == Algorithm::Auto) {
     chosen = backend.choose_auto(call, *group, fused_reason.empty());
   }

@@ -82,6 +82,7 @@ void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorith
   for (int r = 0; r < world; ++r)
     for (int64_t f = 0; f < kSignatureFields; ++f) all[r][f] = rows[r][f];
   std::string problem = diagnose_signatures(all, rank, call, group.getGroupName());
+  if (call.error_code == kFusedUnavailableError) TORCH_CHECK(problem.empty(), problem);
   TORCH_CHECK_VALUE(problem.empty(), problem);
 }
 

@@ -91,8 +91,12 @@ void CallJob::fail(const std::string& message, bool disagreement) {
     error_is_disagreement = disagreement;
   }
   abort.store(true, std::memory_order_release);
-  publish_abort(windows[rank], epoch);
-  for (int r = 0; r < world; ++r) ring_all(*this, r);
+  if (!disagreement) {  // peers reach a disagreement verdict on their own; anything else they must be told
+    publish_abort(windows[rank], epoch);
+    for (int r = 0; r < world; ++r) ring_all(*this, r);
+  } else {
+    ring_all(*this, rank);
+  }
 }
 
 std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& windows, const WindowSet& window_set,

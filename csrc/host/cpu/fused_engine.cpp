@@ -54,7 +54,8 @@ FusedEngine::FusedEngine(c10d::ProcessGroup& group)
   }
   if (!unavailable_.empty()) return;
   windows_ = std::make_unique<WindowSet>(std::move(store), rank_, world_, std::move(pids));
-  windows_->resize(kGrowthQuantum, wait_timeout(), [this] { windows_->check_peers_alive("while setting up windows"); });
+  // Only the control area until the first fused call says how much it needs.
+  windows_->resize(kControlBytes, /*round=*/0, wait_timeout(), [this] { windows_->check_peers_alive("while setting up windows"); });
 }
 
 std::string FusedEngine::unavailable_reason() const {
@@ -94,7 +95,7 @@ void FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   }
   publish_header(windows_->base(rank_), epoch_, signature_);
   ring_peers();
-  if (!call.error.empty()) raise(call.error + where(), true);
+  if (!call.error.empty()) raise(call.error + where(), call.error_code != kFusedUnavailableError);
   if (chosen == Algorithm::Fused && call.m > 0) return;
   std::vector<CallSignature> all;
   try {
@@ -109,33 +110,64 @@ void FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   if (!problem.empty()) raise(problem, true);
 }
 
-void FusedEngine::grow(size_t bytes) {
-  const size_t target = std::max(bytes, 2 * windows_->bytes());
-  const size_t rounded = (target + kGrowthQuantum - 1) / kGrowthQuantum * kGrowthQuantum;
-  // While waiting for peers to join the growth, watch their headers in the old windows: a peer that disagrees on
-  // this call (and so does not grow) or gave up must end the wait at once, not after the timeout.
+namespace {
+
+// Region sizes in bytes are what matters: express a call's needs as a one-row layout of bytes.
+LayoutParams byte_capacity(const LayoutParams& p) {
+  LayoutParams c = p;
+  c.pad_m = 1;
+  c.pad_n = std::max(p.pad_m * p.pad_n * p.elem_bytes, p.pad_m * p.pad_n * p.partial_elem_bytes);
+  c.elem_bytes = 1;
+  c.partial_elem_bytes = 1;
+  return c;
+}
+
+bool fits(const LayoutParams& call, const LayoutParams& capacity) {
+  const LayoutParams c = byte_capacity(call);
+  return c.pad_n <= capacity.pad_n && c.tiles <= capacity.tiles &&
+         c.max_owned_subtiles <= capacity.max_owned_subtiles && c.queue_capacity <= capacity.queue_capacity &&
+         c.world == capacity.world && c.compute_blocks == capacity.compute_blocks &&
+         c.comm_blocks == capacity.comm_blocks;
+}
+
+// The next capacity: at least the call's needs and the old capacity, with headroom so that slowly growing shapes
+// do not regrow every call. Deterministic, so every rank picks the same.
+LayoutParams grown_capacity(const LayoutParams& call, const LayoutParams& old) {
+  LayoutParams c = byte_capacity(call);
+  const bool same_blocks = old.compute_blocks == c.compute_blocks && old.comm_blocks == c.comm_blocks;
+  if (same_blocks && old.world == c.world) {
+    c.pad_n = std::max(c.pad_n, 2 * old.pad_n);
+    c.tiles = std::max(c.tiles, 2 * old.tiles);
+    c.max_owned_subtiles = std::max(c.max_owned_subtiles, 2 * old.max_owned_subtiles);
+    c.queue_capacity = std::max(c.queue_capacity, 2 * old.queue_capacity);
+  }
+  return c;
+}
+
+}  // namespace
+
+void FusedEngine::grow(const LayoutParams& need) {
+  const LayoutParams capacity = grown_capacity(need, capacity_);
+  const WindowLayout regions = make_window_layout(capacity);
+  const size_t bytes = static_cast<size_t>(kControlBytes + regions.total_bytes);
+  const size_t rounded = (bytes + kGrowthQuantum - 1) / kGrowthQuantum * kGrowthQuantum;
+  // Every rank has agreed on this call before growing (run() checked the headers), so all of them grow; while
+  // waiting, a peer that died or gave up ends the wait at once.
   const std::vector<uint8_t*> old = bases();
   auto poll = [&] {
     windows_->check_peers_alive("while growing the shared windows");
-    std::vector<CallSignature> all(world_);
     for (int r = 0; r < world_; ++r) {
-      if (r == rank_) {
-        all[r] = signature_;
-        continue;
-      }
-      switch (read_header(old[r], epoch_, &all[r])) {
-        case PeerCallState::kNotYet: all[r] = signature_; break;  // not known yet: no verdict on it
-        case PeerCallState::kArrived: break;
-        case PeerCallState::kAbandoned: raise("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " +
-                                                  std::to_string(epoch_) + " (see that rank's error)" + where(),
-                                              true);
+      if (r != rank_ && abandoned(old[r], epoch_)) {
+        raise("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch_) +
+                  " (see that rank's error)" + where(),
+              true);
       }
     }
-    CallArgs none;
-    const std::string problem = diagnose_signatures(all, rank_, none, group_name_);
-    if (!problem.empty()) raise(problem, true);
   };
-  windows_->resize(rounded, wait_timeout(), poll);
+  // Always fresh windows when the regions move: a slower peer may still read the old ones (its own mapping).
+  windows_->resize(rounded, epoch_, wait_timeout(), poll);
+  capacity_ = capacity;
+  regions_ = regions;
   publish_header(windows_->base(rank_), epoch_, signature_);  // the new windows start zeroed
   ring_peers();
 }
@@ -179,10 +211,23 @@ at::Tensor FusedEngine::run(const CallArgs& call) {
   job.out_dtype = call.dtype;
   job.partial_elem = c10::elementSize(job.partial_dtype);
   job.out_elem = c10::elementSize(job.out_dtype);
-  job.layout = make_window_layout(make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
-                                                     job.compute_blocks, job.comm_blocks));
-  const size_t need = static_cast<size_t>(kControlBytes + job.layout.total_bytes);
-  if (need > windows_->bytes()) {
+  const LayoutParams need = make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
+                                              job.compute_blocks, job.comm_blocks);
+  if (!fits(need, capacity_)) {
+    // Growing is collective, so agree on the call first (the comm blocks would check it only later): a rank
+    // whose arguments differ must not be waited for in a growth it will never join. Every rank reaches the same
+    // verdict from the same headers.
+    std::vector<CallSignature> all;
+    try {
+      all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
+                              doorbell(windows_->base(rank_), kMainDoorbell), nullptr);
+    } catch (const std::exception& e) {
+      publish_abort(windows_->base(rank_), epoch_);
+      ring_peers();
+      raise(e.what(), false);
+    }
+    const std::string problem = diagnose_signatures(all, rank_, call, group_name_);
+    if (!problem.empty()) raise(problem, true);
     try {
       grow(need);
     } catch (...) {
@@ -191,6 +236,7 @@ at::Tensor FusedEngine::run(const CallArgs& call) {
       throw;
     }
   }
+  job.layout = regions_;
   auto out = at::empty({call.m, call.n}, call.b.options());
   job.windows = bases();
   job.out = static_cast<uint8_t*>(out.data_ptr());

@@ -27,7 +27,8 @@ class FusedEngine {
   // "" when the fused path can run on this group; otherwise why not (ranks on several hosts, an earlier failure).
   std::string unavailable_reason() const;
   // Whether calls on this group agree through the window headers (otherwise through the process group).
-  bool has_windows() const { return windows_ != nullptr && poisoned_.empty(); }
+  // (Also after a failure: every rank must keep agreeing through the same channel.)
+  bool has_windows() const { return windows_ != nullptr; }
 
   // Starts the next call on this rank: publishes its signature; raises this rank's own argument error (peers read
   // it from the header). Unless a fused run follows (which checks the headers in its comm thread while the GEMM
@@ -37,7 +38,8 @@ class FusedEngine {
 
  private:
   FusedEngine(c10d::ProcessGroup& group);
-  void grow(size_t bytes);
+  // Grows the windows (collectively) so that the fixed region layout holds `need`.
+  void grow(const LayoutParams& need);
   void start_comm_threads(int64_t count);
   void comm_thread_main(int64_t c);
   std::vector<uint8_t*> bases() const;
@@ -50,6 +52,10 @@ class FusedEngine {
   std::string unavailable_, poisoned_;
   uint32_t epoch_ = 0;
   EngineConfig config_{};
+  // Region offsets stay fixed between growths, sized for the largest call so far: a call never writes where the
+  // previous call's data (still read by a slower peer) lay under another shape's layout.
+  LayoutParams capacity_{};
+  WindowLayout regions_{};
   CallSignature signature_{};
 
   std::mutex mutex_;

@@ -21,8 +21,9 @@ void WindowSet::check_peers_alive(const char* context) const {
   }
 }
 
-void WindowSet::resize(size_t bytes, std::chrono::milliseconds timeout, const std::function<void()>& poll) {
-  const std::string prefix = "gemm_ar/windows/" + std::to_string(generation_++);
+void WindowSet::resize(size_t bytes, uint64_t round, std::chrono::milliseconds timeout,
+                       const std::function<void()>& poll) {
+  const std::string prefix = "gemm_ar/windows/" + std::to_string(round);
   SharedSegment mine = SharedSegment::create(bytes, std::to_string(getpid()) + "-r" + std::to_string(rank_));
   std::vector<std::string> names;
   auto forget_all = [&] {

@@ -21,7 +21,9 @@ class WindowSet {
   // Collective: afterwards every rank has mapped a zero-filled window of `bytes` (the same on every rank) from
   // every rank, and no name is left in /dev/shm. `poll` runs while waiting for peers (it throws to give up early).
   // On failure the names this rank knows are unlinked and the previous windows stay in place.
-  void resize(size_t bytes, std::chrono::milliseconds timeout, const std::function<void()>& poll);
+  // `round` names this rendezvous in the store and must be the same on every rank and never reused (the call
+  // number): a rendezvous that failed on some ranks leaves keys that a later one must not read.
+  void resize(size_t bytes, uint64_t round, std::chrono::milliseconds timeout, const std::function<void()>& poll);
 
   uint8_t* base(int rank) const { return static_cast<uint8_t*>(windows_[rank].data()); }
   size_t bytes() const { return windows_.empty() ? 0 : windows_[0].size(); }
@@ -34,7 +36,6 @@ class WindowSet {
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_;
   std::vector<pid_t> pids_;
-  int64_t generation_ = 0;
   std::vector<SharedSegment> windows_;
 };
 
