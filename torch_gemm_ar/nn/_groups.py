@@ -22,6 +22,11 @@ def resolve_group(group: GroupLike, who: str) -> GroupInfo:
         )
     if group is None:
         group = dist.group.WORLD
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands to ranks outside the group
+        raise ValueError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given; pass "
+            "the tensor-parallel group this rank belongs to"
+        )
     elif isinstance(group, str):
         try:
             group = dist.distributed_c10d._resolve_process_group(group)

@@ -91,21 +91,21 @@ def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other
     if not isinstance(module, nn.Linear):
         kind = type(module).__name__
         return [f"it is a {kind}, not an nn.Linear (RowwiseParallel on {kind} is not a GEMM + all_reduce)"]
+    weight, bias = module.weight, module.bias
+    if is_dtensor(weight) and weight.device_mesh.ndim != 1:
+        return [f"its weight lives on a {weight.device_mesh.ndim}-D device mesh {tuple(weight.placements)}; only a "
+                "1-D tensor-parallel mesh is supported"]
+    if not is_dtensor(weight) or tuple(weight.placements) != (Shard(1),):
+        placements = tuple(weight.placements) if is_dtensor(weight) else "a plain tensor"
+        return [f"its weight is {placements}, not sharded along the input dimension (Shard(1)): not row-parallel"
+                + (" (ColwiseParallel shards the output dimension, Shard(0))" if placements == (Shard(0),) else "")]
     if layouts is None:
-        return ["its weight is a DTensor but RowwiseParallel's forward hooks are not on it (not row-parallel, or "
-                "parallelized by another style)"]
+        return ["its weight is a Shard(1) DTensor but RowwiseParallel's forward hooks are not on it (parallelized "
+                "by another style or by hand), so its input and output handling is unknown"]
     problems = []
     if other_hooks:
         problems.append("it has other hooks that a replacement would drop: " + ", ".join(other_hooks))
     mesh = layouts.mesh
-    if mesh.ndim != 1:
-        problems.append(f"its device mesh has {mesh.ndim} dimensions; only a 1-D tensor-parallel mesh is supported")
-        return problems
-    weight, bias = module.weight, module.bias
-    if not is_dtensor(weight) or tuple(weight.placements) != (Shard(1),):
-        placements = tuple(weight.placements) if is_dtensor(weight) else "a plain tensor"
-        problems.append(f"its weight is {placements}, not sharded along the input dimension (Shard(1)): "
-                        "not row-parallel")
     if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Replicate(),)):
         problems.append("its bias is not a Replicate() DTensor")
     if tuple(layouts.output_layouts) != (Replicate(),):
