@@ -118,15 +118,18 @@ def test_state_dict_matches_a_plain_sharded_linear(ranks, world):
     ranks(world).run(state_dict_interchange, random.randrange(1 << 30))
 
 
-def fresh_initialisation(rank, world):
+def fresh_initialisation(rank, world, seed):
+    torch.manual_seed(seed)  # the same seed on every rank, the usual setup
     layer = RowParallelLinear(40 * world, 9)
-    bound = 1.0 / (40 * world) ** 0.5  # nn.Linear's bound for the *full* fan-in
+    torch.manual_seed(seed)
+    full = nn.Linear(40 * world, 9)
+    # This rank's slice of the nn.Linear that the same seed gives, so the scale follows the full fan-in.
     assert layer.weight.shape == (9, 40)
-    assert layer.weight.abs().max() <= bound and layer.weight.abs().max() > bound / 2
-    assert torch.count_nonzero(layer.bias) == 0  # zero on every rank: a random bias would differ between ranks
+    assert torch.equal(layer.weight, full.weight.detach()[:, rank * 40:(rank + 1) * 40])
+    assert torch.count_nonzero(layer.bias) == 0  # zero on every rank: a random bias could differ between ranks
     return layer.weight.sum().item()
 
 
 def test_fresh_initialisation(ranks):
-    sums = ranks(2).run(fresh_initialisation)
+    sums = ranks(2).run(fresh_initialisation, random.randrange(1 << 30))
     assert sums[0] != sums[1], "ranks should hold different weight shards"

@@ -4,9 +4,11 @@ RowwiseParallel stores nothing on the module: `distribute_module` turns weight i
 a Replicate DTensor, and installs a forward pre-hook and a forward hook, lambdas over `functools.partial`s of
 `RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, ...)` and
 `RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, ...)` plus the device mesh. The layouts are
-read back from those closures. torch.distributed.tensor is imported lazily: it takes seconds to import.
+read back from those closures. torch.distributed.tensor takes seconds to import, so it is never imported here
+just to look: if the user has not imported it, no module can hold a DTensor or RowwiseParallel's hooks.
 """
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -52,17 +54,18 @@ def _rowwise_partial(hook, fn) -> Optional[Tuple[functools.partial, Any]]:
 def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], List[str]]:
     """(layouts, other_hooks): the layouts if RowwiseParallel's two hooks are on `module`, else None; other_hooks
     describes every forward hook that is not RowwiseParallel's (they would be lost by a replacement)."""
-    from torch.distributed.tensor.parallel import RowwiseParallel
-
+    style = sys.modules.get("torch.distributed.tensor.parallel.style")
+    input_fn = style.RowwiseParallel._prepare_input_fn if style is not None else None
+    output_fn = style.RowwiseParallel._prepare_output_fn if style is not None else None
     pre, post, others = None, None, []
     for hook in module._forward_pre_hooks.values():
-        found = _rowwise_partial(hook, RowwiseParallel._prepare_input_fn)
+        found = _rowwise_partial(hook, input_fn) if input_fn is not None else None
         if found is not None and pre is None:
             pre = found
         else:
             others.append(f"forward pre-hook {getattr(hook, '__qualname__', hook)!r}")
     for hook in module._forward_hooks.values():
-        found = _rowwise_partial(hook, RowwiseParallel._prepare_output_fn)
+        found = _rowwise_partial(hook, output_fn) if output_fn is not None else None
         if found is not None and post is None:
             post = found
         else:
@@ -76,11 +79,8 @@ def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], Lis
 
 
 def is_dtensor(t) -> bool:
-    if t is None:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    return dtensor_module is not None and isinstance(t, dtensor_module.DTensor)
 
 
 def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._ops import GroupLike, group_name_of
+from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
 from .dtensor_row_parallel import DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, rowwise_problems
 from .row_parallel_linear import RowParallelLinear, check_algorithm
@@ -68,9 +68,10 @@ def replace_row_parallel(
     candidates = _select(model, patterns)
     if not candidates:
         return []
-    group_name = None if group is None else group_name_of(group)
     plain = [c for c in candidates if not c.dtensor]
-    info = resolve_group(group, "replace_row_parallel") if plain else None
+    # Plain layers need the group (None: the default one); DTensor layers only check a group that was given.
+    info = resolve_group(group, "replace_row_parallel") if plain or group is not None else None
+    group_name = None if group is None else info.name
 
     for c in candidates:
         if c.dtensor:
@@ -131,9 +132,6 @@ def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candid
         names = names_of[i]
         if not any(_matches(n, patterns) for n in names) or isinstance(module, converted):
             continue
-        if "" in names:
-            raise ValueError("replace_row_parallel: a pattern matches the model itself; name its row-parallel "
-                             "submodules instead")
         has_dtensor = any(is_dtensor(p) for p in module.parameters()) or read_rowwise_hooks(module)[0] is not None
         candidates.append(_Candidate(names, module, dtensor=has_dtensor))
     return candidates

@@ -72,10 +72,17 @@ class RowParallelLinear(nn.Module):
         return self.in_features // self.world_size
 
     def reset_parameters(self) -> None:
-        # nn.Linear's distribution computed with the *full* fan-in, so the layer's output scale does not depend on
-        # the world size. The bias starts at zero (as in Megatron-LM): a random bias would differ between ranks.
-        bound = 1.0 / math.sqrt(self.in_features)
-        nn.init.uniform_(self.weight, -bound, bound)
+        """The weight is this rank's slice of a full `[out, in]` weight drawn exactly as nn.Linear draws it, from the
+        global RNG: with the same seed on every rank it equals `from_linear(nn.Linear(in, out))` under that seed,
+        whatever the world size, and the shards are never copies of each other (a per-shard draw would repeat
+        one block on every rank). The full weight exists only during this call. The bias starts at zero, as in
+        Megatron-LM: a random bias could differ between ranks, and the op adds each rank's own bias."""
+        if self.weight.device.type != "meta":
+            full = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5))  # nn.Linear.reset_parameters' weight draw
+            width = self.in_features_per_rank
+            with torch.no_grad():
+                self.weight.copy_(full[:, self.rank * width:(self.rank + 1) * width])
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
