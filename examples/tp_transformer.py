@@ -226,16 +226,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # The comparison script.
 # ---------------------------------------------------------------------------------------------------------------
-def _median_ms(fn, warmup: int, iters: int, group) -> float:
+def _median_ms(fns, warmup: int, iters: int, group) -> list:
+    """Median wall time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        dist.barrier(group)
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for fn, bucket in zip(fns, times):
+            dist.barrier(group)
+            start = time.perf_counter()
+            fn()
+            bucket.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(bucket) for bucket in times]
 
 
 def _max_difference(a: nn.Module, b: nn.Module) -> float:
@@ -289,10 +292,10 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
         F.mse_loss(model(x).float(), target.float()).backward()
         opt.step()
 
-    timing = {}
-    for label, model, opt in (("unfused", unfused, opt_unfused), ("converted", converted, opt_converted)):
-        timing[label] = (_median_ms(lambda: forward(model), args.warmup, args.iters, group),
-                         _median_ms(lambda: train_step(model, opt), args.warmup, args.iters, group))
+    pairs = ((unfused, opt_unfused), (converted, opt_converted))
+    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], args.warmup, args.iters, group)
+    step_ms = _median_ms([lambda m=m, o=o: train_step(m, o) for m, o in pairs], args.warmup, args.iters, group)
+    timing = {"unfused": (forward_ms[0], step_ms[0]), "converted": (forward_ms[1], step_ms[1])}
     return {"replaced": replaced, "forward_diff": forward_diff, "weight_diff": weight_diff, "timing": timing}
 
 
