@@ -75,7 +75,7 @@ def layer_misuse(rank, world):
     raises(lambda: RowParallelLinear(2 * world, 4, group=3), "group must be a ProcessGroup", exc=TypeError)
     raises(lambda: RowParallelLinear(2 * world, 4, group="no-such-group"), "no-such-group", exc=ValueError)
     layer = RowParallelLinear(2 * world, 4)
-    raises(lambda: layer(torch.randn(5, 2 * world)), "this rank's shard", f"= 2;", exc=ValueError)
+    raises(lambda: layer(torch.randn(5, 2 * world)), "this rank's shard", "= 2;", exc=ValueError)
     sub = dist.new_group([0, 1])
     if rank == 2:
         raises(lambda: RowParallelLinear(4, 4, group=sub), "is not a member of the group", exc=ValueError)
