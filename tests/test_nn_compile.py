@@ -20,13 +20,13 @@ import torch_gemm_ar  # noqa: E402
 from test_nn_block import CONFIG, check, tensor_parallel  # noqa: E402
 
 
-def compiled_block(rank, world, seed, style):
+def compiled_block(rank, world, seed, style, algorithm):
     torch._dynamo.reset()
     cfg = tp.BlockConfig(**CONFIG, bias=True)
     full = tp.make_block(cfg, seed)
     unfused, converted = tensor_parallel(style, full, world), tensor_parallel(style, full, world)
     patterns = None if style == "dtensor" else tp.ROW_PARALLEL_PATTERNS
-    torch_gemm_ar.nn.replace_row_parallel(converted, patterns=patterns, algorithm="chunked")
+    torch_gemm_ar.nn.replace_row_parallel(converted, patterns=patterns, algorithm=algorithm)
 
     graphs = []
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
@@ -58,6 +58,6 @@ def compiled_block(rank, world, seed, style):
     assert fused_calls == [2], f"gemm_allreduce calls per compiled graph: {fused_calls} (expected one graph, 2 calls)"
 
 
-@pytest.mark.parametrize("style", ["plain", "dtensor"])
-def test_compile_fullgraph_over_converted_block(ranks, style):
-    ranks(2).run(compiled_block, random.randrange(1 << 30), style, timeout_s=120)
+@pytest.mark.parametrize("style,algorithm", [("plain", "fused"), ("dtensor", "chunked")])
+def test_compile_fullgraph_over_converted_block(ranks, style, algorithm):
+    ranks(2).run(compiled_block, random.randrange(1 << 30), style, algorithm, timeout_s=120)

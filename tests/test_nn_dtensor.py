@@ -109,7 +109,8 @@ def refused(rank, world):
     assert convert(model, group=mesh.get_group()) == ["1"]
     assert convert(model) == [], "already converted: nothing left to do"
     # RowwiseParallel on an Embedding is a lookup, not a GEMM.
-    emb = parallelize_module(nn.Sequential(nn.Embedding(4 * world, 3)), mesh, {"0": RowwiseParallel(input_layouts=Replicate())})
+    emb = parallelize_module(nn.Sequential(nn.Embedding(4 * world, 3)), mesh,
+                             {"0": RowwiseParallel(input_layouts=Replicate())})
     raises(lambda: convert(emb), "Embedding", "not an nn.Linear", exc=ValueError)
     # A hook of the user's would be lost.
     model = model_with({"1": RowwiseParallel()})

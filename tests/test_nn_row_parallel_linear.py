@@ -67,7 +67,7 @@ def forward_backward_vs_full(rank, world, seed, dtype, algorithm, group_ranks=No
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "auto"])
+@pytest.mark.parametrize("algorithm", ["sequential", "chunked", "fused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_forward_backward_match_full_linear(ranks, world, algorithm, dtype):
     ranks(world).run(forward_backward_vs_full, random.randrange(1 << 30), dtype, algorithm)
