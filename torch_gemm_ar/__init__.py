@@ -9,6 +9,7 @@ from . import _C  # noqa: F401  (registers torch.ops.pto.gemm_allreduce)
 from . import _registrations  # noqa: F401  (fake kernel and autograd formula)
 from ._ops import ALGORITHMS, gemm_allreduce, group_name_of
 from .engine_mode import fused_engine_mode
+from . import nn
 
-__all__ = ["ALGORITHMS", "fused_engine_mode", "gemm_allreduce", "group_name_of"]
+__all__ = ["ALGORITHMS", "fused_engine_mode", "gemm_allreduce", "group_name_of", "nn"]
 __version__ = "0.1.0"
