@@ -86,7 +86,7 @@ def _unit_roundoff(dtype, bf16_native):
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
-    clobber_after. Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
+    clobber_after, late_rank, late_us. Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     rng = np.random.default_rng(seed)
     job_dir = str(tmp_path)
     lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed}", f"calls {len(calls)}"]
@@ -118,7 +118,8 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
             magnitude = magnitude + np.abs(bias.astype(np.float64))
         epoch = spec.get("epoch", c + 1)
         lines.append(f"{m} {n} {k} {spec['b_layout']} {int(bias is not None)} {lda} {ldb} {ldo} {epoch} "
-                     f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', False))}")
+                     f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', False))} "
+                     f"{spec.get('late_rank', -1)} {spec.get('late_us', 0)}")
         cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -173,9 +174,11 @@ def test_world2_fp16_back_to_back_odd_shapes_and_clobbered_windows(simulator, tm
         _check_call(simulator, FP16, 2, case, results, c)
 
 
-def test_world3_bf16_more_comm_blocks_than_queues(simulator, tmp_path):
+def test_world3_bf16_more_comm_blocks_than_queues_and_a_late_peer(simulator, tmp_path):
+    # In call 0 rank 1's comm kernel starts 0.4 s after everyone's compute: the others must not add into its
+    # subtiles before it has zeroed them for this call.
     calls = [
-        dict(m=150, n=270, k=100, b_layout=B_TRANSPOSED, bias=True, epoch=7),
+        dict(m=150, n=270, k=100, b_layout=B_TRANSPOSED, bias=True, epoch=7, late_rank=1, late_us=400_000),
         dict(m=300, n=100, k=260, b_layout=B_ROW_MAJOR, bias=False, lda_pad=1, epoch=8),
         dict(m=70, n=520, k=90, b_layout=B_TRANSPOSED, bias=True, ldo_pad=1, epoch=9),
     ]

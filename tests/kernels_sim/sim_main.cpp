@@ -9,9 +9,11 @@
 //                           and rank: call rank code peer item block (code 0 = success)
 //
 // job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
-//          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after".
+//          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
-// c<call>_bias.bin (n float32). skip_rank >= 0 leaves that rank out of the call (a dead peer).
+// c<call>_bias.bin (n float32). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
+// starts that rank's comm kernel late_us after its compute kernel (a late peer: the others compute and want to
+// add into its subtiles before it has zeroed them).
 #include <pto/pto-inst.hpp>
 
 #include <barrier>
@@ -41,6 +43,8 @@ struct CallSpec {
   uint32_t epoch;
   int skip_rank;
   int clobber_after;
+  int late_rank;
+  int64_t late_us;
 };
 
 struct Job {
@@ -94,7 +98,7 @@ Job read_job(const std::string& dir) {
   for (int c = 0; c < calls; ++c) {
     CallSpec s{};
     f >> s.m >> s.n >> s.k >> s.b_layout >> s.has_bias >> s.lda >> s.ldb >> s.ldo >> s.epoch >> s.skip_rank >>
-        s.clobber_after;
+        s.clobber_after >> s.late_rank >> s.late_us;
     job.calls.push_back(s);
   }
   if (!f) {
@@ -210,12 +214,13 @@ int run(const std::string& dir) {
           a.window_bytes = window_alloc - job.window_offset;
           a.scratch = scratch[r]->addr();
           a.error = records[r]->addr();
-          // Either kernel may start first, as with two streams.
-          const int order = static_cast<int>(jitter() % 2);
+          // Either kernel may start first, as with two streams; a late rank's comm kernel starts much later.
+          const bool late = s.late_rank == r;
+          const int order = late ? 0 : static_cast<int>(jitter() % 2);
           std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
           std::vector<std::thread> first = order == 0 ? launch(GemmComputeKernel, job.compute_blocks, &a)
                                                       : launch(GemmCommKernel, job.comm_blocks, &a);
-          std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
+          std::this_thread::sleep_for(std::chrono::microseconds(late ? s.late_us : jitter() % 2000));
           std::vector<std::thread> second = order == 0 ? launch(GemmCommKernel, job.comm_blocks, &a)
                                                        : launch(GemmComputeKernel, job.compute_blocks, &a);
           for (auto& t : first) t.join();
