@@ -175,10 +175,10 @@ def test_world2_fp16_back_to_back_odd_shapes_and_clobbered_windows(simulator, tm
 
 
 def test_world3_bf16_more_comm_blocks_than_queues_and_a_late_peer(simulator, tmp_path):
-    # In call 0 rank 1's comm kernel starts 0.4 s after everyone's compute: the others must not add into its
-    # subtiles before it has zeroed them for this call.
+    # In call 0 rank 1's comm kernel starts only after every other rank has computed all its tiles (+50 ms): they
+    # must not add into rank 1's subtiles before rank 1 has zeroed them for this call.
     calls = [
-        dict(m=150, n=270, k=100, b_layout=B_TRANSPOSED, bias=True, epoch=7, late_rank=1, late_us=400_000),
+        dict(m=150, n=270, k=100, b_layout=B_TRANSPOSED, bias=True, epoch=7, late_rank=1, late_us=50_000),
         dict(m=300, n=100, k=260, b_layout=B_ROW_MAJOR, bias=False, lda_pad=1, epoch=8),
         dict(m=70, n=520, k=90, b_layout=B_TRANSPOSED, bias=True, ldo_pad=1, epoch=9),
     ]

@@ -12,10 +12,11 @@
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
 // c<call>_bias.bin (n float32). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
-// starts that rank's comm kernel late_us after its compute kernel (a late peer: the others compute and want to
-// add into its subtiles before it has zeroed them).
+// starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
+// (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them).
 #include <pto/pto-inst.hpp>
 
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cstdint>
@@ -194,6 +195,8 @@ int run(const std::string& dir) {
   }
 
   std::vector<std::vector<gemm_ar::KernelArgs>> args(calls, std::vector<gemm_ar::KernelArgs>(world));
+  std::vector<std::atomic<int>> computed(calls);  // compute kernels finished, per call
+  for (auto& n : computed) n.store(0);
   std::barrier meet(world);
   std::vector<std::thread> ranks;
   for (int r = 0; r < world; ++r) {
@@ -214,17 +217,33 @@ int run(const std::string& dir) {
           a.window_bytes = window_alloc - job.window_offset;
           a.scratch = scratch[r]->addr();
           a.error = records[r]->addr();
-          // Either kernel may start first, as with two streams; a late rank's comm kernel starts much later.
-          const bool late = s.late_rank == r;
-          const int order = late ? 0 : static_cast<int>(jitter() % 2);
-          std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
-          std::vector<std::thread> first = order == 0 ? launch(GemmComputeKernel, job.compute_blocks, &a)
-                                                      : launch(GemmCommKernel, job.comm_blocks, &a);
-          std::this_thread::sleep_for(std::chrono::microseconds(late ? s.late_us : jitter() % 2000));
-          std::vector<std::thread> second = order == 0 ? launch(GemmCommKernel, job.comm_blocks, &a)
-                                                       : launch(GemmComputeKernel, job.compute_blocks, &a);
-          for (auto& t : first) t.join();
-          for (auto& t : second) t.join();
+          if (s.late_rank == r) {
+            std::vector<std::thread> compute = launch(GemmComputeKernel, job.compute_blocks, &a);
+            const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
+            while (computed[c].load() < others) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            std::this_thread::sleep_for(std::chrono::microseconds(s.late_us));
+            std::vector<std::thread> comm = launch(GemmCommKernel, job.comm_blocks, &a);
+            for (auto& t : compute) t.join();
+            for (auto& t : comm) t.join();
+          } else {
+            // Either kernel may start first, as with two streams.
+            const int order = static_cast<int>(jitter() % 2);
+            std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
+            std::vector<std::thread> first = order == 0 ? launch(GemmComputeKernel, job.compute_blocks, &a)
+                                                        : launch(GemmCommKernel, job.comm_blocks, &a);
+            std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
+            std::vector<std::thread> second = order == 0 ? launch(GemmCommKernel, job.comm_blocks, &a)
+                                                         : launch(GemmComputeKernel, job.compute_blocks, &a);
+            std::vector<std::thread>& compute = order == 0 ? first : second;
+            for (auto& t : compute) t.join();
+            computed[c].fetch_add(1);
+            for (auto& t : first) {
+              if (t.joinable()) t.join();
+            }
+            for (auto& t : second) {
+              if (t.joinable()) t.join();
+            }
+          }
         }
         if (s.clobber_after) {
           meet.arrive_and_wait();
