@@ -42,10 +42,15 @@ def simulator():
     tmp = tempfile.mkdtemp(prefix="gemm_ar_sim_")
     try:
         cxx = os.environ.get("CXX", "g++")
+        # design.md §8 flags; pto-isa as a system include directory (patched copy first) so that its own warnings
+        # do not drown ours. PTO_CPU_MAX_THREADS=1: every block is already a thread, no nested pools.
         flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
-                 "-Wno-unused-parameter", "-include", "stdint.h", "-include", "stddef.h", "-include",
-                 "pto/pto-inst.hpp", "-I" + _patched_include_dir(tmp), "-I" + os.path.join(PTO_ISA_ROOT, "include"),
+                 "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
+                 "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
                  "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels")]
+        # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
+        extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
+        flags += extra
         sources = [os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
                    os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
                    os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")]
@@ -55,7 +60,7 @@ def simulator():
             subprocess.run([cxx] + flags + ["-c", src, "-o", obj], check=True)
             objects.append(obj)
         binary = os.path.join(tmp, "gemm_ar_sim")
-        subprocess.run([cxx] + objects + ["-o", binary, "-pthread"], check=True)
+        subprocess.run([cxx] + objects + ["-o", binary, "-pthread"] + extra, check=True)
         info = subprocess.run([binary, "info"], check=True, capture_output=True, text=True).stdout.split()
         yield {"binary": binary, "bf16_native": info == ["bf16_native", "1"]}
     finally:

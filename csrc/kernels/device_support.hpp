@@ -20,7 +20,6 @@ namespace device {
 using GmBytes = __gm__ uint8_t*;
 
 constexpr uint32_t kDefaultWaitTimeoutUs = 30u * 1000u * 1000u;  // used when KernelArgs::wait_timeout_us == 0
-constexpr int64_t kMaxComputeBlocks = 64;                          // sizes the per-comm-block queue cursors
 constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 system counter runs at 50 MHz
 
 static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied as 64-bit words");
@@ -149,7 +148,8 @@ __aicore__ inline bool kernel_args_usable(const KernelArgs& args, int64_t launch
   if (args.magic != kKernelArgsMagic || dtype_bytes(args.dtype) == 0) return false;
   if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
   if (args.world < 1 || args.world > kMaxWorld || args.rank < 0 || args.rank >= args.world) return false;
-  if (args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks || args.comm_blocks < 1) return false;
+  if (args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks) return false;
+  if (args.comm_blocks < 1 || args.comm_blocks > kMaxCommBlocks) return false;
   if (launched_blocks != expected_blocks) return false;
   if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK ||
       p.k_step != kNpuBaseK * kNpuKSlices || p.sub_m != kNpuSubM || p.stripes != kNpuBaseM / kNpuSubM) {
@@ -161,6 +161,21 @@ __aicore__ inline bool kernel_args_usable(const KernelArgs& args, int64_t launch
   if (args.ldb < (args.b_layout == kBTransposed ? p.k : p.n)) return false;
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0 || args.comm_ctx == 0) return false;
   if (args.layout.window_bytes > static_cast<int64_t>(args.window_bytes)) return false;
+  // The plan and layout must be exactly what the shared functions give for these sizes and counts.
+  TilePlan plan{};
+  if (!make_tile_plan(&plan, p.m, p.n, p.k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)) return false;
+  const int64_t* want = reinterpret_cast<const int64_t*>(&plan);
+  const int64_t* got = reinterpret_cast<const int64_t*>(&p);
+  for (uint64_t i = 0; i < sizeof(TilePlan) / sizeof(int64_t); ++i) {
+    if (want[i] != got[i]) return false;
+  }
+  const KernelLayout layout =
+      make_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks);
+  const int64_t* want_l = reinterpret_cast<const int64_t*>(&layout);
+  const int64_t* got_l = reinterpret_cast<const int64_t*>(&args.layout);
+  for (uint64_t i = 0; i < sizeof(KernelLayout) / sizeof(int64_t); ++i) {
+    if (want_l[i] != got_l[i]) return false;
+  }
   return true;
 }
 

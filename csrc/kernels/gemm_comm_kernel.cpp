@@ -14,6 +14,9 @@
 //     copies the subtile from its own window to `out`. A 64-item window of the list is polled so out-of-order
 //     readiness does not stall it, and every rank's block c walks the same list, so the earliest unfinished item
 //     anywhere can always finish: no cycle of waits.
+//  4. before leaving, it waits to have seen prepared[owner][c] of every owner, even those it did not need, so no
+//     write of this call is still on its way into this rank's window when the next call (maybe another layout)
+//     starts; every other flag addressed to this rank is waited for anyway.
 // Every wait is bounded: no progress for wait_timeout_us, or another block's failure, ends the kernel with the
 // reason in the ErrorRecord. Flags are exact-tag, per (subtile, source) / per (owner, block) / per subtile, so
 // nothing is reset between calls and shapes may vary (see kernel_args.hpp).
@@ -132,7 +135,7 @@ class CommBlock {
     release_fence();
     for (int32_t i = 0; i < world_; ++i) {
       const int32_t peer = (me_ + 1 + i) % world_;
-      store_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, me_, c_, args_.comm_blocks)), tag_);
+      store_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_);
     }
   }
 
@@ -140,7 +143,8 @@ class CommBlock {
     bool rs_done = queues_.done();
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    while (!rs_done || list_base_ < list_len_) {
+    int32_t announced = 0;  // owners whose prepared[owner][c] flag I have seen
+    while (!rs_done || list_base_ < list_len_ || announced < world_) {
       bool progress = false;
       if (!rs_done) {
         const int64_t t = queues_.poll(args_, tag_);
@@ -155,6 +159,13 @@ class CommBlock {
         }
       }
       if (list_base_ < list_len_ && scan_list()) progress = true;
+      // Before leaving the call, see every owner's "prepared" flag of my column, even those I never needed: then no
+      // write of this call into my window is still in flight when the next call - whose layout may put data where
+      // these flags were - starts. Every other remote write of the call is already waited for.
+      while (announced < world_ && load_flag(prepared_flag(announced, c_)) == tag_) {
+        ++announced;
+        progress = true;
+      }
       if (progress) {
         last_progress = now_us();
         continue;
@@ -187,10 +198,15 @@ class CommBlock {
     return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
   }
 
+  // The flag in my window by which owner `owner`'s comm block `block` announces its zeroed subtiles.
+  __aicore__ inline __gm__ uint32_t* prepared_flag(int32_t owner, int64_t block) const {
+    return win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, block, world_));
+  }
+
   // Bounded wait for owner `owner` to have zeroed subtile l's block of its reduced buffer in this call.
   __aicore__ inline bool wait_prepared(int32_t owner, int64_t l) {
     const int64_t block = ag_block_of(l, args_.comm_blocks);
-    __gm__ uint32_t* flag = win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, owner, block, args_.comm_blocks));
+    __gm__ uint32_t* flag = prepared_flag(owner, block);
     const uint64_t start = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
     while (load_flag(flag) != tag_) {
@@ -322,8 +338,7 @@ class CommBlock {
     const int32_t block = static_cast<int32_t>(c_);
     for (int32_t o = 0; o < world_; ++o) {
       for (int64_t cb = 0; cb < args_.comm_blocks; ++cb) {
-        __gm__ uint32_t* flag = win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, o, cb, args_.comm_blocks));
-        if (load_flag(flag) != tag_) {
+        if (load_flag(prepared_flag(o, cb)) != tag_) {
           report_error(args_, kErrTimeoutPrepare, o, cb, block, 1);
           return;
         }
