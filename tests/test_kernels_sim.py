@@ -220,3 +220,23 @@ def test_dead_peer_turns_into_an_error_naming_it(simulator, tmp_path):
         res = results[(1, r)]
         assert res["code"] == ERR_TIMEOUT_PREPARE, f"rank {r}: expected a timeout waiting for rank 2, got {res}"
         assert res["peer"] == 2, f"rank {r}: the error should name rank 2, got {res}"
+
+
+def test_stress_many_back_to_back_calls_with_random_shapes(simulator, tmp_path):
+    # Fresh inputs and a new random shape every call (1x1x1 included), no barrier between calls; every fourth call
+    # is followed by an "HCCL collective" that overwrites windows and scratch.
+    rng = np.random.default_rng(2024)
+    calls = [dict(m=1, n=1, k=1, b_layout=B_ROW_MAJOR, bias=True)]
+    for _ in range(13):
+        calls.append(dict(m=int(rng.integers(1, 300)), n=int(rng.integers(1, 600)), k=int(rng.integers(1, 300)),
+                          b_layout=int(rng.integers(0, 2)), bias=bool(rng.integers(0, 2)),
+                          lda_pad=int(rng.integers(0, 4)), ldb_pad=int(rng.integers(0, 4)),
+                          ldo_pad=int(rng.integers(0, 4))))
+    first_epoch = int(rng.integers(0, 2 ** 32))
+    for c, spec in enumerate(calls):
+        spec["epoch"] = (first_epoch + c) % 2 ** 32
+        spec["clobber_after"] = c % 4 == 3
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=3, comm_blocks=2,
+                              calls=calls, seed=99)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 3, case, results, c)

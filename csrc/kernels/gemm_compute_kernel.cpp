@@ -89,7 +89,6 @@ struct CubeTiles {
   using Acc = pto::TileAcc<float, kBaseM, kBaseN, kBaseM, kBaseN>;
 
   using BiasRow = pto::Tile<TileType::Mat, float, 1, kBaseN, BLayout::RowMajor, 1, kBaseN>;
-  using BiasRowLoad = pto::Tile<TileType::Mat, float, 1, kBaseN, BLayout::RowMajor, 1, DYNAMIC>;
   using BiasTable = pto::Tile<TileType::Bias, float, 1, kBaseN, BLayout::RowMajor, 1, kBaseN>;
 };
 
@@ -121,7 +120,7 @@ class TileComputer {
     const int64_t cols = tile_cols(p, ni);
     const int64_t slices = ceil_div(p.k, p.base_k);
 
-    if (add_bias) load_bias(col0, cols);
+    if (add_bias) load_bias(col0);
 
     // Both L1 panel buffers and both L0 buffers start free.
     set_flag(PIPE_MTE1, PIPE_MTE2, EVENT_ID0);
@@ -176,13 +175,12 @@ class TileComputer {
   }
 
  private:
-  // bias[col0, col0 + cols) (fp32) into the bias table; done before the first slice's extracts, so the MTE1 ->
-  // M flag of slice 0 also orders the TMOV before TMATMUL_BIAS.
-  __aicore__ inline void load_bias(int64_t col0, int64_t cols) {
-    typename Tiles::BiasRowLoad load(static_cast<unsigned>(cols));
-    TASSIGN(load, kL1Bias);
-    auto src = nd_view<float>(gm_at<float>(args_.bias, 0) + col0, 1, cols, cols);
-    TLOAD(load, src);
+  // bias[col0, col0 + base_n) (fp32; the host pads the vector to pad_n, so no tail: GM -> L1 copies move whole
+  // 32-byte blocks) into the bias table. Issued before the first slice's extracts, so the MTE1 -> M flag of slice
+  // 0 also orders the TMOV before TMATMUL_BIAS.
+  __aicore__ inline void load_bias(int64_t col0) {
+    auto src = nd_view<float>(gm_at<float>(args_.bias, 0) + col0, 1, kBaseN, kBaseN);
+    TLOAD(bias_row_, src);
     set_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
     wait_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
     TMOV(bias_table_, bias_row_);
@@ -195,7 +193,9 @@ class TileComputer {
     const uint32_t a_addr = buf == 0 ? kL1A0 : kL1A1;
     const uint32_t b_addr = buf == 0 ? kL1B0 : kL1B1;
     if (rows < kBaseM || cols < kBaseN || kv < kStepK) {
-      // Zero the whole panels first (same MTE2 queue as the loads below, fenced to be safe: edge tiles only).
+      // Zero the whole panels first. Fenced on both sides (edge tiles only): the fill must not overtake the
+      // extracts still reading this buffer, nor the loads below overtake the fill, whatever pipe it runs on.
+      pipe_barrier(PIPE_ALL);
       TEXPANDS(a_panel_[buf], static_cast<T>(0));
       TEXPANDS(b_panel_[buf], static_cast<T>(0));
       pipe_barrier(PIPE_ALL);

@@ -127,8 +127,9 @@ struct KernelArgs {
 
   uint64_t a;              // [M, K], a[m * lda + k]
   uint64_t b;              // see b_layout
-  uint64_t bias;           // [N] contiguous FLOAT32 (the host converts), or 0: added once, by rank bias_rank, in
-                           // the cube's fp32 accumulator (A2/A3's bias table takes fp32, not bf16)
+  uint64_t bias;           // FLOAT32 [plan.pad_n], zero past N (the host converts and pads), or 0: added once, by
+                           // rank bias_rank, in the cube's fp32 accumulator (A2/A3's bias table takes fp32, not
+                           // bf16; padding lets every tile load whole 32-byte blocks)
   uint64_t out;            // [M, N], out[m * ldo + n]: the result, written by the comm kernel on every rank
   int64_t lda, ldb, ldo;   // row strides in elements
 
