@@ -26,7 +26,7 @@ static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied 
 
 // AICore keeps a data cache in front of GM for scalar accesses; drop the lines of [p, p + bytes) so the next
 // scalar reads see what DMA or other cores wrote.
-__aicore__ inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
+AICORE inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
   const uint64_t line = static_cast<uint64_t>(kCacheLine);
   const uint64_t first = reinterpret_cast<uint64_t>(p) / line * line;
   const uint64_t end = reinterpret_cast<uint64_t>(p) + static_cast<uint64_t>(bytes);
@@ -36,7 +36,7 @@ __aicore__ inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
 }
 
 // The host's KernelArgs copy, read word by word (kernel parameters can only be pointers and scalars).
-__aicore__ inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
+AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   invalidate_lines(src, static_cast<int64_t>(sizeof(KernelArgs)));
   const __gm__ uint64_t* from = reinterpret_cast<const __gm__ uint64_t*>(src);
   uint64_t* to = reinterpret_cast<uint64_t*>(dst);
@@ -45,7 +45,7 @@ __aicore__ inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   }
 }
 
-__aicore__ inline uint64_t now_us() {
+AICORE inline uint64_t now_us() {
 #if defined(__CPU_SIM)
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())
@@ -57,7 +57,7 @@ __aicore__ inline uint64_t now_us() {
 
 // Called when a polling pass found nothing to do: keeps pollers from hammering GM (device) or from starving the
 // simulated cores that do the work (simulator: every block is a thread on a small machine).
-__aicore__ inline void idle_pause() {
+AICORE inline void idle_pause() {
 #if defined(__CPU_SIM)
   std::this_thread::sleep_for(std::chrono::microseconds(20));
 #else
@@ -69,7 +69,7 @@ __aicore__ inline void idle_pause() {
 
 // Make every earlier store of this core (DMA pipes included) visible in GM before what follows: the release
 // half of "payload before flag".
-__aicore__ inline void release_fence() {
+AICORE inline void release_fence() {
   pipe_barrier(PIPE_ALL);
   dsb(DSB_DDR);
 #if defined(__CPU_SIM)
@@ -78,7 +78,7 @@ __aicore__ inline void release_fence() {
 }
 
 // After a flag was seen: no later load (DMA included) may run ahead of it.
-__aicore__ inline void acquire_fence() {
+AICORE inline void acquire_fence() {
 #if defined(__CPU_SIM)
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
 #endif
@@ -88,7 +88,7 @@ __aicore__ inline void acquire_fence() {
 
 // One 32-bit flag (local or in a peer's window). The line is invalidated first so a stale cached copy can never
 // be written back over it, and flushed after so the value leaves this core now.
-__aicore__ inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
+AICORE inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
 #if defined(__CPU_SIM)
   __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 #else
@@ -100,7 +100,7 @@ __aicore__ inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
 #endif
 }
 
-__aicore__ inline uint32_t load_flag(__gm__ uint32_t* flag) {
+AICORE inline uint32_t load_flag(__gm__ uint32_t* flag) {
 #if defined(__CPU_SIM)
   return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
 #else
@@ -111,13 +111,13 @@ __aicore__ inline uint32_t load_flag(__gm__ uint32_t* flag) {
 }
 
 template <typename T>
-__aicore__ inline __gm__ T* gm_at(uint64_t base, int64_t byte_offset) {
+AICORE inline __gm__ T* gm_at(uint64_t base, int64_t byte_offset) {
   return reinterpret_cast<__gm__ T*>(base + static_cast<uint64_t>(byte_offset));
 }
 
 // Records why this rank gave up on the call, then tells its other blocks to stop. The record is tagged with the
 // call's signal tag, written last, so the host can tell a fresh record from an old one without ever clearing it.
-__aicore__ inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,
+AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,
                                     int32_t stage) {
   if (args.error == 0) return;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
@@ -135,7 +135,7 @@ __aicore__ inline void report_error(const KernelArgs& args, int32_t code, int32_
   store_flag(&rec->abort_tag, tag);
 }
 
-__aicore__ inline bool aborted(const KernelArgs& args) {
+AICORE inline bool aborted(const KernelArgs& args) {
   if (args.error == 0) return false;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
   return load_flag(&rec->abort_tag) == signal_tag(args.epoch);
@@ -143,7 +143,7 @@ __aicore__ inline bool aborted(const KernelArgs& args) {
 
 // What both kernels check before touching memory. Identical on every rank for the same call, so either all ranks
 // run or all stop (the comm kernel reports kErrBadArgs; the compute kernel just returns).
-__aicore__ inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
   const TilePlan& p = args.plan;
   if (args.magic != kKernelArgsMagic || dtype_bytes(args.dtype) == 0) return false;
   if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;

@@ -57,7 +57,7 @@ template <typename T>
 using GmRows = pto::GlobalTensor<T, GmShape, GmStride, pto::Layout::ND>;
 
 template <typename T>
-__aicore__ inline GmRows<T> rows_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+AICORE inline GmRows<T> rows_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
   return GmRows<T>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
 }
 
@@ -75,7 +75,7 @@ struct SubtileSpan {
   int64_t tile, stripe, row0, col0, rows, cols;
 };
 
-__aicore__ inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t stripe) {
+AICORE inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t stripe) {
   SubtileSpan s;
   const int64_t mi = tile_row(p, t);
   const int64_t ni = tile_col(p, t);
@@ -91,10 +91,10 @@ __aicore__ inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t
 template <typename T>
 class CommBlock {
  public:
-  __aicore__ inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
+  AICORE inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
 
   // False (error already recorded) when the device context does not match the arguments.
-  __aicore__ inline bool init() {
+  AICORE inline bool init() {
     if (!win_.init(args_)) {
       report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
       return false;
@@ -115,7 +115,7 @@ class CommBlock {
     return true;
   }
 
-  __aicore__ inline void prepare() {
+  AICORE inline void prepare() {
     SubTile<T> zeros(kSubM, kBaseN);
     TASSIGN(zeros, kUbZeros);
     TEXPANDS(zeros, static_cast<T>(0));
@@ -139,7 +139,7 @@ class CommBlock {
     }
   }
 
-  __aicore__ inline void run() {
+  AICORE inline void run() {
     bool rs_done = queues_.done();
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
@@ -181,30 +181,30 @@ class CommBlock {
   }
 
  private:
-  __aicore__ inline SubtileSpan span_of(int64_t l, int32_t owner) const {
+  AICORE inline SubtileSpan span_of(int64_t l, int32_t owner) const {
     const TilePlan& p = args_.plan;
     return subtile_span(p, subtile_tile(l, owner, world_, p.stripes), subtile_stripe(l, p.stripes));
   }
 
-  __aicore__ inline __gm__ T* reduced(int32_t rank, const SubtileSpan& s) const {
+  AICORE inline __gm__ T* reduced(int32_t rank, const SubtileSpan& s) const {
     return win_.at<T>(rank, args_.layout.reduced_offset) + s.row0 * args_.plan.pad_n + s.col0;
   }
 
-  __aicore__ inline __gm__ uint32_t* arrival_flag(int32_t rank, const SubtileSpan& s) const {
+  AICORE inline __gm__ uint32_t* arrival_flag(int32_t rank, const SubtileSpan& s) const {
     return win_.at<uint32_t>(rank, arrival_flag_offset(args_.layout, s.tile, s.stripe, args_.plan.stripes));
   }
 
-  __aicore__ inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
+  AICORE inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
     return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
   }
 
   // The flag in my window by which owner `owner`'s comm block `block` announces its zeroed subtiles.
-  __aicore__ inline __gm__ uint32_t* prepared_flag(int32_t owner, int64_t block) const {
+  AICORE inline __gm__ uint32_t* prepared_flag(int32_t owner, int64_t block) const {
     return win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, block, world_));
   }
 
   // Bounded wait for owner `owner` to have zeroed subtile l's block of its reduced buffer in this call.
-  __aicore__ inline bool wait_prepared(int32_t owner, int64_t l) {
+  AICORE inline bool wait_prepared(int32_t owner, int64_t l) {
     const int64_t block = ag_block_of(l, args_.comm_blocks);
     __gm__ uint32_t* flag = prepared_flag(owner, block);
     const uint64_t start = now_us();
@@ -222,7 +222,7 @@ class CommBlock {
   }
 
   // Every stripe of tile t from the partial buffer into the owner's reduced buffer by atomic add.
-  __aicore__ inline bool reduce_scatter_tile(int64_t t) {
+  AICORE inline bool reduce_scatter_tile(int64_t t) {
     const TilePlan& p = args_.plan;
     const int32_t owner = static_cast<int32_t>(owner_of(t, world_));
     __gm__ T* partial = gm_at<T>(args_.scratch, args_.layout.partial_offset);
@@ -248,7 +248,7 @@ class CommBlock {
   }
 
   // Item i of the gather list: (j = i / world, owner = i % world). True once it is finished (or is empty).
-  __aicore__ inline bool try_item(int64_t i) {
+  AICORE inline bool try_item(int64_t i) {
     const TilePlan& p = args_.plan;
     const int64_t j = i / world_;
     const int32_t owner = static_cast<int32_t>(i % world_);
@@ -273,7 +273,7 @@ class CommBlock {
   }
 
   // One pass over the polled part of the list; slides it past finished items.
-  __aicore__ inline bool scan_list() {
+  AICORE inline bool scan_list() {
     bool progress = false;
     for (int k = 0; k < kListWindow; ++k) {
       const int64_t i = list_base_ + k;
@@ -293,7 +293,7 @@ class CommBlock {
   }
 
   // A fully reduced subtile of mine: to `out`, then to every peer's window, then their arrival flags.
-  __aicore__ inline void gather(int64_t l, const SubtileSpan& s) {
+  AICORE inline void gather(int64_t l, const SubtileSpan& s) {
     const int64_t pad_n = args_.plan.pad_n;
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
@@ -318,7 +318,7 @@ class CommBlock {
   }
 
   // A subtile another owner delivered into my window: to `out`.
-  __aicore__ inline void copy_out(const SubtileSpan& s) {
+  AICORE inline void copy_out(const SubtileSpan& s) {
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
     auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
@@ -334,7 +334,7 @@ class CommBlock {
   // Names what this block is waiting for, root causes first: a rank that never announced this call (dead or not
   // launched; waits on everyone else would cascade from it), then this rank's own compute, then missing
   // contributions to my subtiles, then deliveries from other owners.
-  __aicore__ inline void report_stall(bool rs_done) {
+  AICORE inline void report_stall(bool rs_done) {
     const int32_t block = static_cast<int32_t>(c_);
     for (int32_t o = 0; o < world_; ++o) {
       for (int64_t cb = 0; cb < args_.comm_blocks; ++cb) {
@@ -383,7 +383,7 @@ class CommBlock {
 };
 
 template <uint32_t DType>
-__aicore__ inline void comm_block_main(const KernelArgs& args, int64_t block) {
+AICORE inline void comm_block_main(const KernelArgs& args, int64_t block) {
   CommBlock<typename ElemOf<DType>::type> comm(args, block);
   if (!comm.init()) return;
   comm.prepare();

@@ -59,13 +59,13 @@ using Gm2D = pto::GlobalTensor<T, GmShape, GmStride, L>;
 
 // Row-major (ND) view of rows x cols starting at ptr with row stride ld.
 template <typename T>
-__aicore__ inline Gm2D<T, pto::Layout::ND> nd_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+AICORE inline Gm2D<T, pto::Layout::ND> nd_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
   return Gm2D<T, pto::Layout::ND>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
 }
 
 // Column-major (DN) view: element (r, c) at ptr[c * ld + r]; used for weight.t() ([N, K] row-major in memory).
 template <typename T>
-__aicore__ inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+AICORE inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
   return Gm2D<T, pto::Layout::DN>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(cols * ld, cols * ld, cols * ld, 1, ld));
 }
 
@@ -97,7 +97,7 @@ class TileComputer {
   using Tiles = CubeTiles<T, BLayoutCode>;
 
  public:
-  __aicore__ inline explicit TileComputer(const KernelArgs& args) : args_(args) {
+  AICORE inline explicit TileComputer(const KernelArgs& args) : args_(args) {
     TASSIGN(a_panel_[0], kL1A0);
     TASSIGN(a_panel_[1], kL1A1);
     TASSIGN(b_panel_[0], kL1B0);
@@ -112,7 +112,7 @@ class TileComputer {
   }
 
   // Computes tile (mi, ni) into the partial buffer; returns after the TSTORE was issued (not completed).
-  __aicore__ inline void run(int64_t mi, int64_t ni, bool add_bias) {
+  AICORE inline void run(int64_t mi, int64_t ni, bool add_bias) {
     const TilePlan& p = args_.plan;
     const int64_t row0 = mi * p.base_m;
     const int64_t col0 = ni * p.base_n;
@@ -178,7 +178,7 @@ class TileComputer {
   // bias[col0, col0 + base_n) (fp32; the host pads the vector to pad_n, so no tail: GM -> L1 copies move whole
   // 32-byte blocks) into the bias table. Issued before the first slice's extracts, so the MTE1 -> M flag of slice
   // 0 also orders the TMOV before TMATMUL_BIAS.
-  __aicore__ inline void load_bias(int64_t col0) {
+  AICORE inline void load_bias(int64_t col0) {
     auto src = nd_view<float>(gm_at<float>(args_.bias, 0) + col0, 1, kBaseN, kBaseN);
     TLOAD(bias_row_, src);
     set_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
@@ -187,7 +187,7 @@ class TileComputer {
   }
 
   // A[row0:+rows, k0:+kv] and the matching B block into L1 buffer `buf`.
-  __aicore__ inline void load_panel(int buf, int64_t row0, int64_t rows, int64_t col0, int64_t cols, int64_t k0) {
+  AICORE inline void load_panel(int buf, int64_t row0, int64_t rows, int64_t col0, int64_t cols, int64_t k0) {
     const TilePlan& p = args_.plan;
     const int64_t kv = (p.k - k0) < kStepK ? (p.k - k0) : static_cast<int64_t>(kStepK);
     const uint32_t a_addr = buf == 0 ? kL1A0 : kL1A1;
@@ -227,7 +227,7 @@ class TileComputer {
 };
 
 template <uint32_t DType, uint32_t BLayoutCode>
-__aicore__ inline void compute_all_tiles(const KernelArgs& args, int64_t block) {
+AICORE inline void compute_all_tiles(const KernelArgs& args, int64_t block) {
   using T = typename ElemOf<DType>::type;
   TileComputer<T, BLayoutCode> computer(args);
   const bool add_bias = args.bias != 0 && args.rank == args.bias_rank;
