@@ -240,3 +240,13 @@ def test_stress_many_back_to_back_calls_with_random_shapes(simulator, tmp_path):
                               calls=calls, seed=99)
     for c, case in enumerate(cases):
         _check_call(simulator, FP16, 3, case, results, c)
+
+
+def test_world1_is_a_plain_matmul(simulator, tmp_path):
+    # The op does not launch the kernels for one rank, but they must still be right there (no peers to wait for).
+    calls = [dict(m=77, n=300, k=150, b_layout=B_TRANSPOSED, bias=True, epoch=3),
+             dict(m=129, n=33, k=257, b_layout=B_ROW_MAJOR, bias=False, epoch=4)]
+    cases, results = _run_job(simulator, tmp_path, world=1, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=5)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 1, case, results, c)

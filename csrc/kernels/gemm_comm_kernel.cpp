@@ -112,6 +112,7 @@ class CommBlock {
     list_len_ = most * world_;
     list_base_ = 0;
     list_done_ = 0;
+    for (int k = 0; k < kListWindow; ++k) sources_seen_[k] = 0;
     return true;
   }
 
@@ -259,9 +260,10 @@ class CommBlock {
     const SubtileSpan s = span_of(l, owner);
     if (s.rows == 0) return true;
     if (owner == me_) {
-      for (int32_t src = 0; src < world_; ++src) {
-        if (load_flag(contrib_flag(me_, l, src)) != tag_) return false;
-      }
+      // Flags never go back within a call: resume where the last pass stopped, so each is read once when set.
+      int32_t& seen = sources_seen_[i % kListWindow];
+      while (seen < world_ && load_flag(contrib_flag(me_, l, seen)) == tag_) ++seen;
+      if (seen < world_) return false;
       acquire_fence();
       gather(l, s);
     } else {
@@ -282,6 +284,7 @@ class CommBlock {
       if ((list_done_ & bit) != 0) continue;
       if (try_item(i)) {
         list_done_ |= bit;
+        sources_seen_[i % kListWindow] = 0;  // the slot's next item, i + kListWindow, starts from scratch
         progress = true;
       }
     }
@@ -379,7 +382,8 @@ class CommBlock {
   uint32_t tag_ = 0;
   int64_t list_len_ = 0;
   int64_t list_base_ = 0;
-  uint64_t list_done_ = 0;
+  uint64_t list_done_ = 0;                 // bit k: item list_base_ + k is finished
+  int32_t sources_seen_[kListWindow];      // for my own items, by item index mod kListWindow: contrib flags seen
 };
 
 template <uint32_t DType>
