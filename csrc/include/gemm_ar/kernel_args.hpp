@@ -167,6 +167,9 @@ GEMM_AR_FN uint32_t signal_tag(uint32_t epoch) {
 
 GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
                                            int64_t compute_blocks, int64_t comm_blocks) {
+  // The prepared region is sized by kMaxCommBlocks, not by comm_blocks, so that its place never depends on the
+  // call (see the top of this file); the parameter stays so that every caller passes the same counts.
+  (void)comm_blocks;
   KernelLayout k{};
   const int64_t elems = plan.pad_m * plan.pad_n;
   int64_t at = 0;
