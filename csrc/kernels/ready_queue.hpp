@@ -43,12 +43,12 @@ AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t 
 class QueueCursor {
  public:
   AICORE inline void init(const KernelArgs& args, int64_t comm_block) {
-    count_ = 0;
-    for (int64_t q = comm_block; q < args.compute_blocks; q += args.comm_blocks) {
-      queue_[count_] = static_cast<int32_t>(q);
-      head_[count_] = 0;
-      length_[count_] = static_cast<int32_t>(queue_length(args.plan, args.compute_blocks, q));
-      ++count_;
+    count_ = static_cast<int32_t>(comm_block_queue_count(comm_block, args.compute_blocks, args.comm_blocks));
+    for (int32_t k = 0; k < count_; ++k) {
+      const int64_t q = comm_block_queue(comm_block, k, args.comm_blocks);
+      queue_[k] = static_cast<int32_t>(q);
+      head_[k] = 0;
+      length_[k] = static_cast<int32_t>(queue_length(args.plan, args.compute_blocks, q));
     }
     next_ = 0;
   }
