@@ -115,6 +115,38 @@ AICORE inline __gm__ T* gm_at(uint64_t base, int64_t byte_offset) {
   return reinterpret_cast<__gm__ T*>(base + static_cast<uint64_t>(byte_offset));
 }
 
+// The element type behind a DTypeCode, as the tile library spells it.
+template <uint32_t Code>
+struct ElemOf;
+template <>
+struct ElemOf<kDTypeFloat16> {
+  using type = half;
+};
+template <>
+struct ElemOf<kDTypeBFloat16> {
+  using type = bfloat16_t;
+};
+
+// 2-D views of GM for TLOAD/TSTORE: rows x cols starting at ptr, the leading dimension ld in elements.
+using GmShape2D = pto::Shape<1, 1, 1, pto::DYNAMIC, pto::DYNAMIC>;
+using GmStride2D = pto::Stride<pto::DYNAMIC, pto::DYNAMIC, pto::DYNAMIC, pto::DYNAMIC, pto::DYNAMIC>;
+template <typename T, pto::Layout L>
+using Gm2D = pto::GlobalTensor<T, GmShape2D, GmStride2D, L>;
+
+// Row-major: element (r, c) at ptr[r * ld + c].
+template <typename T>
+AICORE inline Gm2D<T, pto::Layout::ND> nd_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t all = rows * ld;
+  return Gm2D<T, pto::Layout::ND>(ptr, GmShape2D(1, 1, 1, rows, cols), GmStride2D(all, all, all, ld, 1));
+}
+
+// Column-major: element (r, c) at ptr[c * ld + r] (weight.t() of a row-major [N, K] weight).
+template <typename T>
+AICORE inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t all = cols * ld;
+  return Gm2D<T, pto::Layout::DN>(ptr, GmShape2D(1, 1, 1, rows, cols), GmStride2D(all, all, all, 1, ld));
+}
+
 // Records why this rank gave up on the call, then tells its other blocks to stop. The record is tagged with the
 // call's signal tag, written last, so the host can tell a fresh record from an old one without ever clearing it.
 AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,

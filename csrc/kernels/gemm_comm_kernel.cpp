@@ -39,28 +39,6 @@ using pto::BLayout;
 using pto::DYNAMIC;
 using pto::TileType;
 
-template <uint32_t Code>
-struct ElemOf;
-template <>
-struct ElemOf<kDTypeFloat16> {
-  using type = half;
-};
-template <>
-struct ElemOf<kDTypeBFloat16> {
-  using type = bfloat16_t;
-};
-
-using GmShape = pto::Shape<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
-using GmStride = pto::Stride<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
-
-template <typename T>
-using GmRows = pto::GlobalTensor<T, GmShape, GmStride, pto::Layout::ND>;
-
-template <typename T>
-AICORE inline GmRows<T> rows_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return GmRows<T>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
-}
-
 // One subtile (sub_m x base_n at most) in UB.
 template <typename T>
 using SubTile = pto::Tile<TileType::Vec, T, kSubM, kBaseN, BLayout::RowMajor, DYNAMIC, DYNAMIC>;
@@ -130,7 +108,7 @@ class CommBlock {
       if (s.rows == 0) continue;
       SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(view, kUbZeros);
-      auto dst = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+      auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
       TSTORE(dst, view);
     }
     release_fence();
@@ -234,12 +212,12 @@ class CommBlock {
       if (!wait_prepared(owner, l)) return false;
       SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(tile, kUbMove);
-      auto src = rows_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
+      auto src = nd_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
       TLOAD(tile, src);
       set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      auto dst = rows_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
-      TSTORE<SubTile<T>, GmRows<T>, pto::AtomicType::AtomicAdd>(dst, tile);
+      auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
+      TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
       set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       release_fence();
@@ -300,15 +278,15 @@ class CommBlock {
     const int64_t pad_n = args_.plan.pad_n;
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
-    auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
+    auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    auto out = rows_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+    auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
     TSTORE(out, tile);
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
-      auto dst = rows_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
+      auto dst = nd_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
       TSTORE(dst, tile);
     }
     set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
@@ -324,11 +302,11 @@ class CommBlock {
   AICORE inline void copy_out(const SubtileSpan& s) {
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
-    auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+    auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    auto out = rows_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+    auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
     TSTORE(out, tile);
     set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
     wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);

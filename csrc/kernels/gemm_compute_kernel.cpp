@@ -39,36 +39,6 @@ using pto::DYNAMIC;
 using pto::SLayout;
 using pto::TileType;
 
-// Element types as the tile library spells them.
-template <uint32_t Code>
-struct ElemOf;
-template <>
-struct ElemOf<kDTypeFloat16> {
-  using type = half;
-};
-template <>
-struct ElemOf<kDTypeBFloat16> {
-  using type = bfloat16_t;
-};
-
-using GmShape = pto::Shape<1, 1, 1, DYNAMIC, DYNAMIC>;
-using GmStride = pto::Stride<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
-
-template <typename T, pto::Layout L>
-using Gm2D = pto::GlobalTensor<T, GmShape, GmStride, L>;
-
-// Row-major (ND) view of rows x cols starting at ptr with row stride ld.
-template <typename T>
-AICORE inline Gm2D<T, pto::Layout::ND> nd_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return Gm2D<T, pto::Layout::ND>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
-}
-
-// Column-major (DN) view: element (r, c) at ptr[c * ld + r]; used for weight.t() ([N, K] row-major in memory).
-template <typename T>
-AICORE inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return Gm2D<T, pto::Layout::DN>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(cols * ld, cols * ld, cols * ld, 1, ld));
-}
-
 // Tile types of one (dtype, b layout) instantiation. Each L1 panel has two views of the same bytes: a dynamic one
 // sized to what TLOAD really reads, and a full one that the extracts slice.
 template <typename T, uint32_t BLayoutCode>
