@@ -192,6 +192,8 @@ AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_b
   if (args.lda < p.k || args.lda > 65535 || args.ldb > 65535 || args.ldo < p.n) return false;
   if (args.ldb < (args.b_layout == kBTransposed ? p.k : p.n)) return false;
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0 || args.comm_ctx == 0) return false;
+  // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
+  if (args.window_offset % kWindowAlign != 0 || args.scratch % kWindowAlign != 0) return false;
   if (args.layout.window_bytes > static_cast<int64_t>(args.window_bytes)) return false;
   // The plan and layout must be exactly what the shared functions give for these sizes and counts.
   TilePlan plan{};

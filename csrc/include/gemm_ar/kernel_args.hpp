@@ -4,7 +4,8 @@
 // host and device agree on the size), trivially copyable.
 //
 // How a call is launched (host side):
-//   1. fill a KernelArgs (make_kernel_layout() gives the window/scratch layout and the sizes to check),
+//   1. fill a KernelArgs (plan_kernel_args() fills plan and layout: the window and scratch sizes to check; the
+//      bias goes in as fp32 zero-padded to plan.pad_n),
 //   2. copy it into device memory (one copy serves both kernels; it must stay alive until both finished),
 //   3. launch_gemm_compute(compute_blocks, current stream, args_dev) and launch_gemm_comm(comm_blocks, comm
 //      stream, args_dev) (csrc/kernels/kernel_launch.h); AscendC kernels take only pointers and scalars, which is
@@ -38,7 +39,7 @@
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x31524147u;  // "GAR1": bumped whenever KernelArgs changes
+constexpr uint32_t kKernelArgsMagic = 0x32524147u;  // "GAR2": bumped whenever KernelArgs or its meaning changes
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
@@ -134,9 +135,10 @@ struct KernelArgs {
   int64_t lda, ldb, ldo;   // row strides in elements
 
   uint64_t comm_ctx;       // device address of the CommContext
-  uint64_t window_offset;  // where our region starts in every rank's windows_in[] (same on every rank)
+  uint64_t window_offset;  // where our region starts in every rank's windows_in[] (same on every rank; a
+                           // multiple of kWindowAlign)
   uint64_t window_bytes;   // bytes available from window_offset on (checked against layout.window_bytes)
-  uint64_t scratch;        // device address of this rank's scratch (layout.scratch_bytes, 512-byte aligned)
+  uint64_t scratch;        // device address of this rank's scratch (layout.scratch_bytes, kWindowAlign-aligned)
   uint64_t error;          // device address of this rank's ErrorRecord
 
   int32_t rank, world;             // must match comm_ctx->rank_id / rank_num
@@ -144,7 +146,7 @@ struct KernelArgs {
   int32_t comm_blocks;             // Q <= kMaxCommBlocks: launch block count of GemmCommKernel (all must run
                                    // concurrently)
   int32_t bias_rank;               // which rank adds the bias (normally 0)
-  uint32_t wait_timeout_us;        // a wait without progress for this long fails the call (ErrorRecord)
+  uint32_t wait_timeout_us;        // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
 
   TilePlan plan;                   // make_tile_plan(m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)
   KernelLayout layout;             // make_kernel_layout(plan, elem_bytes, world, compute_blocks, comm_blocks)
