@@ -128,7 +128,9 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=900)
+    # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
+    env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0")
+    proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr
     results = {}
     for line in proc.stdout.splitlines():
