@@ -35,6 +35,7 @@ namespace gemm_ar {
 constexpr uint32_t kKernelArgsMagic = 0x31524147u;  // "GAR1": bumped whenever KernelArgs changes
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kFlagStride = kCacheLine;         // one flag per cache line: AICore flushes whole lines
+constexpr int64_t kQueueSlotBytes = 8;              // ready-queue slot: uint32 tile id, then uint32 tag
 
 // NPU tile sizes (design.md §5); the kernels are compiled for exactly these.
 constexpr int64_t kNpuBaseM = 128;
@@ -77,7 +78,7 @@ struct KernelLayout {
   int64_t window_bytes;                    // total needed from window_offset on
   // scratch (local only)
   int64_t partial_offset, partial_bytes;   // pad_m x pad_n output dtype: this rank's own a @ b
-  int64_t queue_offset, queue_stride;      // per compute block: uint32 slots, slot j = "j-th tile of my walk is stored"
+  int64_t queue_offset, queue_stride;      // per compute block: slot j = {tile id, tag} of the j-th tile it stored
   int64_t queue_capacity;                  // slots per queue (max tiles of one compute block)
   int64_t scratch_bytes;                   // total scratch needed
 };
@@ -106,6 +107,7 @@ enum ErrorCode : int32_t {
   kErrTimeoutReduce = 4,    // source `peer` never added its part of owner-local subtile `item`
   kErrTimeoutGather = 5,    // owner `peer` never delivered global subtile `item`
   kErrAborted = 6,          // another block of this rank failed first
+  kErrQueueCorrupt = 7,     // a ready-queue slot carried an unexpected tile id (`item` = queue << 32 | slot)
 };
 
 struct KernelArgs {
@@ -116,7 +118,8 @@ struct KernelArgs {
 
   uint64_t a;              // [M, K], a[m * lda + k]
   uint64_t b;              // see b_layout
-  uint64_t bias;           // [N] contiguous, or 0: added once (by rank bias_rank, in fp32 on the cube)
+  uint64_t bias;           // [N] contiguous FLOAT32 (the host converts), or 0: added once, by rank bias_rank, in
+                           // the cube's fp32 accumulator (A2/A3's bias table takes fp32, not bf16)
   uint64_t out;            // [M, N], out[m * ldo + n]: the result, written by the comm kernel on every rank
   int64_t lda, ldb, ldo;   // row strides in elements
 
@@ -173,7 +176,7 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
   at = align_up(at + k.partial_bytes, kWindowAlign);
   k.queue_offset = at;
   k.queue_capacity = max_block_items(plan.tiles, compute_blocks);
-  k.queue_stride = align_up(k.queue_capacity * kCounterBytes, kCacheLine);
+  k.queue_stride = align_up(k.queue_capacity * kQueueSlotBytes, kCacheLine);
   at = align_up(at + compute_blocks * k.queue_stride, kWindowAlign);
   k.scratch_bytes = at;
   return k;
@@ -191,7 +194,7 @@ GEMM_AR_FN int64_t arrival_flag_offset(const KernelLayout& k, int64_t tile, int6
   return k.arrival_offset + (tile * stripes + stripe) * kFlagStride;
 }
 GEMM_AR_FN int64_t queue_slot_offset(const KernelLayout& k, int64_t queue, int64_t slot) {
-  return k.queue_offset + queue * k.queue_stride + slot * kCounterBytes;
+  return k.queue_offset + queue * k.queue_stride + slot * kQueueSlotBytes;
 }
 
 // Fills plan and layout of *args from the sizes and args->dtype/world/compute_blocks/comm_blocks; false when the

@@ -1,0 +1,168 @@
+// Small device-side services both kernels need: reading KernelArgs from device memory, a clock for bounded
+// waits, cross-core flags with the fences that make data written before them visible, and the error record.
+// Compiled by bisheng for AICore (cube and vector) and by g++ in pto-isa's CPU simulator (-D__CPU_SIM), where
+// fences are no-ops, so the flag helpers use C++ acquire/release atomics there to keep the simulated protocol
+// honest about ordering.
+#pragma once
+#include <pto/pto-inst.hpp>
+
+#include "gemm_ar/kernel_args.hpp"
+#include "gemm_ar/protocol.hpp"
+
+#if defined(__CPU_SIM)
+#include <chrono>
+#include <thread>
+#endif
+
+namespace gemm_ar {
+namespace device {
+
+using GmBytes = __gm__ uint8_t*;
+
+constexpr uint32_t kDefaultWaitTimeoutUs = 30u * 1000u * 1000u;  // used when KernelArgs::wait_timeout_us == 0
+constexpr int64_t kMaxComputeBlocks = 64;                          // sizes the per-comm-block queue cursors
+constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 system counter runs at 50 MHz
+
+static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied as 64-bit words");
+
+// AICore keeps a data cache in front of GM for scalar accesses; drop the lines of [p, p + bytes) so the next
+// scalar reads see what DMA or other cores wrote.
+__aicore__ inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
+  const uint64_t line = static_cast<uint64_t>(kCacheLine);
+  const uint64_t first = reinterpret_cast<uint64_t>(p) / line * line;
+  const uint64_t end = reinterpret_cast<uint64_t>(p) + static_cast<uint64_t>(bytes);
+  for (uint64_t at = first; at < end; at += line) {
+    dcci((__gm__ void*)at, cache_line_t::SINGLE_CACHE_LINE);
+  }
+}
+
+// The host's KernelArgs copy, read word by word (kernel parameters can only be pointers and scalars).
+__aicore__ inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
+  invalidate_lines(src, static_cast<int64_t>(sizeof(KernelArgs)));
+  const __gm__ uint64_t* from = reinterpret_cast<const __gm__ uint64_t*>(src);
+  uint64_t* to = reinterpret_cast<uint64_t*>(dst);
+  for (uint64_t i = 0; i < sizeof(KernelArgs) / sizeof(uint64_t); ++i) {
+    to[i] = from[i];
+  }
+}
+
+__aicore__ inline uint64_t now_us() {
+#if defined(__CPU_SIM)
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+#else
+  return static_cast<uint64_t>(get_sys_cnt()) / kSysCntPerUs;
+#endif
+}
+
+// Called when a polling pass found nothing to do: keeps pollers from hammering GM (device) or from starving the
+// simulated cores that do the work (simulator: every block is a thread on a small machine).
+__aicore__ inline void idle_pause() {
+#if defined(__CPU_SIM)
+  std::this_thread::sleep_for(std::chrono::microseconds(20));
+#else
+  const uint64_t until = static_cast<uint64_t>(get_sys_cnt()) + 25;  // ~0.5 us
+  while (static_cast<uint64_t>(get_sys_cnt()) < until) {
+  }
+#endif
+}
+
+// Make every earlier store of this core (DMA pipes included) visible in GM before what follows: the release
+// half of "payload before flag".
+__aicore__ inline void release_fence() {
+  pipe_barrier(PIPE_ALL);
+  dsb(DSB_DDR);
+#if defined(__CPU_SIM)
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+#endif
+}
+
+// After a flag was seen: no later load (DMA included) may run ahead of it.
+__aicore__ inline void acquire_fence() {
+#if defined(__CPU_SIM)
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+#endif
+  pipe_barrier(PIPE_ALL);
+  dsb(DSB_DDR);
+}
+
+// One 32-bit flag (local or in a peer's window). The line is invalidated first so a stale cached copy can never
+// be written back over it, and flushed after so the value leaves this core now.
+__aicore__ inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
+#if defined(__CPU_SIM)
+  __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+#else
+  volatile __gm__ uint32_t* p = flag;
+  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
+  *p = value;
+  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
+  dsb(DSB_DDR);
+#endif
+}
+
+__aicore__ inline uint32_t load_flag(__gm__ uint32_t* flag) {
+#if defined(__CPU_SIM)
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+#else
+  volatile __gm__ uint32_t* p = flag;
+  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
+  return *p;
+#endif
+}
+
+template <typename T>
+__aicore__ inline __gm__ T* gm_at(uint64_t base, int64_t byte_offset) {
+  return reinterpret_cast<__gm__ T*>(base + static_cast<uint64_t>(byte_offset));
+}
+
+// Records why this rank gave up on the call, then tells its other blocks to stop. The record is tagged with the
+// call's signal tag, written last, so the host can tell a fresh record from an old one without ever clearing it.
+__aicore__ inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,
+                                    int32_t stage) {
+  if (args.error == 0) return;
+  __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
+  const uint32_t tag = signal_tag(args.epoch);
+  invalidate_lines(&rec->tag, kCacheLine);
+  rec->code = code;
+  rec->rank = args.rank;
+  rec->peer = peer;
+  rec->item = item;
+  rec->block = block;
+  rec->stage = stage;
+  invalidate_lines(&rec->tag, kCacheLine);  // write the line back before the tag that validates it
+  dsb(DSB_DDR);
+  store_flag(&rec->tag, tag);
+  store_flag(&rec->abort_tag, tag);
+}
+
+__aicore__ inline bool aborted(const KernelArgs& args) {
+  if (args.error == 0) return false;
+  __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
+  return load_flag(&rec->abort_tag) == signal_tag(args.epoch);
+}
+
+// What both kernels check before touching memory. Identical on every rank for the same call, so either all ranks
+// run or all stop (the comm kernel reports kErrBadArgs; the compute kernel just returns).
+__aicore__ inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+  const TilePlan& p = args.plan;
+  if (args.magic != kKernelArgsMagic || dtype_bytes(args.dtype) == 0) return false;
+  if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
+  if (args.world < 1 || args.world > kMaxWorld || args.rank < 0 || args.rank >= args.world) return false;
+  if (args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks || args.comm_blocks < 1) return false;
+  if (launched_blocks != expected_blocks) return false;
+  if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK ||
+      p.k_step != kNpuBaseK * kNpuKSlices || p.sub_m != kNpuSubM || p.stripes != kNpuBaseM / kNpuSubM) {
+    return false;
+  }
+  if (p.m < 1 || p.n < 1 || p.k < 1 || p.tiles != p.m_tiles * p.n_tiles) return false;
+  // DMA strides are 16-bit on A2/A3.
+  if (args.lda < p.k || args.lda > 65535 || args.ldb > 65535 || args.ldo < p.n) return false;
+  if (args.ldb < (args.b_layout == kBTransposed ? p.k : p.n)) return false;
+  if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0 || args.comm_ctx == 0) return false;
+  if (args.layout.window_bytes > static_cast<int64_t>(args.window_bytes)) return false;
+  return true;
+}
+
+}  // namespace device
+}  // namespace gemm_ar

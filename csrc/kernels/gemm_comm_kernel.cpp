@@ -1,0 +1,410 @@
+// GemmCommKernel (vector cores): reduce-scatter every finished tile into its owner's window, all-gather each fully
+// reduced subtile to every rank, and write this rank's result into `out` (design.md §5, comm side).
+//
+// Comm block c of every rank:
+//  1. prepare: zeroes the owner-local subtiles it gathers for this rank (ag_subtile(c, j, Q)) in this rank's
+//     reduced buffer, then sets "prepared[me][c] = tag" in every rank's window. Sources add into an owner's subtile
+//     l only after seeing prepared[owner][ag_block_of(l)]: the buffer needs zeros before atomic adds, and bytes
+//     from an earlier call or from HCCL's own collectives may be anywhere in the window.
+//  2. reduce-scatter: drains ready queues {c, c + Q, ...}; each tile's stripes go by TSTORE<AtomicAdd> into the
+//     owner's window, then "contrib[l][me] = tag" is set on the owner.
+//  3. gather and copy out, one ordered list of items (j, owner) for j = 0, 1, ...: for owner == me it waits until
+//     every source's contrib flag carries the tag, then stores the subtile to `out` and to every peer (rotated
+//     order), then sets "arrival[t][stripe] = tag" there; for another owner it waits for that arrival flag and
+//     copies the subtile from its own window to `out`. A 64-item window of the list is polled so out-of-order
+//     readiness does not stall it, and every rank's block c walks the same list, so the earliest unfinished item
+//     anywhere can always finish: no cycle of waits.
+// Every wait is bounded: no progress for wait_timeout_us, or another block's failure, ends the kernel with the
+// reason in the ErrorRecord. Flags are exact-tag, per (subtile, source) / per (owner, block) / per subtile, so
+// nothing is reset between calls and shapes may vary (see kernel_args.hpp).
+#include <pto/pto-inst.hpp>
+
+#include "device_support.hpp"
+#include "kernel_entry.h"
+#include "ready_queue.hpp"
+#include "remote_window.hpp"
+
+namespace gemm_ar {
+namespace device {
+namespace {
+
+constexpr int kSubM = static_cast<int>(kNpuSubM);
+constexpr int kBaseN = static_cast<int>(kNpuBaseN);
+constexpr int kListWindow = 64;  // items of the gather list polled at once (one bit each)
+
+using pto::BLayout;
+using pto::DYNAMIC;
+using pto::TileType;
+
+template <uint32_t Code>
+struct ElemOf;
+template <>
+struct ElemOf<kDTypeFloat16> {
+  using type = half;
+};
+template <>
+struct ElemOf<kDTypeBFloat16> {
+  using type = bfloat16_t;
+};
+
+using GmShape = pto::Shape<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
+using GmStride = pto::Stride<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
+
+template <typename T>
+using GmRows = pto::GlobalTensor<T, GmShape, GmStride, pto::Layout::ND>;
+
+template <typename T>
+__aicore__ inline GmRows<T> rows_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+  return GmRows<T>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
+}
+
+// One subtile (sub_m x base_n at most) in UB.
+template <typename T>
+using SubTile = pto::Tile<TileType::Vec, T, kSubM, kBaseN, BLayout::RowMajor, DYNAMIC, DYNAMIC>;
+
+constexpr uint32_t kUbSubtileBytes = kSubM * kBaseN * 2;
+constexpr uint32_t kUbMove = 0;                     // RS, AG and copy-out staging
+constexpr uint32_t kUbZeros = kUbMove + kUbSubtileBytes;  // a subtile of zeros for prepare
+static_assert(kUbZeros + kUbSubtileBytes <= 192 * 1024, "UB overflow");
+
+// Where a subtile lives in the padded pad_m x pad_n buffers and how much of it is real.
+struct SubtileSpan {
+  int64_t tile, stripe, row0, col0, rows, cols;
+};
+
+__aicore__ inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t stripe) {
+  SubtileSpan s;
+  const int64_t mi = tile_row(p, t);
+  const int64_t ni = tile_col(p, t);
+  s.tile = t;
+  s.stripe = stripe;
+  s.row0 = mi * p.base_m + stripe * p.sub_m;
+  s.col0 = ni * p.base_n;
+  s.rows = stripe_rows(p, mi, stripe);
+  s.cols = tile_cols(p, ni);
+  return s;
+}
+
+template <typename T>
+class CommBlock {
+ public:
+  __aicore__ inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
+
+  // False (error already recorded) when the device context does not match the arguments.
+  __aicore__ inline bool init() {
+    if (!win_.init(args_)) {
+      report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
+      return false;
+    }
+    me_ = args_.rank;
+    world_ = args_.world;
+    tag_ = signal_tag(args_.epoch);
+    queues_.init(args_, c_);
+    const TilePlan& p = args_.plan;
+    int64_t most = 0;
+    for (int32_t o = 0; o < world_; ++o) {
+      const int64_t n = ag_subtile_count(c_, owned_subtile_count(p.tiles, world_, o, p.stripes), args_.comm_blocks);
+      most = n > most ? n : most;
+    }
+    list_len_ = most * world_;
+    list_base_ = 0;
+    list_done_ = 0;
+    return true;
+  }
+
+  __aicore__ inline void prepare() {
+    SubTile<T> zeros(kSubM, kBaseN);
+    TASSIGN(zeros, kUbZeros);
+    TEXPANDS(zeros, static_cast<T>(0));
+    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    const int64_t mine = ag_subtile_count(c_, owned_subtile_count(args_.plan.tiles, world_, me_, args_.plan.stripes),
+                                          args_.comm_blocks);
+    for (int64_t j = 0; j < mine; ++j) {
+      const int64_t l = ag_subtile(c_, j, args_.comm_blocks);
+      const SubtileSpan s = span_of(l, me_);
+      if (s.rows == 0) continue;
+      SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+      TASSIGN(view, kUbZeros);
+      auto dst = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+      TSTORE(dst, view);
+    }
+    release_fence();
+    for (int32_t i = 0; i < world_; ++i) {
+      const int32_t peer = (me_ + 1 + i) % world_;
+      store_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, me_, c_, args_.comm_blocks)), tag_);
+    }
+  }
+
+  __aicore__ inline void run() {
+    bool rs_done = queues_.done();
+    uint64_t last_progress = now_us();
+    const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
+    while (!rs_done || list_base_ < list_len_) {
+      bool progress = false;
+      if (!rs_done) {
+        const int64_t t = queues_.poll(args_, tag_);
+        if (t == -2) {
+          report_error(args_, kErrQueueCorrupt, -1, queues_.corrupt_item(), static_cast<int32_t>(c_), 1);
+          return;
+        }
+        if (t >= 0) {
+          if (!reduce_scatter_tile(t)) return;
+          progress = true;
+          rs_done = queues_.done();
+        }
+      }
+      if (list_base_ < list_len_ && scan_list()) progress = true;
+      if (progress) {
+        last_progress = now_us();
+        continue;
+      }
+      if (aborted(args_)) return;
+      if (now_us() - last_progress > timeout) {
+        report_stall(rs_done);
+        return;
+      }
+      idle_pause();
+    }
+    pipe_barrier(PIPE_ALL);
+  }
+
+ private:
+  __aicore__ inline SubtileSpan span_of(int64_t l, int32_t owner) const {
+    const TilePlan& p = args_.plan;
+    return subtile_span(p, subtile_tile(l, owner, world_, p.stripes), subtile_stripe(l, p.stripes));
+  }
+
+  __aicore__ inline __gm__ T* reduced(int32_t rank, const SubtileSpan& s) const {
+    return win_.at<T>(rank, args_.layout.reduced_offset) + s.row0 * args_.plan.pad_n + s.col0;
+  }
+
+  __aicore__ inline __gm__ uint32_t* arrival_flag(int32_t rank, const SubtileSpan& s) const {
+    return win_.at<uint32_t>(rank, arrival_flag_offset(args_.layout, s.tile, s.stripe, args_.plan.stripes));
+  }
+
+  __aicore__ inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
+    return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
+  }
+
+  // Bounded wait for owner `owner` to have zeroed subtile l's block of its reduced buffer in this call.
+  __aicore__ inline bool wait_prepared(int32_t owner, int64_t l) {
+    const int64_t block = ag_block_of(l, args_.comm_blocks);
+    __gm__ uint32_t* flag = win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, owner, block, args_.comm_blocks));
+    const uint64_t start = now_us();
+    const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
+    while (load_flag(flag) != tag_) {
+      if (aborted(args_)) return false;
+      if (now_us() - start > timeout) {
+        report_error(args_, kErrTimeoutPrepare, owner, block, static_cast<int32_t>(c_), 1);
+        return false;
+      }
+      idle_pause();
+    }
+    acquire_fence();
+    return true;
+  }
+
+  // Every stripe of tile t from the partial buffer into the owner's reduced buffer by atomic add.
+  __aicore__ inline bool reduce_scatter_tile(int64_t t) {
+    const TilePlan& p = args_.plan;
+    const int32_t owner = static_cast<int32_t>(owner_of(t, world_));
+    __gm__ T* partial = gm_at<T>(args_.scratch, args_.layout.partial_offset);
+    for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
+      const SubtileSpan s = subtile_span(p, t, stripe);
+      if (s.rows == 0) continue;  // all padding: nobody adds, gathers or copies it
+      const int64_t l = local_subtile(t, stripe, world_, p.stripes);
+      if (!wait_prepared(owner, l)) return false;
+      SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+      TASSIGN(tile, kUbMove);
+      auto src = rows_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
+      TLOAD(tile, src);
+      set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      auto dst = rows_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
+      TSTORE<SubTile<T>, GmRows<T>, pto::AtomicType::AtomicAdd>(dst, tile);
+      set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      release_fence();
+      store_flag(contrib_flag(owner, l, me_), tag_);
+    }
+    return true;
+  }
+
+  // Item i of the gather list: (j = i / world, owner = i % world). True once it is finished (or is empty).
+  __aicore__ inline bool try_item(int64_t i) {
+    const TilePlan& p = args_.plan;
+    const int64_t j = i / world_;
+    const int32_t owner = static_cast<int32_t>(i % world_);
+    if (j >= ag_subtile_count(c_, owned_subtile_count(p.tiles, world_, owner, p.stripes), args_.comm_blocks)) {
+      return true;
+    }
+    const int64_t l = ag_subtile(c_, j, args_.comm_blocks);
+    const SubtileSpan s = span_of(l, owner);
+    if (s.rows == 0) return true;
+    if (owner == me_) {
+      for (int32_t src = 0; src < world_; ++src) {
+        if (load_flag(contrib_flag(me_, l, src)) != tag_) return false;
+      }
+      acquire_fence();
+      gather(l, s);
+    } else {
+      if (load_flag(arrival_flag(me_, s)) != tag_) return false;
+      acquire_fence();
+      copy_out(s);
+    }
+    return true;
+  }
+
+  // One pass over the polled part of the list; slides it past finished items.
+  __aicore__ inline bool scan_list() {
+    bool progress = false;
+    for (int k = 0; k < kListWindow; ++k) {
+      const int64_t i = list_base_ + k;
+      if (i >= list_len_) break;
+      const uint64_t bit = 1ull << k;
+      if ((list_done_ & bit) != 0) continue;
+      if (try_item(i)) {
+        list_done_ |= bit;
+        progress = true;
+      }
+    }
+    while (list_base_ < list_len_ && (list_done_ & 1ull) != 0) {
+      list_done_ >>= 1;
+      ++list_base_;
+    }
+    return progress;
+  }
+
+  // A fully reduced subtile of mine: to `out`, then to every peer's window, then their arrival flags.
+  __aicore__ inline void gather(int64_t l, const SubtileSpan& s) {
+    const int64_t pad_n = args_.plan.pad_n;
+    SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+    TASSIGN(tile, kUbMove);
+    auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
+    TLOAD(tile, src);
+    set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    auto out = rows_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+    TSTORE(out, tile);
+    for (int32_t i = 0; i + 1 < world_; ++i) {
+      const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
+      auto dst = rows_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
+      TSTORE(dst, tile);
+    }
+    set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    release_fence();
+    for (int32_t i = 0; i + 1 < world_; ++i) {
+      const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
+      store_flag(arrival_flag(peer, s), tag_);
+    }
+  }
+
+  // A subtile another owner delivered into my window: to `out`.
+  __aicore__ inline void copy_out(const SubtileSpan& s) {
+    SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+    TASSIGN(tile, kUbMove);
+    auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+    TLOAD(tile, src);
+    set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    auto out = rows_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+    TSTORE(out, tile);
+    set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+  }
+
+  // Names what this block is waiting for, root causes first: a rank that never announced this call (dead or not
+  // launched; waits on everyone else would cascade from it), then this rank's own compute, then missing
+  // contributions to my subtiles, then deliveries from other owners.
+  __aicore__ inline void report_stall(bool rs_done) {
+    const int32_t block = static_cast<int32_t>(c_);
+    for (int32_t o = 0; o < world_; ++o) {
+      for (int64_t cb = 0; cb < args_.comm_blocks; ++cb) {
+        __gm__ uint32_t* flag = win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, o, cb, args_.comm_blocks));
+        if (load_flag(flag) != tag_) {
+          report_error(args_, kErrTimeoutPrepare, o, cb, block, 1);
+          return;
+        }
+      }
+    }
+    if (!rs_done) {
+      report_error(args_, kErrTimeoutCompute, -1, queues_.first_pending(), block, 1);
+      return;
+    }
+    for (int k = 0; k < kListWindow; ++k) {
+      const int64_t i = list_base_ + k;
+      if (i >= list_len_) break;
+      if ((list_done_ & (1ull << k)) != 0) continue;
+      const int32_t owner = static_cast<int32_t>(i % world_);
+      const int64_t l = ag_subtile(c_, i / world_, args_.comm_blocks);
+      const SubtileSpan s = span_of(l, owner);
+      if (owner == me_) {
+        for (int32_t src = 0; src < world_; ++src) {
+          if (load_flag(contrib_flag(me_, l, src)) != tag_) {
+            report_error(args_, kErrTimeoutReduce, src, l, block, 1);
+            return;
+          }
+        }
+      } else {
+        report_error(args_, kErrTimeoutGather, owner, s.tile * args_.plan.stripes + s.stripe, block, 1);
+        return;
+      }
+    }
+    report_error(args_, kErrTimeoutGather, -1, list_base_, block, 1);
+  }
+
+  const KernelArgs& args_;
+  const int64_t c_;
+  RemoteWindows win_;
+  QueueCursor queues_;
+  int32_t me_ = 0;
+  int32_t world_ = 1;
+  uint32_t tag_ = 0;
+  int64_t list_len_ = 0;
+  int64_t list_base_ = 0;
+  uint64_t list_done_ = 0;
+};
+
+template <uint32_t DType>
+__aicore__ inline void comm_block_main(const KernelArgs& args, int64_t block) {
+  CommBlock<typename ElemOf<DType>::type> comm(args, block);
+  if (!comm.init()) return;
+  comm.prepare();
+  comm.run();
+}
+
+}  // namespace
+}  // namespace device
+}  // namespace gemm_ar
+
+__global__ AICORE void GemmCommKernel(__gm__ uint8_t* args_gm) {
+  using namespace gemm_ar;
+  KernelArgs args;
+  device::load_kernel_args(args_gm, &args);
+  const int64_t block = static_cast<int64_t>(get_block_idx());
+#if defined(__CPU_SIM)
+  const int64_t launched = args.comm_blocks;  // the simulator's get_block_num() is not the launch size
+#else
+  const int64_t launched = static_cast<int64_t>(get_block_num());
+#endif
+  if (!device::kernel_args_usable(args, launched, args.comm_blocks)) {
+    if (block == 0) device::report_error(args, kErrBadArgs, -1, -1, 0, 1);
+    return;
+  }
+  if (block >= args.comm_blocks) return;
+  if (args.dtype == kDTypeFloat16) {
+    device::comm_block_main<kDTypeFloat16>(args, block);
+  } else {
+    device::comm_block_main<kDTypeBFloat16>(args, block);
+  }
+}
+
+#if !defined(__CPU_SIM)
+#include "kernel_launch.h"
+
+void gemm_ar::launch_gemm_comm(uint32_t block_dim, void* stream, void* args_device) {
+  GemmCommKernel<<<block_dim, nullptr, stream>>>(reinterpret_cast<__gm__ uint8_t*>(args_device));
+}
+#endif

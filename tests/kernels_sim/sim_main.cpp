@@ -1,0 +1,288 @@
+// Runs the real GemmComputeKernel/GemmCommKernel protocol of several ranks in one process on pto-isa's CPU
+// simulator: every rank has its own window buffer, scratch and error record, every block is a thread. Ranks run
+// their calls back to back with no barrier in between (as streams would), except where the job asks for an
+// "HCCL collective" between two calls: then all ranks meet, overwrite their windows and scratch with random bytes
+// (what HCCL's own collectives may leave in the window), and meet again.
+//
+//   gemm_ar_sim info        prints "bf16_native 0|1" (g++ < 13 simulates bfloat16_t with a 16-bit float)
+//   gemm_ar_sim run <dir>   runs <dir>/job.txt, writes c<call>_out<rank>.bin, prints one "result" line per call
+//                           and rank: call rank code peer item block (code 0 = success)
+//
+// job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
+//          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us".
+// Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
+// c<call>_bias.bin (n float32). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
+// starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
+// (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them).
+#include <pto/pto-inst.hpp>
+
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <type_traits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gemm_ar/kernel_args.hpp"
+#include "kernel_entry.h"
+
+namespace {
+
+struct CallSpec {
+  int64_t m, n, k;
+  uint32_t b_layout;
+  int has_bias;
+  int64_t lda, ldb, ldo;
+  uint32_t epoch;
+  int skip_rank;
+  int clobber_after;
+  int late_rank;
+  int64_t late_us;
+};
+
+struct Job {
+  int world = 0, compute_blocks = 0, comm_blocks = 0;
+  uint32_t dtype = 0, timeout_us = 0;
+  uint64_t window_offset = 0, seed = 0;
+  std::vector<CallSpec> calls;
+};
+
+struct Aligned {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit Aligned(size_t n) : bytes((n + 511) / 512 * 512) { ptr = std::aligned_alloc(512, bytes); }
+  ~Aligned() { std::free(ptr); }
+  Aligned(const Aligned&) = delete;
+  Aligned& operator=(const Aligned&) = delete;
+  uint64_t addr() const { return reinterpret_cast<uint64_t>(ptr); }
+};
+
+void fill_random(void* p, size_t bytes, std::mt19937_64& rng) {
+  auto* b = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < bytes; ++i) b[i] = static_cast<unsigned char>(rng());
+}
+
+std::vector<unsigned char> read_file(const std::string& path, size_t bytes) {
+  std::vector<unsigned char> data(bytes);
+  std::ifstream f(path, std::ios::binary);
+  if (!f.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(bytes))) {
+    std::fprintf(stderr, "cannot read %zu bytes from %s\n", bytes, path.c_str());
+    std::exit(2);
+  }
+  return data;
+}
+
+void write_file(const std::string& path, const void* p, size_t bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(static_cast<const char*>(p), static_cast<std::streamsize>(bytes));
+}
+
+Job read_job(const std::string& dir) {
+  Job job;
+  std::ifstream f(dir + "/job.txt");
+  std::string word;
+  int calls = 0;
+  f >> job.world >> job.compute_blocks >> job.comm_blocks >> job.dtype >> job.timeout_us >> job.window_offset >>
+      job.seed >> word >> calls;
+  if (!f || word != "calls") {
+    std::fprintf(stderr, "bad job.txt\n");
+    std::exit(2);
+  }
+  for (int c = 0; c < calls; ++c) {
+    CallSpec s{};
+    f >> s.m >> s.n >> s.k >> s.b_layout >> s.has_bias >> s.lda >> s.ldb >> s.ldo >> s.epoch >> s.skip_rank >>
+        s.clobber_after >> s.late_rank >> s.late_us;
+    job.calls.push_back(s);
+  }
+  if (!f) {
+    std::fprintf(stderr, "bad call line in job.txt\n");
+    std::exit(2);
+  }
+  return job;
+}
+
+gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
+  gemm_ar::KernelArgs a{};
+  a.magic = gemm_ar::kKernelArgsMagic;
+  a.dtype = job.dtype;
+  a.b_layout = s.b_layout;
+  a.epoch = s.epoch;
+  a.lda = s.lda;
+  a.ldb = s.ldb;
+  a.ldo = s.ldo;
+  a.rank = rank;
+  a.world = job.world;
+  a.compute_blocks = job.compute_blocks;
+  a.comm_blocks = job.comm_blocks;
+  a.bias_rank = 0;
+  a.wait_timeout_us = job.timeout_us;
+  if (!gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
+    std::fprintf(stderr, "plan_kernel_args rejected m=%lld n=%lld k=%lld\n", static_cast<long long>(s.m),
+                 static_cast<long long>(s.n), static_cast<long long>(s.k));
+    std::exit(2);
+  }
+  return a;
+}
+
+// One "kernel launch": block_count threads, each with its block index set as the simulator expects.
+template <typename Kernel>
+std::vector<std::thread> launch(Kernel kernel, int block_count, gemm_ar::KernelArgs* args) {
+  std::vector<std::thread> threads;
+  for (int b = 0; b < block_count; ++b) {
+    threads.emplace_back([kernel, b, args]() {
+      pto::cpu_sim::set_execution_context(static_cast<uint32_t>(b), 0, 1);
+      kernel(reinterpret_cast<__gm__ uint8_t*>(args));
+    });
+  }
+  return threads;
+}
+
+int run(const std::string& dir) {
+  const Job job = read_job(dir);
+  const int world = job.world;
+  const size_t elem = 2;
+
+  // Size every buffer for the largest call: windows, scratch and records persist across calls like the real ones.
+  int64_t window_bytes = 0, scratch_bytes = 0;
+  for (const CallSpec& s : job.calls) {
+    const gemm_ar::KernelArgs a = base_args(job, s, 0);
+    window_bytes = std::max(window_bytes, a.layout.window_bytes);
+    scratch_bytes = std::max(scratch_bytes, a.layout.scratch_bytes);
+  }
+  const size_t window_alloc = job.window_offset + static_cast<size_t>(window_bytes) + 4096;
+  std::mt19937_64 rng(job.seed);
+  std::vector<std::unique_ptr<Aligned>> windows, scratch, records;
+  std::vector<gemm_ar::CommContext> contexts(world);
+  for (int r = 0; r < world; ++r) {
+    windows.emplace_back(new Aligned(window_alloc));
+    scratch.emplace_back(new Aligned(static_cast<size_t>(scratch_bytes)));
+    records.emplace_back(new Aligned(sizeof(gemm_ar::ErrorRecord)));
+    fill_random(windows[r]->ptr, windows[r]->bytes, rng);  // never-zeroed memory, as on the device
+    fill_random(scratch[r]->ptr, scratch[r]->bytes, rng);
+    fill_random(records[r]->ptr, records[r]->bytes, rng);
+  }
+  for (int r = 0; r < world; ++r) {
+    gemm_ar::CommContext& ctx = contexts[r];
+    std::memset(&ctx, 0, sizeof(ctx));
+    ctx.rank_id = static_cast<uint32_t>(r);
+    ctx.rank_num = static_cast<uint32_t>(world);
+    ctx.win_size = windows[r]->bytes;
+    for (int p = 0; p < world; ++p) ctx.windows_in[p] = windows[p]->addr();
+  }
+
+  // Inputs and outputs of every call, loaded up front so the ranks run without pauses between calls.
+  const size_t calls = job.calls.size();
+  std::vector<std::vector<std::vector<unsigned char>>> a_in(calls), out(calls);
+  std::vector<std::vector<unsigned char>> b_in(calls), bias_in(calls);
+  for (size_t c = 0; c < calls; ++c) {
+    const CallSpec& s = job.calls[c];
+    const std::string pre = dir + "/c" + std::to_string(c) + "_";
+    const int64_t b_rows = s.b_layout == gemm_ar::kBTransposed ? s.n : s.k;
+    b_in[c] = read_file(pre + "b.bin", static_cast<size_t>(b_rows * s.ldb) * elem);
+    if (s.has_bias) bias_in[c] = read_file(pre + "bias.bin", static_cast<size_t>(s.n) * sizeof(float));
+    for (int r = 0; r < world; ++r) {
+      a_in[c].push_back(read_file(pre + "a" + std::to_string(r) + ".bin", static_cast<size_t>(s.m * s.lda) * elem));
+      out[c].emplace_back(static_cast<size_t>(s.m * s.ldo) * elem, 0xFF);  // NaN pattern: unwritten stays NaN
+    }
+  }
+
+  std::vector<std::vector<gemm_ar::KernelArgs>> args(calls, std::vector<gemm_ar::KernelArgs>(world));
+  std::vector<std::atomic<int>> computed(calls);  // compute kernels finished, per call
+  for (auto& n : computed) n.store(0);
+  std::barrier meet(world);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r]() {
+      std::mt19937_64 jitter(job.seed * 7919 + static_cast<uint64_t>(r));
+      std::mt19937_64 garbage(job.seed * 104729 + static_cast<uint64_t>(r));
+      for (size_t c = 0; c < calls; ++c) {
+        const CallSpec& s = job.calls[c];
+        if (s.skip_rank != r) {
+          gemm_ar::KernelArgs& a = args[c][r];
+          a = base_args(job, s, r);
+          a.a = reinterpret_cast<uint64_t>(a_in[c][r].data());
+          a.b = reinterpret_cast<uint64_t>(b_in[c].data());
+          a.bias = s.has_bias ? reinterpret_cast<uint64_t>(bias_in[c].data()) : 0;
+          a.out = reinterpret_cast<uint64_t>(out[c][r].data());
+          a.comm_ctx = reinterpret_cast<uint64_t>(&contexts[r]);
+          a.window_offset = job.window_offset;
+          a.window_bytes = window_alloc - job.window_offset;
+          a.scratch = scratch[r]->addr();
+          a.error = records[r]->addr();
+          if (s.late_rank == r) {
+            std::vector<std::thread> compute = launch(GemmComputeKernel, job.compute_blocks, &a);
+            const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
+            while (computed[c].load() < others) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            std::this_thread::sleep_for(std::chrono::microseconds(s.late_us));
+            std::vector<std::thread> comm = launch(GemmCommKernel, job.comm_blocks, &a);
+            for (auto& t : compute) t.join();
+            for (auto& t : comm) t.join();
+          } else {
+            // Either kernel may start first, as with two streams.
+            const int order = static_cast<int>(jitter() % 2);
+            std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
+            std::vector<std::thread> first = order == 0 ? launch(GemmComputeKernel, job.compute_blocks, &a)
+                                                        : launch(GemmCommKernel, job.comm_blocks, &a);
+            std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
+            std::vector<std::thread> second = order == 0 ? launch(GemmCommKernel, job.comm_blocks, &a)
+                                                         : launch(GemmComputeKernel, job.compute_blocks, &a);
+            std::vector<std::thread>& compute = order == 0 ? first : second;
+            for (auto& t : compute) t.join();
+            computed[c].fetch_add(1);
+            for (auto& t : first) {
+              if (t.joinable()) t.join();
+            }
+            for (auto& t : second) {
+              if (t.joinable()) t.join();
+            }
+          }
+        }
+        if (s.clobber_after) {
+          meet.arrive_and_wait();
+          fill_random(windows[r]->ptr, windows[r]->bytes, garbage);
+          fill_random(scratch[r]->ptr, scratch[r]->bytes, garbage);
+          meet.arrive_and_wait();
+        }
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+
+  for (size_t c = 0; c < calls; ++c) {
+    for (int r = 0; r < world; ++r) {
+      write_file(dir + "/c" + std::to_string(c) + "_out" + std::to_string(r) + ".bin", out[c][r].data(),
+                 out[c][r].size());
+    }
+  }
+  // Error records are per rank and tagged with the call that wrote them; report each call's own.
+  for (size_t c = 0; c < calls; ++c) {
+    for (int r = 0; r < world; ++r) {
+      const auto* rec = static_cast<const gemm_ar::ErrorRecord*>(records[r]->ptr);
+      const bool mine = job.calls[c].skip_rank != r && rec->tag == gemm_ar::signal_tag(job.calls[c].epoch);
+      std::printf("result %zu %d %d %d %lld %d\n", c, r, mine ? rec->code : 0, mine ? rec->peer : -1,
+                  mine ? static_cast<long long>(rec->item) : -1LL, mine ? rec->block : -1);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::strcmp(argv[1], "info") == 0) {
+    // pto-isa falls back to a 16-bit IEEE half for bfloat16_t where <stdfloat> has no std::bfloat16_t.
+    std::printf("bf16_native %d\n", std::is_same<bfloat16_t, half>::value ? 0 : 1);
+    return 0;
+  }
+  if (argc >= 3 && std::strcmp(argv[1], "run") == 0) return run(argv[2]);
+  std::fprintf(stderr, "usage: %s info | run <job dir>\n", argv[0]);
+  return 2;
+}
