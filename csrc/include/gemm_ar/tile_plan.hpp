@@ -17,12 +17,15 @@ struct TilePlan {
   int64_t stripes;                 // base_m / sub_m
 };
 
+// Largest int64_t, spelled out so device builds do not depend on the INT64_MAX macro.
+constexpr int64_t kInt64Max = 0x7fffffffffffffffLL;
+
 // Ceil division for a >= 0, b > 0.
 GEMM_AR_FN int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// a * b without overflow for a, b >= 0; false when the product would exceed INT64_MAX.
+// a * b without overflow for a, b >= 0; false when the product would not fit in int64_t.
 GEMM_AR_FN bool checked_mul(int64_t a, int64_t b, int64_t* out) {
-  if (a != 0 && b > INT64_MAX / a) return false;
+  if (a != 0 && b > kInt64Max / a) return false;
   *out = a * b;
   return true;
 }
@@ -38,7 +41,7 @@ GEMM_AR_FN bool make_tile_plan(TilePlan* plan, int64_t m, int64_t n, int64_t k, 
   int64_t k_step = 0;
   if (!checked_mul(base_k, k_slices, &k_step)) return false;
   // Keep the round-ups below from overflowing.
-  if (m > INT64_MAX - base_m || n > INT64_MAX - base_n || k > INT64_MAX - k_step) return false;
+  if (m > kInt64Max - base_m || n > kInt64Max - base_n || k > kInt64Max - k_step) return false;
   const int64_t m_tiles = ceil_div(m, base_m);
   const int64_t n_tiles = ceil_div(n, base_n);
   const int64_t pad_m = m_tiles * base_m;
