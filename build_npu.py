@@ -15,11 +15,13 @@ import re
 import shutil
 import subprocess
 
-# SoC families whose AI cores the kernels target, by SOC_VERSION prefix: A2 (Atlas 800T A2 / 900 A2) and A3
-# (Atlas 800T A3 / 900 A3 SuperPoD) both use the "c220" cores.
+# SoC families the kernels target, by SOC_VERSION prefix: A2 (Atlas 800T A2 / 900 A2) and A3 (Atlas 800T A3 /
+# 900 A3 SuperPoD) both have "c220" cores. pto-isa derives PTO_NPU_ARCH_A2A3 from __NPU_ARCH__ in the device pass
+# only; the host pass of -xcce needs it spelled out (as pto-isa's own builds do).
+A2A3 = {"cube": "dav-c220-cube", "vec": "dav-c220-vec", "define": "PTO_NPU_ARCH_A2A3"}
 SOC_ARCHES = (
-    (re.compile(r"^Ascend910B\d"), ("dav-c220-cube", "dav-c220-vec")),
-    (re.compile(r"^Ascend910_93\d\d"), ("dav-c220-cube", "dav-c220-vec")),
+    (re.compile(r"^Ascend910B\d"), A2A3),
+    (re.compile(r"^Ascend910_93\d\d"), A2A3),
 )
 
 # (library name, kernel source, which core type it runs on)
@@ -85,7 +87,7 @@ def cann_missing_reason():
 
 
 def aicore_arches(soc_version):
-    """(cube arch, vector arch) for --cce-aicore-arch, from SOC_VERSION."""
+    """{"cube": arch, "vec": arch, "define": macro} for SOC_VERSION; arch is a --cce-aicore-arch value."""
     for pattern, arches in SOC_ARCHES:
         if pattern.match(soc_version):
             return arches
@@ -110,7 +112,7 @@ def _cxx11_abi():
 
 def kernel_commands(root, out_dir, obj_dir, soc_version, pto_isa_root, ascend_home):
     """The bisheng commands (compile, link) of each kernel library, as lists of arguments."""
-    cube_arch, vec_arch = aicore_arches(soc_version)
+    arches = aicore_arches(soc_version)
     host_arch_dir = os.path.join(ascend_home, f"{platform.machine()}-linux")
     cann_includes = [os.path.join(host_arch_dir, d) for d in CANN_KERNEL_INCLUDE_SUBDIRS]
     cann_includes = [d for d in cann_includes if os.path.isdir(d)] + [os.path.join(ascend_home, "include")]
@@ -121,9 +123,9 @@ def kernel_commands(root, out_dir, obj_dir, soc_version, pto_isa_root, ascend_ho
     for name, source, core in KERNELS:
         obj = os.path.join(obj_dir, f"{name}.o")
         lib = os.path.join(out_dir, f"lib{name}.so")
-        arch = cube_arch if core == "cube" else vec_arch
-        compile_cmd = ["bisheng", *BISHENG_KERNEL_FLAGS, f"--cce-aicore-arch={arch}",
-                       f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}", *[f"-I{d}" for d in includes], "-c",
+        compile_cmd = ["bisheng", *BISHENG_KERNEL_FLAGS, f"--cce-aicore-arch={arches[core]}",
+                       f"-D{arches['define']}", f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi()}",
+                       *[f"-I{d}" for d in includes], "-c",
                        os.path.join(root, source), "-o", obj]
         link_cmd = ["bisheng", "-shared", "--cce-fatobj-link", obj, "-o", lib, f"-Wl,-soname,lib{name}.so",
                     f"-L{os.path.join(ascend_home, 'lib64')}", "-lruntime"]
@@ -176,22 +178,22 @@ def host_extension(root, kernel_dir):
     def rel(pattern):
         return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
 
+    # torch_npu's headers as system headers: their warnings are not ours.
+    system_includes = [
+        os.path.join(include_paths()[0], "torch", "csrc", "distributed"),  # torch_npu includes c10d/...
+        npu_include,
+        os.path.join(npu_include, "third_party", "hccl", "inc"),
+        os.path.join(npu_include, "third_party", "acl", "inc"),
+    ]
     return CppExtension(
         "torch_gemm_ar._C_npu",
         sources=rel("csrc/host/npu/*.cpp") + rel("csrc/host/common/*.cpp"),
-        include_dirs=[
-            os.path.join(root, "csrc", "include"),
-            os.path.join(root, "csrc", "host"),
-            os.path.join(root, "csrc", "kernels"),
-            os.path.join(include_paths()[0], "torch", "csrc", "distributed"),  # torch_npu includes c10d/...
-            npu_include,
-            os.path.join(npu_include, "third_party", "hccl", "inc"),
-            os.path.join(npu_include, "third_party", "acl", "inc"),
-        ],
+        include_dirs=[os.path.join(root, "csrc", d) for d in ("include", "host", "kernels")],
         library_dirs=[kernel_dir, os.path.join(torch_npu_dir, "lib"),
                       os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64")],
         libraries=[name for name, _, _ in KERNELS] + ["torch_npu", "ascendcl"],
-        extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                            *[arg for d in system_includes for arg in ("-isystem", d)]],
         # The kernel libraries sit next to the extension; torch_npu and CANN are loaded before it (import torch_npu).
         extra_link_args=["-Wl,-rpath,$ORIGIN"],
     )

@@ -18,6 +18,8 @@ namespace gemm_ar::npu {
 namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
+// The kernels' DMA takes 16-bit row strides (in elements) on A2/A3.
+constexpr int64_t kMaxRowStride = 65535;
 // How far back an error record's tag is matched against this communicator's calls.
 constexpr uint32_t kErrorEpochLookback = 1u << 16;
 
@@ -45,15 +47,16 @@ Operands prepare_operands(const CallArgs& call) {
   const int64_t m = call.m, k = call.k, n = call.n;
   Operands ops;
   ops.a = call.a2d;
-  if (!((k == 1 || ops.a.stride(1) == 1) && (m == 1 || ops.a.stride(0) >= k))) ops.a = ops.a.contiguous();
+  const bool a_usable = (k == 1 || ops.a.stride(1) == 1) && (m == 1 || ops.a.stride(0) >= k);
+  if (!a_usable || row_stride(ops.a, m, k) > kMaxRowStride) ops.a = ops.a.contiguous();
   ops.lda = ops.a.is_contiguous() ? k : row_stride(ops.a, m, k);
 
   const at::Tensor& b = call.b;
-  if ((n == 1 || b.stride(1) == 1) && (k == 1 || b.stride(0) >= n)) {
+  if ((n == 1 || b.stride(1) == 1) && (k == 1 || b.stride(0) >= n) && (k == 1 || b.stride(0) <= kMaxRowStride)) {
     ops.b = b;
     ops.b_layout = kBRowMajor;
     ops.ldb = k == 1 ? n : b.stride(0);
-  } else if ((k == 1 || b.stride(0) == 1) && (n == 1 || b.stride(1) >= k)) {
+  } else if ((k == 1 || b.stride(0) == 1) && (n == 1 || (b.stride(1) >= k && b.stride(1) <= kMaxRowStride))) {
     ops.b = b;
     ops.b_layout = kBTransposed;
     ops.ldb = n == 1 ? k : b.stride(1);
@@ -62,7 +65,8 @@ Operands prepare_operands(const CallArgs& call) {
     ops.b_layout = kBRowMajor;
     ops.ldb = n;
   }
-  if (call.bias.has_value()) ops.bias = call.bias->contiguous();
+  // The cube adds the bias to its fp32 accumulator, whose bias table takes fp32 on A2/A3.
+  if (call.bias.has_value()) ops.bias = call.bias->to(at::kFloat).contiguous();
   return ops;
 }
 
@@ -124,6 +128,9 @@ std::string describe_error(const ErrorRecord& e) {
       os << " waited too long for rank " << e.peer << " to deliver reduced subtile " << e.item;
       break;
     case kErrAborted: os << " stopped because another of its blocks failed"; break;
+    case kErrQueueCorrupt:
+      os << " found an unexpected tile id in ready queue " << (e.item >> 32) << ", slot " << (e.item & 0xffffffff);
+      break;
     default: os << " reported error code " << e.code; break;
   }
   return os.str();
@@ -168,6 +175,11 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   if (call.k == 0 || call.n == 0) {
     return {FusedBlocker::kShape, "K=" + std::to_string(call.k) + ", N=" + std::to_string(call.n) +
                                       ": an empty product has nothing to overlap"};
+  }
+  if (call.k > kMaxRowStride || call.n > kMaxRowStride) {
+    return {FusedBlocker::kShape, "K=" + std::to_string(call.k) + ", N=" + std::to_string(call.n) +
+                                      ": the fused NPU kernels take row strides up to " +
+                                      std::to_string(kMaxRowStride) + " elements"};
   }
   CommState& state = comm_state(group, call.b.device());
   if (!state.unavailable.empty()) return {state.unavailable_kind, state.unavailable};
