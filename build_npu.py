@@ -141,7 +141,7 @@ def _kernel_inputs(root):
 def build_kernel_libraries(root):
     """Compiles the kernels unless the libraries are newer than every input and were built with the same commands.
     Returns the package directory that holds them."""
-    soc_version = _required_env("SOC_VERSION", "the SoC to compile for, e.g. SOC_VERSION=Ascend910B3 (see npu-smi info)")
+    soc_version = _required_env("SOC_VERSION", "the SoC to compile for, e.g. SOC_VERSION=Ascend910B3 (npu-smi info)")
     pto_isa_root = _required_env("PTO_ISA_ROOT", "a checkout of https://github.com/hw-native-sys/pto-isa")
     ascend_home = os.environ["ASCEND_HOME_PATH"]
     out_dir = os.path.join(root, "torch_gemm_ar")

@@ -12,6 +12,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include <unistd.h>
+
 #include "common/settings.h"
 #include "npu/hccl_context_layout.h"
 #include "npu/hccl_symbols.h"
@@ -57,7 +59,9 @@ struct SetupError : std::runtime_error {
 };
 
 void check_acl(aclError status, SetupStage stage, const char* what) {
-  if (status != ACL_SUCCESS) throw SetupError(stage, std::string(what) + " returned ACL error " + std::to_string(status));
+  if (status != ACL_SUCCESS) {
+    throw SetupError(stage, std::string(what) + " returned ACL error " + std::to_string(status));
+  }
 }
 
 void copy_from_device(void* host, const void* device, size_t bytes, SetupStage stage, const char* what) {
@@ -214,7 +218,24 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
 }
 
 // Agreement fields: one row per rank, filled only by its owner, so that a SUM all-reduce gathers them.
-enum AgreementField : int64_t { kFieldStage, kFieldWindow, kFieldCompute, kFieldComm, kFieldEpoch, kFields };
+enum AgreementField : int64_t {
+  kFieldStage,
+  kFieldWindow,
+  kFieldCompute,
+  kFieldComm,
+  kFieldEpoch,
+  kFieldHost,
+  kFields,
+};
+
+// FNV-1a of the host name: equal on ranks of one server (design.md §4: `fused` is for same-host groups).
+int64_t host_fingerprint() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return 0;
+  uint64_t hash = 14695981039346656037ull;
+  for (const char* c = name; *c != '\0'; ++c) hash = (hash ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  return static_cast<int64_t>(hash >> 1);  // non-negative, so the SUM gather cannot overflow into it
+}
 
 void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local) {
   auto table = at::zeros({state.world, kFields}, at::TensorOptions().dtype(at::kLong));
@@ -223,6 +244,7 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
   row[kFieldWindow] = local.window_bytes;
   row[kFieldCompute] = local.compute_blocks;
   row[kFieldComm] = local.comm_blocks;
+  row[kFieldHost] = host_fingerprint();
   if (state.rank == 0) {
     // A random first epoch: flags a previous process left in recycled window memory never carry this run's tags.
     row[kFieldEpoch] = static_cast<int64_t>(std::random_device{}());
@@ -248,6 +270,14 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
     window = std::min(window, rows[r][kFieldWindow]);
     compute = std::min(compute, rows[r][kFieldCompute]);
     comm = std::min(comm, rows[r][kFieldComm]);
+  }
+  for (int r = 1; r < state.world; ++r) {
+    if (rows[r][kFieldHost] != rows[0][kFieldHost]) {
+      state.unavailable = "group '" + state.group_name + "' spans several hosts (rank " + std::to_string(r) +
+                          " is not on rank 0's); the fused NPU path needs every rank on one server";
+      state.unavailable_kind = FusedBlocker::kTopology;
+      return;
+    }
   }
   if (failures.tellp()) {
     state.unavailable = "HCCL one-sided window setup failed (" + failures.str() + ")" +
