@@ -42,10 +42,15 @@ def simulator():
     tmp = tempfile.mkdtemp(prefix="gemm_ar_sim_")
     try:
         cxx = os.environ.get("CXX", "g++")
+        # design.md §8 flags; pto-isa as a system include directory (patched copy first) so that its own warnings
+        # do not drown ours. PTO_CPU_MAX_THREADS=1: every block is already a thread, no nested pools.
         flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
-                 "-Wno-unused-parameter", "-include", "stdint.h", "-include", "stddef.h", "-include",
-                 "pto/pto-inst.hpp", "-I" + _patched_include_dir(tmp), "-I" + os.path.join(PTO_ISA_ROOT, "include"),
+                 "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
+                 "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
                  "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels")]
+        # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
+        extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
+        flags += extra
         sources = [os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
                    os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
                    os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")]
@@ -55,7 +60,7 @@ def simulator():
             subprocess.run([cxx] + flags + ["-c", src, "-o", obj], check=True)
             objects.append(obj)
         binary = os.path.join(tmp, "gemm_ar_sim")
-        subprocess.run([cxx] + objects + ["-o", binary, "-pthread"], check=True)
+        subprocess.run([cxx] + objects + ["-o", binary, "-pthread"] + extra, check=True)
         info = subprocess.run([binary, "info"], check=True, capture_output=True, text=True).stdout.split()
         yield {"binary": binary, "bf16_native": info == ["bf16_native", "1"]}
     finally:
@@ -123,7 +128,9 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=900)
+    # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
+    env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0")
+    proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr
     results = {}
     for line in proc.stdout.splitlines():
@@ -215,3 +222,33 @@ def test_dead_peer_turns_into_an_error_naming_it(simulator, tmp_path):
         res = results[(1, r)]
         assert res["code"] == ERR_TIMEOUT_PREPARE, f"rank {r}: expected a timeout waiting for rank 2, got {res}"
         assert res["peer"] == 2, f"rank {r}: the error should name rank 2, got {res}"
+
+
+def test_stress_many_back_to_back_calls_with_random_shapes(simulator, tmp_path):
+    # Fresh inputs and a new random shape every call (1x1x1 included), no barrier between calls; every fourth call
+    # is followed by an "HCCL collective" that overwrites windows and scratch.
+    rng = np.random.default_rng(2024)
+    calls = [dict(m=1, n=1, k=1, b_layout=B_ROW_MAJOR, bias=True)]
+    for _ in range(13):
+        calls.append(dict(m=int(rng.integers(1, 300)), n=int(rng.integers(1, 600)), k=int(rng.integers(1, 300)),
+                          b_layout=int(rng.integers(0, 2)), bias=bool(rng.integers(0, 2)),
+                          lda_pad=int(rng.integers(0, 4)), ldb_pad=int(rng.integers(0, 4)),
+                          ldo_pad=int(rng.integers(0, 4))))
+    first_epoch = int(rng.integers(0, 2 ** 32))
+    for c, spec in enumerate(calls):
+        spec["epoch"] = (first_epoch + c) % 2 ** 32
+        spec["clobber_after"] = c % 4 == 3
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=3, comm_blocks=2,
+                              calls=calls, seed=99)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 3, case, results, c)
+
+
+def test_world1_is_a_plain_matmul(simulator, tmp_path):
+    # The op does not launch the kernels for one rank, but they must still be right there (no peers to wait for).
+    calls = [dict(m=77, n=300, k=150, b_layout=B_TRANSPOSED, bias=True, epoch=3),
+             dict(m=129, n=33, k=257, b_layout=B_ROW_MAJOR, bias=False, epoch=4)]
+    cases, results = _run_job(simulator, tmp_path, world=1, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=5)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 1, case, results, c)

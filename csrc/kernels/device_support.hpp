@@ -20,14 +20,13 @@ namespace device {
 using GmBytes = __gm__ uint8_t*;
 
 constexpr uint32_t kDefaultWaitTimeoutUs = 30u * 1000u * 1000u;  // used when KernelArgs::wait_timeout_us == 0
-constexpr int64_t kMaxComputeBlocks = 64;                          // sizes the per-comm-block queue cursors
 constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 system counter runs at 50 MHz
 
 static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied as 64-bit words");
 
 // AICore keeps a data cache in front of GM for scalar accesses; drop the lines of [p, p + bytes) so the next
 // scalar reads see what DMA or other cores wrote.
-__aicore__ inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
+AICORE inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
   const uint64_t line = static_cast<uint64_t>(kCacheLine);
   const uint64_t first = reinterpret_cast<uint64_t>(p) / line * line;
   const uint64_t end = reinterpret_cast<uint64_t>(p) + static_cast<uint64_t>(bytes);
@@ -37,7 +36,7 @@ __aicore__ inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
 }
 
 // The host's KernelArgs copy, read word by word (kernel parameters can only be pointers and scalars).
-__aicore__ inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
+AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   invalidate_lines(src, static_cast<int64_t>(sizeof(KernelArgs)));
   const __gm__ uint64_t* from = reinterpret_cast<const __gm__ uint64_t*>(src);
   uint64_t* to = reinterpret_cast<uint64_t*>(dst);
@@ -46,7 +45,7 @@ __aicore__ inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   }
 }
 
-__aicore__ inline uint64_t now_us() {
+AICORE inline uint64_t now_us() {
 #if defined(__CPU_SIM)
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())
@@ -58,7 +57,7 @@ __aicore__ inline uint64_t now_us() {
 
 // Called when a polling pass found nothing to do: keeps pollers from hammering GM (device) or from starving the
 // simulated cores that do the work (simulator: every block is a thread on a small machine).
-__aicore__ inline void idle_pause() {
+AICORE inline void idle_pause() {
 #if defined(__CPU_SIM)
   std::this_thread::sleep_for(std::chrono::microseconds(20));
 #else
@@ -70,7 +69,7 @@ __aicore__ inline void idle_pause() {
 
 // Make every earlier store of this core (DMA pipes included) visible in GM before what follows: the release
 // half of "payload before flag".
-__aicore__ inline void release_fence() {
+AICORE inline void release_fence() {
   pipe_barrier(PIPE_ALL);
   dsb(DSB_DDR);
 #if defined(__CPU_SIM)
@@ -79,7 +78,7 @@ __aicore__ inline void release_fence() {
 }
 
 // After a flag was seen: no later load (DMA included) may run ahead of it.
-__aicore__ inline void acquire_fence() {
+AICORE inline void acquire_fence() {
 #if defined(__CPU_SIM)
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
 #endif
@@ -89,7 +88,7 @@ __aicore__ inline void acquire_fence() {
 
 // One 32-bit flag (local or in a peer's window). The line is invalidated first so a stale cached copy can never
 // be written back over it, and flushed after so the value leaves this core now.
-__aicore__ inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
+AICORE inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
 #if defined(__CPU_SIM)
   __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 #else
@@ -101,7 +100,7 @@ __aicore__ inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
 #endif
 }
 
-__aicore__ inline uint32_t load_flag(__gm__ uint32_t* flag) {
+AICORE inline uint32_t load_flag(__gm__ uint32_t* flag) {
 #if defined(__CPU_SIM)
   return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
 #else
@@ -112,13 +111,45 @@ __aicore__ inline uint32_t load_flag(__gm__ uint32_t* flag) {
 }
 
 template <typename T>
-__aicore__ inline __gm__ T* gm_at(uint64_t base, int64_t byte_offset) {
+AICORE inline __gm__ T* gm_at(uint64_t base, int64_t byte_offset) {
   return reinterpret_cast<__gm__ T*>(base + static_cast<uint64_t>(byte_offset));
+}
+
+// The element type behind a DTypeCode, as the tile library spells it.
+template <uint32_t Code>
+struct ElemOf;
+template <>
+struct ElemOf<kDTypeFloat16> {
+  using type = half;
+};
+template <>
+struct ElemOf<kDTypeBFloat16> {
+  using type = bfloat16_t;
+};
+
+// 2-D views of GM for TLOAD/TSTORE: rows x cols starting at ptr, the leading dimension ld in elements.
+using GmShape2D = pto::Shape<1, 1, 1, pto::DYNAMIC, pto::DYNAMIC>;
+using GmStride2D = pto::Stride<pto::DYNAMIC, pto::DYNAMIC, pto::DYNAMIC, pto::DYNAMIC, pto::DYNAMIC>;
+template <typename T, pto::Layout L>
+using Gm2D = pto::GlobalTensor<T, GmShape2D, GmStride2D, L>;
+
+// Row-major: element (r, c) at ptr[r * ld + c].
+template <typename T>
+AICORE inline Gm2D<T, pto::Layout::ND> nd_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t all = rows * ld;
+  return Gm2D<T, pto::Layout::ND>(ptr, GmShape2D(1, 1, 1, rows, cols), GmStride2D(all, all, all, ld, 1));
+}
+
+// Column-major: element (r, c) at ptr[c * ld + r] (weight.t() of a row-major [N, K] weight).
+template <typename T>
+AICORE inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t all = cols * ld;
+  return Gm2D<T, pto::Layout::DN>(ptr, GmShape2D(1, 1, 1, rows, cols), GmStride2D(all, all, all, 1, ld));
 }
 
 // Records why this rank gave up on the call, then tells its other blocks to stop. The record is tagged with the
 // call's signal tag, written last, so the host can tell a fresh record from an old one without ever clearing it.
-__aicore__ inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,
+AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,
                                     int32_t stage) {
   if (args.error == 0) return;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
@@ -136,7 +167,7 @@ __aicore__ inline void report_error(const KernelArgs& args, int32_t code, int32_
   store_flag(&rec->abort_tag, tag);
 }
 
-__aicore__ inline bool aborted(const KernelArgs& args) {
+AICORE inline bool aborted(const KernelArgs& args) {
   if (args.error == 0) return false;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
   return load_flag(&rec->abort_tag) == signal_tag(args.epoch);
@@ -144,12 +175,13 @@ __aicore__ inline bool aborted(const KernelArgs& args) {
 
 // What both kernels check before touching memory. Identical on every rank for the same call, so either all ranks
 // run or all stop (the comm kernel reports kErrBadArgs; the compute kernel just returns).
-__aicore__ inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
   const TilePlan& p = args.plan;
   if (args.magic != kKernelArgsMagic || dtype_bytes(args.dtype) == 0) return false;
   if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
   if (args.world < 1 || args.world > kMaxWorld || args.rank < 0 || args.rank >= args.world) return false;
-  if (args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks || args.comm_blocks < 1) return false;
+  if (args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks) return false;
+  if (args.comm_blocks < 1 || args.comm_blocks > kMaxCommBlocks) return false;
   if (launched_blocks != expected_blocks) return false;
   if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK ||
       p.k_step != kNpuBaseK * kNpuKSlices || p.sub_m != kNpuSubM || p.stripes != kNpuBaseM / kNpuSubM) {
@@ -160,7 +192,24 @@ __aicore__ inline bool kernel_args_usable(const KernelArgs& args, int64_t launch
   if (args.lda < p.k || args.lda > 65535 || args.ldb > 65535 || args.ldo < p.n) return false;
   if (args.ldb < (args.b_layout == kBTransposed ? p.k : p.n)) return false;
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0 || args.comm_ctx == 0) return false;
+  // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
+  if (args.window_offset % kWindowAlign != 0 || args.scratch % kWindowAlign != 0) return false;
   if (args.layout.window_bytes > static_cast<int64_t>(args.window_bytes)) return false;
+  // The plan and layout must be exactly what the shared functions give for these sizes and counts.
+  TilePlan plan{};
+  if (!make_tile_plan(&plan, p.m, p.n, p.k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)) return false;
+  const int64_t* want = reinterpret_cast<const int64_t*>(&plan);
+  const int64_t* got = reinterpret_cast<const int64_t*>(&p);
+  for (uint64_t i = 0; i < sizeof(TilePlan) / sizeof(int64_t); ++i) {
+    if (want[i] != got[i]) return false;
+  }
+  const KernelLayout layout =
+      make_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks);
+  const int64_t* want_l = reinterpret_cast<const int64_t*>(&layout);
+  const int64_t* got_l = reinterpret_cast<const int64_t*>(&args.layout);
+  for (uint64_t i = 0; i < sizeof(KernelLayout) / sizeof(int64_t); ++i) {
+    if (want_l[i] != got_l[i]) return false;
+  }
   return true;
 }
 

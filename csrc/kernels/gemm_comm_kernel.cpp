@@ -14,6 +14,9 @@
 //     copies the subtile from its own window to `out`. A 64-item window of the list is polled so out-of-order
 //     readiness does not stall it, and every rank's block c walks the same list, so the earliest unfinished item
 //     anywhere can always finish: no cycle of waits.
+//  4. before leaving, it waits to have seen prepared[owner][c] of every owner, even those it did not need, so no
+//     write of this call is still on its way into this rank's window when the next call (maybe another layout)
+//     starts; every other flag addressed to this rank is waited for anyway.
 // Every wait is bounded: no progress for wait_timeout_us, or another block's failure, ends the kernel with the
 // reason in the ErrorRecord. Flags are exact-tag, per (subtile, source) / per (owner, block) / per subtile, so
 // nothing is reset between calls and shapes may vary (see kernel_args.hpp).
@@ -36,28 +39,6 @@ using pto::BLayout;
 using pto::DYNAMIC;
 using pto::TileType;
 
-template <uint32_t Code>
-struct ElemOf;
-template <>
-struct ElemOf<kDTypeFloat16> {
-  using type = half;
-};
-template <>
-struct ElemOf<kDTypeBFloat16> {
-  using type = bfloat16_t;
-};
-
-using GmShape = pto::Shape<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
-using GmStride = pto::Stride<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
-
-template <typename T>
-using GmRows = pto::GlobalTensor<T, GmShape, GmStride, pto::Layout::ND>;
-
-template <typename T>
-__aicore__ inline GmRows<T> rows_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return GmRows<T>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
-}
-
 // One subtile (sub_m x base_n at most) in UB.
 template <typename T>
 using SubTile = pto::Tile<TileType::Vec, T, kSubM, kBaseN, BLayout::RowMajor, DYNAMIC, DYNAMIC>;
@@ -72,7 +53,7 @@ struct SubtileSpan {
   int64_t tile, stripe, row0, col0, rows, cols;
 };
 
-__aicore__ inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t stripe) {
+AICORE inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t stripe) {
   SubtileSpan s;
   const int64_t mi = tile_row(p, t);
   const int64_t ni = tile_col(p, t);
@@ -88,10 +69,10 @@ __aicore__ inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t
 template <typename T>
 class CommBlock {
  public:
-  __aicore__ inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
+  AICORE inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
 
   // False (error already recorded) when the device context does not match the arguments.
-  __aicore__ inline bool init() {
+  AICORE inline bool init() {
     if (!win_.init(args_)) {
       report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
       return false;
@@ -109,10 +90,11 @@ class CommBlock {
     list_len_ = most * world_;
     list_base_ = 0;
     list_done_ = 0;
+    for (int k = 0; k < kListWindow; ++k) sources_seen_[k] = 0;
     return true;
   }
 
-  __aicore__ inline void prepare() {
+  AICORE inline void prepare() {
     SubTile<T> zeros(kSubM, kBaseN);
     TASSIGN(zeros, kUbZeros);
     TEXPANDS(zeros, static_cast<T>(0));
@@ -126,21 +108,22 @@ class CommBlock {
       if (s.rows == 0) continue;
       SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(view, kUbZeros);
-      auto dst = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+      auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
       TSTORE(dst, view);
     }
     release_fence();
     for (int32_t i = 0; i < world_; ++i) {
       const int32_t peer = (me_ + 1 + i) % world_;
-      store_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, me_, c_, args_.comm_blocks)), tag_);
+      store_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_);
     }
   }
 
-  __aicore__ inline void run() {
+  AICORE inline void run() {
     bool rs_done = queues_.done();
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    while (!rs_done || list_base_ < list_len_) {
+    int32_t announced = 0;  // owners whose prepared[owner][c] flag I have seen
+    while (!rs_done || list_base_ < list_len_ || announced < world_) {
       bool progress = false;
       if (!rs_done) {
         const int64_t t = queues_.poll(args_, tag_);
@@ -155,6 +138,13 @@ class CommBlock {
         }
       }
       if (list_base_ < list_len_ && scan_list()) progress = true;
+      // Before leaving the call, see every owner's "prepared" flag of my column, even those I never needed: then no
+      // write of this call into my window is still in flight when the next call - whose layout may put data where
+      // these flags were - starts. Every other remote write of the call is already waited for.
+      while (announced < world_ && load_flag(prepared_flag(announced, c_)) == tag_) {
+        ++announced;
+        progress = true;
+      }
       if (progress) {
         last_progress = now_us();
         continue;
@@ -170,27 +160,32 @@ class CommBlock {
   }
 
  private:
-  __aicore__ inline SubtileSpan span_of(int64_t l, int32_t owner) const {
+  AICORE inline SubtileSpan span_of(int64_t l, int32_t owner) const {
     const TilePlan& p = args_.plan;
     return subtile_span(p, subtile_tile(l, owner, world_, p.stripes), subtile_stripe(l, p.stripes));
   }
 
-  __aicore__ inline __gm__ T* reduced(int32_t rank, const SubtileSpan& s) const {
+  AICORE inline __gm__ T* reduced(int32_t rank, const SubtileSpan& s) const {
     return win_.at<T>(rank, args_.layout.reduced_offset) + s.row0 * args_.plan.pad_n + s.col0;
   }
 
-  __aicore__ inline __gm__ uint32_t* arrival_flag(int32_t rank, const SubtileSpan& s) const {
+  AICORE inline __gm__ uint32_t* arrival_flag(int32_t rank, const SubtileSpan& s) const {
     return win_.at<uint32_t>(rank, arrival_flag_offset(args_.layout, s.tile, s.stripe, args_.plan.stripes));
   }
 
-  __aicore__ inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
+  AICORE inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
     return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
   }
 
+  // The flag in my window by which owner `owner`'s comm block `block` announces its zeroed subtiles.
+  AICORE inline __gm__ uint32_t* prepared_flag(int32_t owner, int64_t block) const {
+    return win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, block, world_));
+  }
+
   // Bounded wait for owner `owner` to have zeroed subtile l's block of its reduced buffer in this call.
-  __aicore__ inline bool wait_prepared(int32_t owner, int64_t l) {
+  AICORE inline bool wait_prepared(int32_t owner, int64_t l) {
     const int64_t block = ag_block_of(l, args_.comm_blocks);
-    __gm__ uint32_t* flag = win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, owner, block, args_.comm_blocks));
+    __gm__ uint32_t* flag = prepared_flag(owner, block);
     const uint64_t start = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
     while (load_flag(flag) != tag_) {
@@ -206,7 +201,7 @@ class CommBlock {
   }
 
   // Every stripe of tile t from the partial buffer into the owner's reduced buffer by atomic add.
-  __aicore__ inline bool reduce_scatter_tile(int64_t t) {
+  AICORE inline bool reduce_scatter_tile(int64_t t) {
     const TilePlan& p = args_.plan;
     const int32_t owner = static_cast<int32_t>(owner_of(t, world_));
     __gm__ T* partial = gm_at<T>(args_.scratch, args_.layout.partial_offset);
@@ -217,12 +212,12 @@ class CommBlock {
       if (!wait_prepared(owner, l)) return false;
       SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(tile, kUbMove);
-      auto src = rows_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
+      auto src = nd_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
       TLOAD(tile, src);
       set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      auto dst = rows_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
-      TSTORE<SubTile<T>, GmRows<T>, pto::AtomicType::AtomicAdd>(dst, tile);
+      auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
+      TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
       set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       release_fence();
@@ -232,7 +227,7 @@ class CommBlock {
   }
 
   // Item i of the gather list: (j = i / world, owner = i % world). True once it is finished (or is empty).
-  __aicore__ inline bool try_item(int64_t i) {
+  AICORE inline bool try_item(int64_t i) {
     const TilePlan& p = args_.plan;
     const int64_t j = i / world_;
     const int32_t owner = static_cast<int32_t>(i % world_);
@@ -243,9 +238,10 @@ class CommBlock {
     const SubtileSpan s = span_of(l, owner);
     if (s.rows == 0) return true;
     if (owner == me_) {
-      for (int32_t src = 0; src < world_; ++src) {
-        if (load_flag(contrib_flag(me_, l, src)) != tag_) return false;
-      }
+      // Flags never go back within a call: resume where the last pass stopped, so each is read once when set.
+      int32_t& seen = sources_seen_[i % kListWindow];
+      while (seen < world_ && load_flag(contrib_flag(me_, l, seen)) == tag_) ++seen;
+      if (seen < world_) return false;
       acquire_fence();
       gather(l, s);
     } else {
@@ -257,7 +253,7 @@ class CommBlock {
   }
 
   // One pass over the polled part of the list; slides it past finished items.
-  __aicore__ inline bool scan_list() {
+  AICORE inline bool scan_list() {
     bool progress = false;
     for (int k = 0; k < kListWindow; ++k) {
       const int64_t i = list_base_ + k;
@@ -266,6 +262,7 @@ class CommBlock {
       if ((list_done_ & bit) != 0) continue;
       if (try_item(i)) {
         list_done_ |= bit;
+        sources_seen_[i % kListWindow] = 0;  // the slot's next item, i + kListWindow, starts from scratch
         progress = true;
       }
     }
@@ -277,19 +274,19 @@ class CommBlock {
   }
 
   // A fully reduced subtile of mine: to `out`, then to every peer's window, then their arrival flags.
-  __aicore__ inline void gather(int64_t l, const SubtileSpan& s) {
+  AICORE inline void gather(int64_t l, const SubtileSpan& s) {
     const int64_t pad_n = args_.plan.pad_n;
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
-    auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
+    auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    auto out = rows_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+    auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
     TSTORE(out, tile);
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
-      auto dst = rows_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
+      auto dst = nd_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
       TSTORE(dst, tile);
     }
     set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
@@ -302,14 +299,14 @@ class CommBlock {
   }
 
   // A subtile another owner delivered into my window: to `out`.
-  __aicore__ inline void copy_out(const SubtileSpan& s) {
+  AICORE inline void copy_out(const SubtileSpan& s) {
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
-    auto src = rows_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+    auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    auto out = rows_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+    auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
     TSTORE(out, tile);
     set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
     wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
@@ -318,12 +315,11 @@ class CommBlock {
   // Names what this block is waiting for, root causes first: a rank that never announced this call (dead or not
   // launched; waits on everyone else would cascade from it), then this rank's own compute, then missing
   // contributions to my subtiles, then deliveries from other owners.
-  __aicore__ inline void report_stall(bool rs_done) {
+  AICORE inline void report_stall(bool rs_done) {
     const int32_t block = static_cast<int32_t>(c_);
     for (int32_t o = 0; o < world_; ++o) {
       for (int64_t cb = 0; cb < args_.comm_blocks; ++cb) {
-        __gm__ uint32_t* flag = win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, o, cb, args_.comm_blocks));
-        if (load_flag(flag) != tag_) {
+        if (load_flag(prepared_flag(o, cb)) != tag_) {
           report_error(args_, kErrTimeoutPrepare, o, cb, block, 1);
           return;
         }
@@ -364,11 +360,12 @@ class CommBlock {
   uint32_t tag_ = 0;
   int64_t list_len_ = 0;
   int64_t list_base_ = 0;
-  uint64_t list_done_ = 0;
+  uint64_t list_done_ = 0;                 // bit k: item list_base_ + k is finished
+  int32_t sources_seen_[kListWindow];      // for my own items, by item index mod kListWindow: contrib flags seen
 };
 
 template <uint32_t DType>
-__aicore__ inline void comm_block_main(const KernelArgs& args, int64_t block) {
+AICORE inline void comm_block_main(const KernelArgs& args, int64_t block) {
   CommBlock<typename ElemOf<DType>::type> comm(args, block);
   if (!comm.init()) return;
   comm.prepare();

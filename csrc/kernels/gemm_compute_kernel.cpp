@@ -39,36 +39,6 @@ using pto::DYNAMIC;
 using pto::SLayout;
 using pto::TileType;
 
-// Element types as the tile library spells them.
-template <uint32_t Code>
-struct ElemOf;
-template <>
-struct ElemOf<kDTypeFloat16> {
-  using type = half;
-};
-template <>
-struct ElemOf<kDTypeBFloat16> {
-  using type = bfloat16_t;
-};
-
-using GmShape = pto::Shape<1, 1, 1, DYNAMIC, DYNAMIC>;
-using GmStride = pto::Stride<DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC, DYNAMIC>;
-
-template <typename T, pto::Layout L>
-using Gm2D = pto::GlobalTensor<T, GmShape, GmStride, L>;
-
-// Row-major (ND) view of rows x cols starting at ptr with row stride ld.
-template <typename T>
-__aicore__ inline Gm2D<T, pto::Layout::ND> nd_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return Gm2D<T, pto::Layout::ND>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(rows * ld, rows * ld, rows * ld, ld, 1));
-}
-
-// Column-major (DN) view: element (r, c) at ptr[c * ld + r]; used for weight.t() ([N, K] row-major in memory).
-template <typename T>
-__aicore__ inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int64_t cols, int64_t ld) {
-  return Gm2D<T, pto::Layout::DN>(ptr, GmShape(1, 1, 1, rows, cols), GmStride(cols * ld, cols * ld, cols * ld, 1, ld));
-}
-
 // Tile types of one (dtype, b layout) instantiation. Each L1 panel has two views of the same bytes: a dynamic one
 // sized to what TLOAD really reads, and a full one that the extracts slice.
 template <typename T, uint32_t BLayoutCode>
@@ -89,7 +59,6 @@ struct CubeTiles {
   using Acc = pto::TileAcc<float, kBaseM, kBaseN, kBaseM, kBaseN>;
 
   using BiasRow = pto::Tile<TileType::Mat, float, 1, kBaseN, BLayout::RowMajor, 1, kBaseN>;
-  using BiasRowLoad = pto::Tile<TileType::Mat, float, 1, kBaseN, BLayout::RowMajor, 1, DYNAMIC>;
   using BiasTable = pto::Tile<TileType::Bias, float, 1, kBaseN, BLayout::RowMajor, 1, kBaseN>;
 };
 
@@ -98,7 +67,7 @@ class TileComputer {
   using Tiles = CubeTiles<T, BLayoutCode>;
 
  public:
-  __aicore__ inline explicit TileComputer(const KernelArgs& args) : args_(args) {
+  AICORE inline explicit TileComputer(const KernelArgs& args) : args_(args) {
     TASSIGN(a_panel_[0], kL1A0);
     TASSIGN(a_panel_[1], kL1A1);
     TASSIGN(b_panel_[0], kL1B0);
@@ -113,7 +82,7 @@ class TileComputer {
   }
 
   // Computes tile (mi, ni) into the partial buffer; returns after the TSTORE was issued (not completed).
-  __aicore__ inline void run(int64_t mi, int64_t ni, bool add_bias) {
+  AICORE inline void run(int64_t mi, int64_t ni, bool add_bias) {
     const TilePlan& p = args_.plan;
     const int64_t row0 = mi * p.base_m;
     const int64_t col0 = ni * p.base_n;
@@ -121,7 +90,7 @@ class TileComputer {
     const int64_t cols = tile_cols(p, ni);
     const int64_t slices = ceil_div(p.k, p.base_k);
 
-    if (add_bias) load_bias(col0, cols);
+    if (add_bias) load_bias(col0);
 
     // Both L1 panel buffers and both L0 buffers start free.
     set_flag(PIPE_MTE1, PIPE_MTE2, EVENT_ID0);
@@ -176,26 +145,27 @@ class TileComputer {
   }
 
  private:
-  // bias[col0, col0 + cols) (fp32) into the bias table; done before the first slice's extracts, so the MTE1 ->
-  // M flag of slice 0 also orders the TMOV before TMATMUL_BIAS.
-  __aicore__ inline void load_bias(int64_t col0, int64_t cols) {
-    typename Tiles::BiasRowLoad load(static_cast<unsigned>(cols));
-    TASSIGN(load, kL1Bias);
-    auto src = nd_view<float>(gm_at<float>(args_.bias, 0) + col0, 1, cols, cols);
-    TLOAD(load, src);
+  // bias[col0, col0 + base_n) (fp32; the host pads the vector to pad_n, so no tail: GM -> L1 copies move whole
+  // 32-byte blocks) into the bias table. Issued before the first slice's extracts, so the MTE1 -> M flag of slice
+  // 0 also orders the TMOV before TMATMUL_BIAS.
+  AICORE inline void load_bias(int64_t col0) {
+    auto src = nd_view<float>(gm_at<float>(args_.bias, 0) + col0, 1, kBaseN, kBaseN);
+    TLOAD(bias_row_, src);
     set_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
     wait_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
     TMOV(bias_table_, bias_row_);
   }
 
   // A[row0:+rows, k0:+kv] and the matching B block into L1 buffer `buf`.
-  __aicore__ inline void load_panel(int buf, int64_t row0, int64_t rows, int64_t col0, int64_t cols, int64_t k0) {
+  AICORE inline void load_panel(int buf, int64_t row0, int64_t rows, int64_t col0, int64_t cols, int64_t k0) {
     const TilePlan& p = args_.plan;
     const int64_t kv = (p.k - k0) < kStepK ? (p.k - k0) : static_cast<int64_t>(kStepK);
     const uint32_t a_addr = buf == 0 ? kL1A0 : kL1A1;
     const uint32_t b_addr = buf == 0 ? kL1B0 : kL1B1;
     if (rows < kBaseM || cols < kBaseN || kv < kStepK) {
-      // Zero the whole panels first (same MTE2 queue as the loads below, fenced to be safe: edge tiles only).
+      // Zero the whole panels first. Fenced on both sides (edge tiles only): the fill must not overtake the
+      // extracts still reading this buffer, nor the loads below overtake the fill, whatever pipe it runs on.
+      pipe_barrier(PIPE_ALL);
       TEXPANDS(a_panel_[buf], static_cast<T>(0));
       TEXPANDS(b_panel_[buf], static_cast<T>(0));
       pipe_barrier(PIPE_ALL);
@@ -227,7 +197,7 @@ class TileComputer {
 };
 
 template <uint32_t DType, uint32_t BLayoutCode>
-__aicore__ inline void compute_all_tiles(const KernelArgs& args, int64_t block) {
+AICORE inline void compute_all_tiles(const KernelArgs& args, int64_t block) {
   using T = typename ElemOf<DType>::type;
   TileComputer<T, BLayoutCode> computer(args);
   const bool add_bias = args.bias != 0 && args.rank == args.bias_rank;

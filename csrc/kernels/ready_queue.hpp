@@ -14,24 +14,24 @@ namespace gemm_ar {
 namespace device {
 
 // Tile id of the j-th tile published by compute block `block`.
-__aicore__ inline int64_t queue_tile(const TilePlan& plan, int64_t compute_blocks, int64_t block, int64_t j) {
+AICORE inline int64_t queue_tile(const TilePlan& plan, int64_t compute_blocks, int64_t block, int64_t j) {
   const Range range = block_range(plan.tiles, compute_blocks, block);
   return zigzag_tile(range.begin + j, plan.n_tiles);
 }
 
-__aicore__ inline int64_t queue_length(const TilePlan& plan, int64_t compute_blocks, int64_t block) {
+AICORE inline int64_t queue_length(const TilePlan& plan, int64_t compute_blocks, int64_t block) {
   const Range range = block_range(plan.tiles, compute_blocks, block);
   return range.end - range.begin;
 }
 
 // Word 0 of the slot: the tile id; word 1: the tag.
-__aicore__ inline __gm__ uint32_t* queue_slot(const KernelArgs& args, int64_t block, int64_t j) {
+AICORE inline __gm__ uint32_t* queue_slot(const KernelArgs& args, int64_t block, int64_t j) {
   return gm_at<uint32_t>(args.scratch, queue_slot_offset(args.layout, block, j));
 }
 
 // Producer side: call after the tile's TSTORE was issued. The fence waits for the FIXPIPE store and pushes it to
 // GM before the slot can be seen by the vector cores; id and tag share one cache line, id stored first.
-__aicore__ inline void queue_publish(const KernelArgs& args, int64_t block, int64_t j, int64_t tile) {
+AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t j, int64_t tile) {
   release_fence();
   __gm__ uint32_t* slot = queue_slot(args, block, j);
   volatile __gm__ uint32_t* id = slot;
@@ -42,20 +42,20 @@ __aicore__ inline void queue_publish(const KernelArgs& args, int64_t block, int6
 // Consumer side: every queue {c, c + Q, ...} of one comm block, each drained in order.
 class QueueCursor {
  public:
-  __aicore__ inline void init(const KernelArgs& args, int64_t comm_block) {
-    count_ = 0;
-    for (int64_t q = comm_block; q < args.compute_blocks; q += args.comm_blocks) {
-      queue_[count_] = static_cast<int32_t>(q);
-      head_[count_] = 0;
-      length_[count_] = static_cast<int32_t>(queue_length(args.plan, args.compute_blocks, q));
-      ++count_;
+  AICORE inline void init(const KernelArgs& args, int64_t comm_block) {
+    count_ = static_cast<int32_t>(comm_block_queue_count(comm_block, args.compute_blocks, args.comm_blocks));
+    for (int32_t k = 0; k < count_; ++k) {
+      const int64_t q = comm_block_queue(comm_block, k, args.comm_blocks);
+      queue_[k] = static_cast<int32_t>(q);
+      head_[k] = 0;
+      length_[k] = static_cast<int32_t>(queue_length(args.plan, args.compute_blocks, q));
     }
     next_ = 0;
   }
 
   // The next published tile of any of my queues (round robin), -1 when none is ready now, or -2 when a slot
   // carried an id the producer's walk does not have there (corrupt_item() says which).
-  __aicore__ inline int64_t poll(const KernelArgs& args, uint32_t tag) {
+  AICORE inline int64_t poll(const KernelArgs& args, uint32_t tag) {
     for (int32_t i = 0; i < count_; ++i) {
       const int32_t k = (next_ + i) % count_;
       if (head_[k] >= length_[k]) continue;
@@ -73,9 +73,9 @@ class QueueCursor {
     return -1;
   }
 
-  __aicore__ inline int64_t corrupt_item() const { return corrupt_; }
+  AICORE inline int64_t corrupt_item() const { return corrupt_; }
 
-  __aicore__ inline bool done() const {
+  AICORE inline bool done() const {
     for (int32_t k = 0; k < count_; ++k) {
       if (head_[k] < length_[k]) return false;
     }
@@ -83,7 +83,7 @@ class QueueCursor {
   }
 
   // For error reports: the first queue still waiting and its slot, as queue * 2^32 + slot.
-  __aicore__ inline int64_t first_pending() const {
+  AICORE inline int64_t first_pending() const {
     for (int32_t k = 0; k < count_; ++k) {
       if (head_[k] < length_[k]) return (static_cast<int64_t>(queue_[k]) << 32) | head_[k];
     }

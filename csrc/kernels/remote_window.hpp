@@ -11,7 +11,7 @@ class RemoteWindows {
  public:
   // Reads the window bases of all ranks from the device context once; false when the context does not describe
   // the group the host said it does (wrong rank or world).
-  __aicore__ inline bool init(const KernelArgs& args) {
+  AICORE inline bool init(const KernelArgs& args) {
     __gm__ CommContext* ctx = reinterpret_cast<__gm__ CommContext*>(args.comm_ctx);
     invalidate_lines(ctx, static_cast<int64_t>(sizeof(CommContext)));
     me_ = args.rank;
@@ -29,24 +29,24 @@ class RemoteWindows {
 
   // Address of byte `offset` of our region in rank `peer`'s window.
   template <typename T>
-  __aicore__ inline __gm__ T* at(int32_t peer, int64_t offset) const {
+  AICORE inline __gm__ T* at(int32_t peer, int64_t offset) const {
     return gm_at<T>(base_[peer], offset);
   }
 
   template <typename T>
-  __aicore__ inline __gm__ T* local(int64_t offset) const {
+  AICORE inline __gm__ T* local(int64_t offset) const {
     return at<T>(me_, offset);
   }
 
   // The peer's copy of a local window address.
   template <typename T>
-  __aicore__ inline __gm__ T* remote(__gm__ T* local_ptr, int32_t peer) const {
+  AICORE inline __gm__ T* remote(__gm__ T* local_ptr, int32_t peer) const {
     const uint64_t offset = reinterpret_cast<uint64_t>(local_ptr) - base_[me_];
     return reinterpret_cast<__gm__ T*>(base_[peer] + offset);
   }
 
-  __aicore__ inline int32_t me() const { return me_; }
-  __aicore__ inline int32_t world() const { return world_; }
+  AICORE inline int32_t me() const { return me_; }
+  AICORE inline int32_t world() const { return world_; }
 
  private:
   uint64_t base_[kMaxWorld];

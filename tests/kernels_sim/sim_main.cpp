@@ -11,7 +11,7 @@
 // job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
-// c<call>_bias.bin (n float32). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
+// c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
 // starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
 // (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them).
 #include <pto/pto-inst.hpp>
@@ -187,7 +187,12 @@ int run(const std::string& dir) {
     const std::string pre = dir + "/c" + std::to_string(c) + "_";
     const int64_t b_rows = s.b_layout == gemm_ar::kBTransposed ? s.n : s.k;
     b_in[c] = read_file(pre + "b.bin", static_cast<size_t>(b_rows * s.ldb) * elem);
-    if (s.has_bias) bias_in[c] = read_file(pre + "bias.bin", static_cast<size_t>(s.n) * sizeof(float));
+    if (s.has_bias) {
+      // The kernels take the bias as fp32 padded with zeros to pad_n, as the host prepares it.
+      const gemm_ar::KernelArgs a = base_args(job, s, 0);
+      bias_in[c] = read_file(pre + "bias.bin", static_cast<size_t>(s.n) * sizeof(float));
+      bias_in[c].resize(static_cast<size_t>(a.plan.pad_n) * sizeof(float), 0);
+    }
     for (int r = 0; r < world; ++r) {
       a_in[c].push_back(read_file(pre + "a" + std::to_string(r) + ".bin", static_cast<size_t>(s.m * s.lda) * elem));
       out[c].emplace_back(static_cast<size_t>(s.m * s.ldo) * elem, 0xFF);  // NaN pattern: unwritten stays NaN

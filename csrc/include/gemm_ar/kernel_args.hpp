@@ -4,7 +4,8 @@
 // host and device agree on the size), trivially copyable.
 //
 // How a call is launched (host side):
-//   1. fill a KernelArgs (make_kernel_layout() gives the window/scratch layout and the sizes to check),
+//   1. fill a KernelArgs (plan_kernel_args() fills plan and layout: the window and scratch sizes to check; the
+//      bias goes in as fp32 zero-padded to plan.pad_n),
 //   2. copy it into device memory (one copy serves both kernels; it must stay alive until both finished),
 //   3. launch_gemm_compute(compute_blocks, current stream, args_dev) and launch_gemm_comm(comm_blocks, comm
 //      stream, args_dev) (csrc/kernels/kernel_launch.h); AscendC kernels take only pointers and scalars, which is
@@ -20,6 +21,12 @@
 // (subtile, source) instead of one counter per subtile. The reduced buffer does need zeros before the atomic adds:
 // each owner zeroes its own subtiles at the start of its comm kernel and then announces it per (owner, comm block)
 // with a "prepared" flag in every rank's window; a source adds into an owner's subtile only after seeing it.
+// Shapes may differ between calls, so regions move; two rules keep one call's writes out of another call's data:
+//  - "prepared" flags are the only writes a rank can receive for call e+1 while it is still in call e (everything
+//    else needs its own participation in e+1 first). They live in a region whose place does not depend on the
+//    shape, in two banks by epoch parity: consecutive calls must use epochs of different parity (a counter does).
+//  - before a comm block leaves a call it has seen every flag of the call addressed to it (including the prepared
+//    flags it did not need), so no write of call e is still in flight when call e+1 starts.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -32,8 +39,10 @@
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x31524147u;  // "GAR1": bumped whenever KernelArgs changes
+constexpr uint32_t kKernelArgsMagic = 0x32524147u;  // "GAR2": bumped whenever KernelArgs or its meaning changes
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
+constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
+constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
 constexpr int64_t kFlagStride = kCacheLine;         // one flag per cache line: AICore flushes whole lines
 constexpr int64_t kQueueSlotBytes = 8;              // ready-queue slot: uint32 tile id, then uint32 tag
 
@@ -71,8 +80,9 @@ struct CommContext {
 // same on every rank; scratch offsets are relative to KernelArgs::scratch (plain device memory, this rank only).
 struct KernelLayout {
   // window (remote ranks write here)
+  int64_t prepared_offset, prepared_bytes; // [epoch & 1][owner][comm block] flags: "my subtiles are zeroed";
+                                           // first, sized by world and kMaxCommBlocks only: never moves
   int64_t reduced_offset, reduced_bytes;   // pad_m x pad_n output dtype: RS atomic adds, then AG copies
-  int64_t prepared_offset, prepared_bytes; // [owner][comm block] flags: "my subtiles of this call are zeroed"
   int64_t contrib_offset, contrib_bytes;   // [owner-local subtile][source] flags: "source added its part"
   int64_t arrival_offset, arrival_bytes;   // [tile * stripes + stripe] flags: "the owner delivered this subtile"
   int64_t window_bytes;                    // total needed from window_offset on
@@ -114,30 +124,36 @@ struct KernelArgs {
   uint32_t magic;          // kKernelArgsMagic
   uint32_t dtype;          // DTypeCode of a, b, bias, out (accumulation is fp32)
   uint32_t b_layout;       // BLayoutCode
-  uint32_t epoch;          // per-communicator call counter, same on every rank, different every call
+  uint32_t epoch;          // per-communicator call counter: same on every rank, +1 every call (parity alternates)
 
   uint64_t a;              // [M, K], a[m * lda + k]
   uint64_t b;              // see b_layout
-  uint64_t bias;           // [N] contiguous FLOAT32 (the host converts), or 0: added once, by rank bias_rank, in
-                           // the cube's fp32 accumulator (A2/A3's bias table takes fp32, not bf16)
+  uint64_t bias;           // FLOAT32 [plan.pad_n], zero past N (the host converts and pads), or 0: added once, by
+                           // rank bias_rank, in the cube's fp32 accumulator (A2/A3's bias table takes fp32, not
+                           // bf16; padding lets every tile load whole 32-byte blocks)
   uint64_t out;            // [M, N], out[m * ldo + n]: the result, written by the comm kernel on every rank
   int64_t lda, ldb, ldo;   // row strides in elements
 
   uint64_t comm_ctx;       // device address of the CommContext
-  uint64_t window_offset;  // where our region starts in every rank's windows_in[] (same on every rank)
+  uint64_t window_offset;  // where our region starts in every rank's windows_in[] (same on every rank; a
+                           // multiple of kWindowAlign)
   uint64_t window_bytes;   // bytes available from window_offset on (checked against layout.window_bytes)
-  uint64_t scratch;        // device address of this rank's scratch (layout.scratch_bytes, 512-byte aligned)
+  uint64_t scratch;        // device address of this rank's scratch (layout.scratch_bytes, kWindowAlign-aligned)
   uint64_t error;          // device address of this rank's ErrorRecord
 
   int32_t rank, world;             // must match comm_ctx->rank_id / rank_num
-  int32_t compute_blocks;          // P: launch block count of GemmComputeKernel
-  int32_t comm_blocks;             // Q: launch block count of GemmCommKernel (all must run concurrently)
+  int32_t compute_blocks;          // P <= kMaxComputeBlocks: launch block count of GemmComputeKernel
+  int32_t comm_blocks;             // Q <= kMaxCommBlocks: launch block count of GemmCommKernel (all must run
+                                   // concurrently)
   int32_t bias_rank;               // which rank adds the bias (normally 0)
-  uint32_t wait_timeout_us;        // a wait without progress for this long fails the call (ErrorRecord)
+  uint32_t wait_timeout_us;        // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
 
   TilePlan plan;                   // make_tile_plan(m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)
   KernelLayout layout;             // make_kernel_layout(plan, elem_bytes, world, compute_blocks, comm_blocks)
 };
+
+static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(KernelLayout) % sizeof(int64_t) == 0,
+              "the kernels compare plans and layouts field by field as int64_t arrays");
 
 GEMM_AR_FN int64_t dtype_bytes(uint32_t dtype) {
   return (dtype == kDTypeFloat16 || dtype == kDTypeBFloat16) ? 2 : 0;
@@ -153,15 +169,18 @@ GEMM_AR_FN uint32_t signal_tag(uint32_t epoch) {
 
 GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
                                            int64_t compute_blocks, int64_t comm_blocks) {
+  // The prepared region is sized by kMaxCommBlocks, not by comm_blocks, so that its place never depends on the
+  // call (see the top of this file); the parameter stays so that every caller passes the same counts.
+  (void)comm_blocks;
   KernelLayout k{};
   const int64_t elems = plan.pad_m * plan.pad_n;
   int64_t at = 0;
+  k.prepared_offset = at;
+  k.prepared_bytes = 2 * world * kMaxCommBlocks * kFlagStride;
+  at = align_up(at + k.prepared_bytes, kWindowAlign);
   k.reduced_offset = at;
   k.reduced_bytes = elems * elem_bytes;
   at = align_up(at + k.reduced_bytes, kWindowAlign);
-  k.prepared_offset = at;
-  k.prepared_bytes = world * comm_blocks * kFlagStride;
-  at = align_up(at + k.prepared_bytes, kWindowAlign);
   k.contrib_offset = at;
   k.contrib_bytes = max_owned_subtile_count(plan.tiles, world, plan.stripes) * world * kFlagStride;
   at = align_up(at + k.contrib_bytes, kWindowAlign);
@@ -183,9 +202,10 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
 }
 
 // Byte offsets of single flags, relative to the window region / scratch.
-GEMM_AR_FN int64_t prepared_flag_offset(const KernelLayout& k, int64_t owner, int64_t comm_block,
-                                        int64_t comm_blocks) {
-  return k.prepared_offset + (owner * comm_blocks + comm_block) * kFlagStride;
+GEMM_AR_FN int64_t prepared_flag_offset(const KernelLayout& k, uint32_t epoch, int64_t owner, int64_t comm_block,
+                                        int64_t world) {
+  const int64_t bank = static_cast<int64_t>(epoch & 1u);
+  return k.prepared_offset + ((bank * world + owner) * kMaxCommBlocks + comm_block) * kFlagStride;
 }
 GEMM_AR_FN int64_t contrib_flag_offset(const KernelLayout& k, int64_t local_subtile, int64_t source, int64_t world) {
   return k.contrib_offset + (local_subtile * world + source) * kFlagStride;
@@ -203,7 +223,9 @@ GEMM_AR_FN int64_t queue_slot_offset(const KernelLayout& k, int64_t queue, int64
 GEMM_AR_FN bool plan_kernel_args(KernelArgs* args, int64_t m, int64_t n, int64_t k) {
   if (args == nullptr || dtype_bytes(args->dtype) == 0) return false;
   if (m <= 0 || n <= 0 || k <= 0) return false;
-  if (args->world < 1 || args->world > kMaxWorld || args->compute_blocks < 1 || args->comm_blocks < 1) return false;
+  if (args->world < 1 || args->world > kMaxWorld) return false;
+  if (args->compute_blocks < 1 || args->compute_blocks > kMaxComputeBlocks) return false;
+  if (args->comm_blocks < 1 || args->comm_blocks > kMaxCommBlocks) return false;
   if (!make_tile_plan(&args->plan, m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)) return false;
   args->layout = make_kernel_layout(args->plan, dtype_bytes(args->dtype), args->world, args->compute_blocks,
                                     args->comm_blocks);
