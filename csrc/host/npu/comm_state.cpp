@@ -23,8 +23,6 @@ namespace {
 
 namespace layout = hccl_layout;
 
-// The kernels' limit on compute blocks (kMaxComputeBlocks in csrc/kernels/device_support.hpp, a device-only header).
-constexpr int64_t kKernelMaxComputeBlocks = 64;
 
 // How far one rank's setup got. The code travels to the other ranks so that every rank reaches the same decision
 // and can say who failed where.
@@ -204,9 +202,11 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     const int64_t vector = device_info(device, ACL_DEV_ATTR_VECTOR_CORE_NUM, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
     // One compute block per cube core. Half the vector cores drive the transfers by default (the seed's 24 of 48),
     // which leaves vector cores for other streams: every comm block must be resident at once.
-    const int64_t max_compute = std::min(cube, kKernelMaxComputeBlocks);
+    const int64_t max_compute = std::min(cube, kMaxComputeBlocks);
+    const int64_t max_comm = std::min(vector, kMaxCommBlocks);
     local.compute_blocks = env_int("TORCH_GEMM_AR_NPU_COMPUTE_BLOCKS", max_compute, 1, max_compute);
-    local.comm_blocks = env_int("TORCH_GEMM_AR_NPU_COMM_BLOCKS", std::max<int64_t>(1, vector / 2), 1, vector);
+    local.comm_blocks =
+        env_int("TORCH_GEMM_AR_NPU_COMM_BLOCKS", std::clamp<int64_t>(vector / 2, 1, max_comm), 1, max_comm);
   } catch (const SetupError& e) {
     local.stage = e.stage;
     local.error = e.what();

@@ -43,7 +43,7 @@ struct Operands {
   uint32_t b_layout = kBRowMajor;
 };
 
-Operands prepare_operands(const CallArgs& call) {
+Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
   const int64_t m = call.m, k = call.k, n = call.n;
   Operands ops;
   ops.a = call.a2d;
@@ -65,8 +65,12 @@ Operands prepare_operands(const CallArgs& call) {
     ops.b_layout = kBRowMajor;
     ops.ldb = n;
   }
-  // The cube adds the bias to its fp32 accumulator, whose bias table takes fp32 on A2/A3.
-  if (call.bias.has_value()) ops.bias = call.bias->to(at::kFloat).contiguous();
+  // The cube adds the bias to its fp32 accumulator (A2/A3's bias table takes fp32) and loads it in whole 32-byte
+  // blocks per tile, so it goes in as fp32 padded with zeros to pad_n.
+  if (call.bias.has_value()) {
+    ops.bias = at::zeros({plan.pad_n}, call.bias->options().dtype(at::kFloat));
+    ops.bias.narrow(0, 0, n).copy_(*call.bias);
+  }
   return ops;
 }
 
@@ -207,10 +211,14 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   const uint64_t needed = kHcclStagingReserveBytes + static_cast<uint64_t>(args.layout.window_bytes);
   TORCH_CHECK(needed <= state.window_bytes, "gemm_allreduce: ", window_too_small(call, state, args, needed));
 
-  const Operands ops = prepare_operands(call);
+  const Operands ops = prepare_operands(call, args.plan);
   auto out = at::empty({call.m, call.n}, call.b.options());
   const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
-  auto scratch = at::empty({args.layout.scratch_bytes}, bytes);
+  // The kernels want the scratch kWindowAlign-aligned; the slack makes that true whatever the allocator returns.
+  auto scratch_storage = at::empty({args.layout.scratch_bytes + kWindowAlign}, bytes);
+  const auto storage_address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(scratch_storage.data_ptr()));
+  const int64_t skip = align_up(storage_address, kWindowAlign) - storage_address;
+  auto scratch = scratch_storage.narrow(0, skip, args.layout.scratch_bytes);
   // Queue slots carry epoch tags; zero is never one, so recycled memory can never look like a published tile.
   scratch.narrow(0, args.layout.queue_offset, static_cast<int64_t>(state.compute_blocks) * args.layout.queue_stride)
       .zero_();
