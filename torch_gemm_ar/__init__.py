@@ -3,9 +3,13 @@
 `gemm_allreduce(a, b, group)` returns `all_reduce_sum(a_rank @ b) [+ bias]`, identical on every rank; it is also
 available as `torch.ops.pto.gemm_allreduce(a, b, group_name, *, bias=None, algorithm="auto")`.
 """
+import torch  # noqa: F401  (loads libtorch before the extension)
+
 from . import _C  # noqa: F401  (registers torch.ops.pto.gemm_allreduce)
 from . import _registrations  # noqa: F401  (fake kernel and autograd formula)
 from ._ops import ALGORITHMS, gemm_allreduce, group_name_of
+from .engine_mode import fused_engine_mode
+from . import nn
 
-__all__ = ["ALGORITHMS", "gemm_allreduce", "group_name_of"]
+__all__ = ["ALGORITHMS", "fused_engine_mode", "gemm_allreduce", "group_name_of", "nn"]
 __version__ = "0.1.0"

@@ -39,6 +39,7 @@ const char* error_code_summary(int64_t code) {
     case kDtype: return "unsupported or mixed dtypes";
     case kDevice: return "tensors on the wrong or mixed devices";
     case kAlgorithm: return "unknown `algorithm`";
+    case kFusedUnavailableError: return "algorithm='fused' is not available there";
     default: return "invalid arguments";
   }
 }

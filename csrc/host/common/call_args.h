@@ -30,6 +30,9 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
                       std::string_view algorithm, c10::DeviceType device_type,
                       const std::vector<at::ScalarType>& supported_dtypes);
 
+// Error code of a rank that was asked for algorithm='fused' where it cannot run.
+constexpr int64_t kFusedUnavailableError = 8;
+
 // Short description of an error code, used when another rank reports it.
 const char* error_code_summary(int64_t code);
 

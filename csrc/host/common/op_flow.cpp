@@ -27,14 +27,22 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);
   }
-  check_ranks_agree(*group, call, a.device());
+  // Asked on every rank, bad arguments or not: on CPU the first call on a group sets up its shared windows.
+  const std::string fused_reason = backend.fused_unavailable_reason(call, *group);
   Algorithm chosen = call.algorithm;
-  if (chosen == Algorithm::Fused) {
-    std::string reason = backend.fused_unavailable_reason(call, *group);
-    TORCH_CHECK(reason.empty(), "gemm_allreduce: algorithm='fused' is not available for this call: ", reason,
-                " (use algorithm='auto', 'chunked' or 'sequential')");
-  } else if (chosen == Algorithm::Auto) {
-    chosen = backend.choose_auto(call, *group, backend.fused_unavailable_reason(call, *group).empty());
+  if (call.error.empty() && chosen == Algorithm::Fused) {
+    if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
+      call.error_code = kFusedUnavailableError;
+      call.error = "gemm_allreduce: algorithm='fused' is not available for this call: " + fused_reason +
+                   " (use algorithm='auto', 'chunked' or 'sequential')";
+    }
+  } else if (call.error.empty() && chosen == Algorithm::Auto) {
+    chosen = backend.choose_auto(call, *group, fused_reason.empty());
+  }
+  if (backend.check_agreement) {
+    backend.check_agreement(call, chosen, *group);
+  } else {
+    check_ranks_agree(*group, call, chosen, a.device());
   }
   if (call.m == 0) return at::empty(call.out_shape, b.options());
   switch (chosen) {

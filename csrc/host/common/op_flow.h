@@ -18,6 +18,9 @@ struct BackendHooks {
   std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&)> run_fused;
   // Picks sequential, chunked or fused for `algorithm="auto"`; must give the same answer on every rank.
   std::function<Algorithm(const CallArgs&, c10d::ProcessGroup&, bool fused_available)> choose_auto;
+  // Makes every rank raise the same error when any rank's arguments are bad or the ranks disagree. Empty: the
+  // signature exchange over the process group (check_ranks_agree).
+  std::function<void(const CallArgs&, Algorithm chosen, c10d::ProcessGroup&)> check_agreement;
 };
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name);

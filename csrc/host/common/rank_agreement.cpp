@@ -7,55 +7,83 @@
 namespace gemm_ar {
 namespace {
 
-// One row per rank; ranks fill only their own row, so a SUM all_reduce is an all-gather.
-enum Field : int64_t { kErrorCode, kM, kK, kN, kDtype, kHasBias, kAlgorithm, kFields };
-const char* const kFieldNames[kFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm"};
+const char* const kFieldNames[kSignatureFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm",
+                                                   "tile rows (TORCH_GEMM_AR_CPU_TILE)",
+                                                   "tile columns (TORCH_GEMM_AR_CPU_TILE)",
+                                                   "subtile rows (TORCH_GEMM_AR_CPU_TILE)",
+                                                   "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
+                                                   "comm threads (TORCH_GEMM_AR_COMM_THREADS)"};
 
 std::string field_value(int64_t field, int64_t value) {
-  if (field == kDtype) return c10::toString(static_cast<at::ScalarType>(value));
-  if (field == kHasBias) return value ? "given" : "None";
-  if (field == kAlgorithm) return algorithm_name(static_cast<Algorithm>(value));
+  if (field == kSigDtype) return c10::toString(static_cast<at::ScalarType>(value));
+  if (field == kSigBias) return value ? "given" : "None";
+  if (field == kSigAlgorithm) return algorithm_name(static_cast<Algorithm>(value));
   return std::to_string(value);
 }
 
 }  // namespace
 
-void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, const at::Device& device) {
+CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
+  CallSignature s{};
+  s[kSigError] = call.error_code;
+  s[kSigM] = call.m;
+  s[kSigK] = call.k;
+  s[kSigN] = call.n;
+  s[kSigDtype] = static_cast<int64_t>(call.dtype);
+  s[kSigBias] = call.bias.has_value() ? 1 : 0;
+  s[kSigAlgorithm] = static_cast<int64_t>(chosen);
+  return s;
+}
+
+std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank, const CallArgs& mine,
+                                const std::string& group_name) {
+  const int world = static_cast<int>(all.size());
+  std::ostringstream others;
+  for (int r = 0; r < world; ++r) {
+    if (all[r][kSigError] != 0 && r != rank) {
+      others << (others.tellp() ? "; " : "") << "rank " << r << ": " << error_code_summary(all[r][kSigError]);
+    }
+  }
+  std::ostringstream where;
+  where << " [rank " << rank << " of group '" << group_name << "']";
+  if (!mine.error.empty()) {
+    return mine.error + where.str() + (others.tellp() ? " (also " + others.str() + ")" : std::string());
+  }
+  if (others.tellp()) {
+    return "gemm_allreduce: another rank rejected its arguments (" + others.str() +
+           "); this rank's arguments were valid" + where.str();
+  }
+  for (int64_t f = kSigM; f < kSignatureFields; ++f) {
+    bool same = true;
+    for (int r = 1; r < world; ++r) same = same && all[r][f] == all[0][f];
+    if (same) continue;
+    std::ostringstream os;
+    os << "gemm_allreduce: ranks of group '" << group_name << "' disagree on " << kFieldNames[f] << ":";
+    for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f]);
+    return os.str();
+  }
+  return "";
+}
+
+void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
   const int world = group.getSize();
   const int rank = group.getRank();
-  auto table = at::zeros({world, kFields}, at::TensorOptions().dtype(at::kLong));
-  auto row = table[rank];
-  int64_t values[kFields] = {call.error_code, call.m, call.k, call.n, static_cast<int64_t>(call.dtype),
-                             call.bias.has_value() ? 1 : 0, static_cast<int64_t>(call.algorithm)};
-  for (int64_t f = 0; f < kFields; ++f) row[f] = values[f];
+  // One row per rank; each rank fills only its own, so a SUM all_reduce is an all-gather.
+  auto table = at::zeros({world, kSignatureFields}, at::TensorOptions().dtype(at::kLong));
+  const CallSignature mine = call_signature(call, chosen);
+  for (int64_t f = 0; f < kSignatureFields; ++f) table[rank][f] = mine[f];
   std::vector<at::Tensor> tensors{device.is_cpu() ? table : table.to(device)};
   c10d::AllreduceOptions options;
   options.timeout = wait_timeout();
   group.allreduce(tensors, options)->wait(options.timeout);
   auto gathered = tensors[0].cpu();
   auto rows = gathered.accessor<int64_t, 2>();
-
-  std::ostringstream bad;
-  for (int r = 0; r < world; ++r) {
-    if (rows[r][kErrorCode] != 0 && r != rank) {
-      bad << (bad.tellp() ? "; " : "") << "rank " << r << ": " << error_code_summary(rows[r][kErrorCode]);
-    }
-  }
-  if (!call.error.empty()) {
-    TORCH_CHECK_VALUE(false, call.error, " [rank ", rank, " of group '", group.getGroupName(), "'",
-                      bad.tellp() ? "; also " + bad.str() : std::string(), "]");
-  }
-  TORCH_CHECK_VALUE(bad.tellp() == 0, "gemm_allreduce: another rank rejected its arguments (", bad.str(),
-                    "); this rank's arguments were valid [rank ", rank, " of group '", group.getGroupName(), "']");
-  for (int64_t f = kM; f < kFields; ++f) {
-    bool same = true;
-    for (int r = 1; r < world; ++r) same = same && rows[r][f] == rows[0][f];
-    if (same) continue;
-    std::ostringstream os;
-    os << "gemm_allreduce: ranks of group '" << group.getGroupName() << "' disagree on " << kFieldNames[f] << ":";
-    for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, rows[r][f]);
-    TORCH_CHECK_VALUE(false, os.str());
-  }
+  std::vector<CallSignature> all(world);
+  for (int r = 0; r < world; ++r)
+    for (int64_t f = 0; f < kSignatureFields; ++f) all[r][f] = rows[r][f];
+  std::string problem = diagnose_signatures(all, rank, call, group.getGroupName());
+  if (call.error_code == kFusedUnavailableError) TORCH_CHECK(problem.empty(), problem);
+  TORCH_CHECK_VALUE(problem.empty(), problem);
 }
 
 }  // namespace gemm_ar

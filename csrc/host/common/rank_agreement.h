@@ -1,15 +1,35 @@
-// Before any large data moves, ranks exchange a few integers describing their call so that a bad argument on
-// one rank, or ranks that disagree on shapes, dtype, bias or algorithm, raise a clear error on every rank
-// instead of a hang or a silently wrong sum.
+// Before any large data moves, ranks compare a few integers describing their call (the call signature), so that a
+// bad argument on one rank, or ranks that disagree on shapes, dtype, bias or algorithm, raise a clear error on every
+// rank instead of a hang or a silently wrong sum. Exchanged over the process group here, or through the shared
+// window headers by the CPU engine.
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <array>
+#include <vector>
 
 #include "common/call_args.h"
 
 namespace gemm_ar {
 
-// Throws the same diagnosis on every rank when any rank's arguments are bad or the ranks disagree.
-// One small all_reduce on `group`, bounded by TORCH_GEMM_AR_TIMEOUT_S.
-void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, const at::Device& device);
+enum SignatureField : int64_t {
+  kSigError,  // local error code (0: arguments valid)
+  kSigM, kSigK, kSigN, kSigDtype, kSigBias, kSigAlgorithm,
+  kSigTileM, kSigTileN, kSigSubM, kSigComputeBlocks, kSigCommBlocks,  // fused-engine configuration (0 otherwise)
+  kSignatureFields
+};
+using CallSignature = std::array<int64_t, kSignatureFields>;
+
+// The signature of `call` on this rank; `chosen` is the algorithm it will run (auto already resolved).
+CallSignature call_signature(const CallArgs& call, Algorithm chosen);
+
+// The error every rank raises for these signatures (identical text on every rank except the rank whose own
+// arguments were bad, which sees its own message first), or "" when all ranks agree and all arguments are valid.
+std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank, const CallArgs& mine,
+                                const std::string& group_name);
+
+// Exchanges signatures with one small all_reduce on `group` (bounded by TORCH_GEMM_AR_TIMEOUT_S) and throws the
+// diagnosis, if any, on every rank.
+void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device);
 
 }  // namespace gemm_ar

@@ -1,26 +1,30 @@
-// The CPU kernel of pto::gemm_allreduce.
+// The CPU kernel of pto::gemm_allreduce: the shared op flow with the CPU fused engine and the CPU `auto` policy.
 #include <torch/library.h>
 
 #include "common/op_flow.h"
+#include "common/rank_agreement.h"
+#include "cpu/auto_policy.h"
+#include "cpu/fused_engine.h"
 
-namespace gemm_ar {
+namespace gemm_ar::cpu {
 namespace {
-
-// Below this many output rows the all_reduce is latency-bound and one call beats chunking.
-constexpr int64_t kChunkedMinRows = 256;
 
 const BackendHooks& cpu_backend() {
   static const BackendHooks hooks{
       c10::DeviceType::CPU,
       {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble},
-      [](const CallArgs&, c10d::ProcessGroup&) -> std::string {
-        return "the CPU fused engine is not built into this version";
+      [](const CallArgs&, c10d::ProcessGroup& group) { return FusedEngine::of(group).unavailable_reason(); },
+      [](const CallArgs& call, c10d::ProcessGroup& group) { return FusedEngine::of(group).run(call); },
+      [](const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
+        return choose_cpu_algorithm(call, group.getSize(), fused_available);
       },
-      [](const CallArgs&, c10d::ProcessGroup&) -> at::Tensor {
-        TORCH_CHECK(false, "gemm_allreduce: the CPU fused engine is not built into this version");
-      },
-      [](const CallArgs& call, c10d::ProcessGroup&, bool) {
-        return call.m < kChunkedMinRows ? Algorithm::Sequential : Algorithm::Chunked;
+      [](const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
+        FusedEngine& engine = FusedEngine::of(group);
+        if (engine.has_windows()) {
+          engine.agree(call, chosen);
+        } else {
+          check_ranks_agree(group, call, chosen, call.b.defined() ? call.b.device() : at::Device(at::kCPU));
+        }
       },
   };
   return hooks;
@@ -33,6 +37,6 @@ at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::str
 }
 
 }  // namespace
-}  // namespace gemm_ar
+}  // namespace gemm_ar::cpu
 
-TORCH_LIBRARY_IMPL(pto, CPU, m) { m.impl("gemm_allreduce", &gemm_ar::gemm_allreduce_cpu); }
+TORCH_LIBRARY_IMPL(pto, CPU, m) { m.impl("gemm_allreduce", &gemm_ar::cpu::gemm_allreduce_cpu); }

@@ -1,0 +1,102 @@
+"""The CPU fused engine against its own sequential mode, the GEMM alone and the torch baseline, on three shapes
+from communication-heavy to compute-heavy (fp32, 2 ranks by default), in the seed's terms.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_cpu_fused.py -- [--json out.json]
+
+The target: fused / compute-only <= 1.10 (the communication almost entirely hidden under the GEMM).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchkit import dist_env, report  # noqa: E402
+from benchkit.measure import Settings, Shape, measure_shape  # noqa: E402
+
+DEFAULT_SHAPES = "4096x256x2048,2048x1024x1024,1024x4096x1024"
+ROWS = ["compute_only", "fused_sequential", "fused", "baseline"]
+TARGET_RATIO = 1.10
+
+
+def parse_shapes(text: str):
+    shapes = []
+    for item in text.split(","):
+        try:
+            m, k, n = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: expected MxKxN items separated by commas; got {item!r}")
+        shapes.append((m, k, n))
+    return shapes
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--input-sets", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / local ranks)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch when not started by torchrun")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def summary_table(results) -> str:
+    headers = ["shape", "compute us", "sequential us", "fused us", "baseline us", "speedup", "overlap eff",
+               "fused/compute", "vs baseline"]
+    body = []
+    for r in results:
+        rows, s = r["rows"], r["shape"]
+
+        def us(key):
+            e = rows.get(key, {})
+            return f"{e['median_s'] * 1e6:,.1f}" if e.get("available") else "absent"
+
+        fused = rows.get("fused", {})
+        ratio = r["ratios"].get("fused_over_compute_only")
+        body.append([
+            f"M{s['m']} K{s['k']} N{s['n']}", us("compute_only"), us("fused_sequential"), us("fused"), us("baseline"),
+            f"{fused['speedup_vs_sequential']:.3f}x" if fused.get("speedup_vs_sequential") else "-",
+            f"{fused['overlap_efficiency'] * 100:.1f}%" if fused.get("overlap_efficiency") is not None else "-",
+            (f"{ratio:.3f}" + (" ok" if ratio <= TARGET_RATIO else " MISS")) if ratio is not None else "-",
+            f"{fused['speedup_vs_baseline']:.3f}x" if fused.get("speedup_vs_baseline") else "-",
+        ])
+    return report.format_table(headers, body)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not dist_env.under_torchrun():
+        return dist_env.relaunch_under_torchrun(args.nproc, args.timeout_s)
+    import torch
+
+    env = dist_env.start("cpu", args.threads, args.timeout_s)
+    try:
+        settings = Settings(seed=args.seed, input_sets=args.input_sets, warmup=args.warmup, iters=args.iters)
+        results = [measure_shape(env, Shape(m, k, n, torch.float32), ROWS, settings)
+                   for m, k, n in parse_shapes(args.shapes)]
+        if env.rank == 0:
+            print(report.header("torch-gemm-ar: CPU fused engine", "cpu", env.world, env.threads))
+            for r in results:
+                print()
+                print(report.shape_table(r))
+            print()
+            print(f"Summary (fused against the same engine's sequential mode; target fused/compute <= {TARGET_RATIO})")
+            print(summary_table(results))
+            print()
+            print(report.LEGEND)
+            report.write_json(args.json, {"run": report.header_fields("cpu", env.world, env.threads),
+                                          "target_fused_over_compute_only": TARGET_RATIO, "shapes": results})
+            if args.json:
+                print(f"\nJSON: {args.json}")
+    finally:
+        dist_env.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What a sweep over M says about `auto`: per layer, from which M each overlapping algorithm beats `sequential` for
+good, the thresholds that would follow, and whether `auto` stays within 0.97x of the torch baseline everywhere."""
+from typing import Dict, List, Optional
+
+from . import metrics
+
+AUTO_FLOOR = 0.97  # auto may never be slower than this fraction of the baseline's speed
+CANDIDATES = ("chunked", "fused")
+
+
+def _median(point: dict, key: str) -> Optional[float]:
+    entry = point["rows"].get(key, {})
+    return entry.get("median_s") if entry.get("available") else None
+
+
+def layer_crossovers(ms: List[int], points: List[dict]) -> Dict[str, Optional[int]]:
+    """For each candidate: the smallest measured M from which it is faster than sequential at every larger M
+    (None: it never settles in front, or it was not measured)."""
+    out = {}
+    for candidate in CANDIDATES:
+        wins = []
+        for point in points:
+            t_seq, t_cand = _median(point, "sequential"), _median(point, candidate)
+            wins.append(t_seq is not None and t_cand is not None and t_cand < t_seq)
+        index = metrics.first_index_from_which(wins)
+        out[candidate] = ms[index] if index is not None else None
+    return out
+
+
+def best_algorithm(point: dict) -> Optional[str]:
+    times = {k: _median(point, k) for k in ("sequential", *CANDIDATES)}
+    times = {k: t for k, t in times.items() if t is not None}
+    return min(times, key=times.get) if times else None
+
+
+def analyse(layer_names: List[str], ms: List[int], points_by_layer: List[List[dict]]) -> dict:
+    crossovers = {name: layer_crossovers(ms, pts) for name, pts in zip(layer_names, points_by_layer)}
+    recommended = {}
+    for candidate in CANDIDATES:
+        values = [c[candidate] for c in crossovers.values()]
+        # Conservative: the candidate must win on every layer from the threshold on; None if some layer never wins.
+        recommended[f"min_m_for_{candidate}"] = max(values) if values and all(v is not None for v in values) else None
+    auto_ratios = []
+    for name, pts in zip(layer_names, points_by_layer):
+        for m, point in zip(ms, pts):
+            t_auto, t_base = _median(point, "auto"), _median(point, "baseline")
+            if t_auto is not None and t_base is not None:
+                auto_ratios.append({"layer": name, "m": m, "speed_vs_baseline": metrics.speedup(t_base, t_auto)})
+    worst = min(auto_ratios, key=lambda r: r["speed_vs_baseline"]) if auto_ratios else None
+    return {
+        "crossovers": crossovers,
+        "recommended_thresholds": recommended,
+        "best_by_layer": {name: [best_algorithm(p) for p in pts] for name, pts in zip(layer_names, points_by_layer)},
+        "auto_floor": AUTO_FLOOR,
+        "auto_worst": worst,
+        "auto_below_floor": [r for r in auto_ratios if r["speed_vs_baseline"] < AUTO_FLOOR],
+    }

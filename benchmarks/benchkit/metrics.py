@@ -1,0 +1,79 @@
+"""The numbers the benchmarks report, in the seed's terms (design.md §9). Pure functions of times in seconds, so they
+can be checked against the seed's published figures without running anything."""
+import statistics
+from typing import Dict, List, Optional, Sequence
+
+
+def rank_stats(per_rank_times: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """Per-rank medians of the timed iterations; the row's time is the slowest rank's median (a tensor-parallel step
+    waits for its slowest rank). min/max are the fastest and slowest single iteration on any rank."""
+    medians = [statistics.median(times) for times in per_rank_times]
+    every = [t for times in per_rank_times for t in times]
+    return {
+        "median_s": max(medians),
+        "min_s": min(every),
+        "max_s": max(every),
+        "rank_medians_s": medians,
+    }
+
+
+def speedup(reference_s: float, t_s: float) -> float:
+    """reference / t: above 1 means t is faster (the seed's speedup is sequential / pipelined)."""
+    return reference_s / t_s
+
+
+def time_saved(sequential_s: float, pipelined_s: float) -> float:
+    return sequential_s - pipelined_s
+
+
+def comm_time(sequential_s: float, compute_s: float) -> Optional[float]:
+    """The communication part of a run that communicates only after computing (the seed splits its sequential time
+    this way); None when the difference is not positive, i.e. noise swamps the communication."""
+    t = sequential_s - compute_s
+    return t if t > 0 else None
+
+
+def overlap_efficiency(compute_s: float, comm_s: Optional[float], pipelined_s: float) -> Optional[float]:
+    """(t_comp + t_comm - t_pipe) / min(t_comp, t_comm): the fraction of the shorter phase hidden under the longer
+    one. 1 = perfectly hidden, 0 = no overlap, negative = the pipelined run is slower than compute then comm."""
+    if comm_s is None or comm_s <= 0 or compute_s <= 0:
+        return None
+    return (compute_s + comm_s - pipelined_s) / min(compute_s, comm_s)
+
+
+def gemm_flops(m: int, k: int, n: int) -> int:
+    """Floating-point operations of one rank's GEMM: 2*M*K*N."""
+    return 2 * m * k * n
+
+
+def gflops(m: int, k: int, n: int, t_s: float) -> float:
+    return gemm_flops(m, k, n) / t_s / 1e9
+
+
+def allreduce_bus_bytes(m: int, n: int, element_bytes: int, world: int) -> float:
+    """Bytes each rank moves in a reduce-scatter plus all-gather of an M x N buffer: (W-1)/W of the buffer in each
+    phase. Dividing by time gives the bus bandwidth of nccl-tests, comparable across world sizes."""
+    return 2.0 * (world - 1) / world * m * n * element_bytes
+
+
+def bus_bandwidth_gbs(m: int, n: int, element_bytes: int, world: int, t_s: Optional[float]) -> Optional[float]:
+    if t_s is None or t_s <= 0 or world < 2:
+        return None
+    return allreduce_bus_bytes(m, n, element_bytes, world) / t_s / 1e9
+
+
+def relative_error(max_abs_error: float, max_abs_reference: float) -> float:
+    """max |out - ref| / max |ref| (ref in float64); 0 for an exact match."""
+    return max_abs_error / max_abs_reference if max_abs_reference > 0 else max_abs_error
+
+
+def first_index_from_which(values: List[bool]) -> Optional[int]:
+    """The first index i such that values[i:] are all True (None if the last value is False): where an algorithm
+    starts to win and keeps winning for every larger size measured."""
+    start = None
+    for i, ok in enumerate(values):
+        if ok and start is None:
+            start = i
+        elif not ok:
+            start = None
+    return start

@@ -1,0 +1,142 @@
+"""What rank 0 prints and saves: a header that says exactly how to reproduce the run, one aligned table per shape,
+and the JSON file (every rank's raw timings plus the summary)."""
+import datetime
+import json
+import os
+import platform
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import dist_env
+
+# (title, summary key, formatter); a value of None prints as "-".
+TABLE_COLUMNS = (
+    ("algorithm", "label", str),
+    ("median us", "median_s", lambda s: f"{s * 1e6:,.1f}"),
+    ("min us", "min_s", lambda s: f"{s * 1e6:,.1f}"),
+    ("max us", "max_s", lambda s: f"{s * 1e6:,.1f}"),
+    ("vs base", "speedup_vs_baseline", lambda x: f"{x:.3f}x"),
+    ("vs seq", "speedup_vs_sequential", lambda x: f"{x:.3f}x"),
+    ("saved us", "time_saved_s", lambda s: f"{s * 1e6:,.1f}"),
+    ("overlap", "overlap_efficiency", lambda x: f"{x * 100:.1f}%"),
+    ("GFLOP/s", "gflops", lambda x: f"{x:,.1f}"),
+    ("bus GB/s", "bus_gbs", lambda x: f"{x:.2f}"),
+    ("rel err", "max_rel_error", lambda x: f"{x:.1e}"),
+    ("same", "identical_on_all_ranks", lambda b: "yes" if b else "NO"),
+)
+
+
+def format_table(headers: Sequence[str], body: List[Sequence[str]], right_from: int = 1) -> str:
+    """Aligned plain-text table: first `right_from` columns left-aligned (names), the rest right-aligned (numbers).
+    A body row with fewer cells than headers is a name followed by free text (e.g. why a row is absent)."""
+    widths = [len(h) for h in headers]
+    for cells in body:
+        if len(cells) == len(headers):
+            widths = [max(w, len(c)) for w, c in zip(widths, cells)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < right_from else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    out = [line(headers), rule]
+    for cells in body:
+        if len(cells) == len(headers):
+            out.append(line(cells))
+        else:
+            out.append("  ".join([cells[0].ljust(widths[0]), *cells[1:]]).rstrip())
+    return "\n".join(out)
+
+
+def _cell(entry: dict, key: str, fmt) -> str:
+    value = entry.get(key)
+    return "-" if value is None else fmt(value)
+
+
+def shape_table(summary: dict) -> str:
+    headers = [title for title, _, _ in TABLE_COLUMNS]
+    body, notes = [], []
+    for key, entry in summary["rows"].items():
+        if entry.get("available"):
+            body.append([_cell(entry, k, fmt) for _, k, fmt in TABLE_COLUMNS])
+        else:
+            reason = entry.get("reason", "not measured").replace("gemm_allreduce: ", "", 1)
+            body.append([entry["label"], f"absent: {reason}"])
+        if entry.get("note"):
+            notes.append(f"{entry['label']}: {entry['note']}" if not entry["note"].startswith("*") else entry["note"])
+    shape = summary["shape"]
+    dtype = shape["dtype"]
+    title = (f"M={shape['m']} K={shape['k']} N={shape['n']} {dtype}{' +bias' if shape['bias'] else ''}, "
+             f"{shape['world']} ranks, {summary['settings']['iters']} timed iterations per row")
+    lines = [title, format_table(headers, body)]
+    ratio = summary.get("ratios", {}).get("fused_over_compute_only")
+    if ratio is not None:
+        lines.append(f"fused / compute-only = {ratio:.3f} (target <= 1.10)")
+    lines.extend(notes)
+    return "\n".join(lines)
+
+
+LEGEND = """\
+rows: compute only = the library's GEMM with no communication (a one-rank group); all_reduce only = dist.all_reduce
+  of the buffer the library reduces; sequential / chunked / fused / auto = torch_gemm_ar.gemm_allreduce(algorithm=);
+  sequential (same engine) = fused's engine with its communication after the whole GEMM; baseline = what a user
+  writes: torch.matmul + dist.all_reduce (+ bias after it) in the input dtype; baseline (fp32 compute) = the same on
+  .float() inputs (the library computes CPU bf16/fp16 in fp32).
+median/min/max us: per rank the median of the timed iterations, the row shows the slowest rank's median; min and max
+  are single iterations on any rank.
+vs base = t_baseline / t.  vs seq = t_sequential / t and saved = t_sequential - t, against the row's
+  compute-then-communicate counterpart (chunked: sequential; fused: sequential on the same engine).
+overlap = (t_comp + t_comm - t) / min(t_comp, t_comm) with t_comp = compute only, t_comm = t_sequential - t_comp.
+GFLOP/s = 2*M*K*N / t per rank.  bus GB/s = 2*(W-1)/W * M*N * element bytes / t_comm (sequential rows: t - t_comp;
+  pipelined rows and all_reduce only: t).  rel err = max|out - ref| / max|ref| against float64, worst rank.
+same = every rank returned bitwise the same tensor."""
+
+
+def header(title: str, device: str, world: int, threads: int) -> str:
+    versions = f"torch {torch.__version__}"
+    if device == "npu":
+        try:
+            import torch_npu
+
+            versions += f", torch_npu {torch_npu.__version__}"
+        except ImportError:
+            pass
+    env = dist_env.library_env()
+    lines = [
+        f"# {title}",
+        f"command: {dist_env.typed_command()}",
+        f"date: {datetime.datetime.now().isoformat(timespec='seconds')}, commit {dist_env.git_commit()}",
+        f"host: {platform.node()}, {dist_env.cpu_model()}, {os.cpu_count()} cores; {versions}; device {device}, "
+        f"{world} ranks, {threads} torch threads per rank",
+    ]
+    if env:
+        lines.append("library settings: " + " ".join(env))
+    return "\n".join(lines)
+
+
+def header_fields(device: str, world: int, threads: int) -> Dict[str, object]:
+    return {
+        "command": dist_env.typed_command(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": dist_env.git_commit(),
+        "host": platform.node(),
+        "cpu": dist_env.cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": device,
+        "world": world,
+        "threads_per_rank": threads,
+        "library_settings": dist_env.library_env(),
+    }
+
+
+def write_json(path: Optional[str], payload: dict):
+    if not path:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, allow_nan=False)
+    os.replace(tmp, path)  # never a half-written file next to a finished run

@@ -1,0 +1,166 @@
+"""The rows of a benchmark table: each is one way of getting all_reduce_sum(a_r @ b) + bias (or a part of it), run
+on the same rotated input sets. A row knows how to run one call, what its output must equal, which row is its
+compute-then-communicate counterpart (for speedup and overlap efficiency), and why it is absent when it is."""
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .dist_env import DistEnv
+from .inputs import InputSet
+
+# Every row key, in table order. The library's algorithms keep their own names; the rest say what they time.
+ROW_ORDER = (
+    "compute_only",
+    "allreduce_only",
+    "sequential",
+    "chunked",
+    "fused_sequential",
+    "fused",
+    "auto",
+    "baseline",
+    "baseline_fp32",
+    "npu_mm_all_reduce_base",
+)
+LIBRARY_ALGORITHMS = ("sequential", "chunked", "fused", "auto")
+
+# Row kinds: how the metrics treat the row.
+COMPUTE, COMM, SEQUENTIAL, PIPELINED, BASELINE = "compute", "comm", "sequential", "pipelined", "baseline"
+
+# The text an algorithm that this build or this call cannot run raises (the op's own wording).
+NOT_AVAILABLE = "not available"
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    kind: str
+    run: Callable[[int], torch.Tensor]  # the timed call on input set i
+    reference: str  # which References field the output must match: reduced, reduced_no_bias or local
+    element_bytes: int  # element size of what this row's all_reduce moves (bus bandwidth)
+    sequential_ref: Optional[str] = None  # the row this one overlaps: speedup, time saved, overlap efficiency
+    prepare: Optional[Callable[[int], None]] = None  # untimed set-up before each call on input set i
+    note: str = ""
+    absent_reason: Optional[str] = None
+
+
+def computes_in_fp32(dtype, device: torch.device) -> bool:
+    """The library computes CPU bf16/fp16 in fp32 (torch's half-precision CPU GEMM is far slower)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def library_reduce_bytes(dtype, device: torch.device) -> int:
+    return 4 if computes_in_fp32(dtype, device) else torch.empty(0, dtype=dtype).element_size()
+
+
+def available_row_keys(device_type: str, dtype) -> List[str]:
+    """The rows that make sense for this device and dtype, in table order."""
+    keys = [k for k in ROW_ORDER if k != "npu_mm_all_reduce_base" or device_type == "npu"]
+    if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)):
+        keys.remove("baseline_fp32")
+    return keys
+
+
+def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Dict[str, Row]:
+    lib = env.library
+    group = env.group
+    dtype_name = str(dtype).replace("torch.", "")
+    reduce_bytes = library_reduce_bytes(dtype, env.device)
+    rows: Dict[str, Row] = {}
+
+    def library_call(algorithm: str, target_group=None):
+        def run(i: int) -> torch.Tensor:
+            s = sets[i]
+            return lib.gemm_allreduce(s.a, s.b, target_group or group, bias=s.bias, algorithm=algorithm)
+        return run
+
+    if "compute_only" in keys:
+        # A one-rank group takes the library's no-communication path: the very GEMM the algorithms run.
+        rows["compute_only"] = Row("compute_only", "compute only", COMPUTE,
+                                   library_call("auto", env.self_group), "local", reduce_bytes)
+
+    if "allreduce_only" in keys:
+        # The buffer the library reduces (fp32 for CPU half inputs), refilled untimed because all_reduce is in place.
+        compute_dtype = torch.float32 if computes_in_fp32(dtype, env.device) else dtype
+        partials = [torch.matmul(s.a.to(compute_dtype), s.b.to(compute_dtype)) for s in sets]
+        scratch = torch.empty_like(partials[0])
+
+        def refill(i: int):
+            scratch.copy_(partials[i])
+
+        def allreduce_only(i: int) -> torch.Tensor:
+            dist.all_reduce(scratch, group=group)
+            return scratch
+
+        rows["allreduce_only"] = Row("allreduce_only",
+                                     f"all_reduce only ({str(compute_dtype).replace('torch.', '')})",
+                                     COMM, allreduce_only, "reduced_no_bias", reduce_bytes, prepare=refill)
+
+    if "sequential" in keys:
+        rows["sequential"] = Row("sequential", "sequential", SEQUENTIAL,
+                                 library_call("sequential"), "reduced", reduce_bytes)
+    if "chunked" in keys:
+        rows["chunked"] = Row("chunked", "chunked", PIPELINED, library_call("chunked"),
+                              "reduced", reduce_bytes, sequential_ref="sequential")
+
+    if "fused_sequential" in keys:
+        mode = getattr(lib, "fused_engine_mode", None)
+        if mode is not None:
+            fused = library_call("fused")
+
+            def fused_without_overlap(i: int) -> torch.Tensor:
+                with mode(overlap=False):
+                    return fused(i)
+
+            rows["fused_sequential"] = Row("fused_sequential", "sequential (same engine)",
+                                           SEQUENTIAL, fused_without_overlap, "reduced", reduce_bytes)
+        else:
+            rows["fused_sequential"] = Row(
+                "fused_sequential", "sequential (same engine)*", SEQUENTIAL, library_call("sequential"), "reduced",
+                reduce_bytes,
+                note="* torch_gemm_ar.fused_engine_mode is not in this build: this row is algorithm='sequential'")
+
+    if "fused" in keys:
+        rows["fused"] = Row("fused", "fused", PIPELINED, library_call("fused"), "reduced",
+                            reduce_bytes, sequential_ref="fused_sequential")
+    if "auto" in keys:
+        rows["auto"] = Row("auto", "auto", PIPELINED, library_call("auto"), "reduced",
+                           reduce_bytes)
+
+    def baseline_call(compute_dtype):
+        def run(i: int) -> torch.Tensor:
+            s = sets[i]
+            a, b = s.a.to(compute_dtype), s.b.to(compute_dtype)  # no-ops when the dtype already matches
+            out = torch.matmul(a, b)
+            dist.all_reduce(out, group=group)
+            if s.bias is not None:
+                out += s.bias.to(compute_dtype)  # after the reduction: added once, as the op does
+            return out.to(dtype)
+        return run
+
+    element = torch.empty(0, dtype=dtype).element_size()
+    if "baseline" in keys:
+        rows["baseline"] = Row("baseline", f"baseline ({dtype_name})", BASELINE,
+                               baseline_call(dtype), "reduced", element)
+    if "baseline_fp32" in keys:
+        rows["baseline_fp32"] = Row("baseline_fp32", "baseline (fp32 compute)",
+                                    BASELINE, baseline_call(torch.float32), "reduced", 4)
+
+    if "npu_mm_all_reduce_base" in keys:
+        import torch_npu
+
+        def mm_all_reduce_base(i: int) -> torch.Tensor:
+            s = sets[i]
+            # The fused op adds its bias on every rank before reducing: give it on one rank only.
+            bias = s.bias if env.rank == 0 else None
+            return torch_npu.npu_mm_all_reduce_base(s.a, s.b, env.hcom_name, reduce_op="sum", bias=bias)
+
+        rows["npu_mm_all_reduce_base"] = Row("npu_mm_all_reduce_base", "npu_mm_all_reduce_base", PIPELINED,
+                                             mm_all_reduce_base, "reduced", element, sequential_ref="baseline")
+    return {k: rows[k] for k in ROW_ORDER if k in rows}
+
+
+def is_not_available(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and NOT_AVAILABLE in str(exc)

@@ -1,0 +1,11 @@
+// `algorithm="auto"` on CPU (design.md §4). Thresholds come from benchmarks/sweep.py on the 2-core machine class
+// of our CI (README, "Performance"); TORCH_GEMM_AR_AUTO_MIN_FUSED_ELEMS overrides the fused threshold.
+#pragma once
+#include "common/algorithm.h"
+#include "common/call_args.h"
+
+namespace gemm_ar::cpu {
+
+Algorithm choose_cpu_algorithm(const CallArgs& call, int world, bool fused_available);
+
+}  // namespace gemm_ar::cpu

@@ -1,0 +1,36 @@
+#include "cpu/engine_config.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "common/settings.h"
+
+namespace gemm_ar::cpu {
+
+EngineConfig engine_config(int local_ranks) {
+  EngineConfig config{256, 512, 64, 1, 1};
+  if (const char* tile = std::getenv("TORCH_GEMM_AR_CPU_TILE"); tile != nullptr && *tile != '\0') {
+    long long m = 0, n = 0, s = 0;
+    char tail = 0;
+    const int fields = std::sscanf(tile, "%lld,%lld,%lld%c", &m, &n, &s, &tail);
+    TORCH_CHECK(fields == 3 && m > 0 && n > 0 && s > 0 && m % s == 0 && m <= 65536 && n <= 65536,
+                "environment variable TORCH_GEMM_AR_CPU_TILE='", tile,
+                "' must be 'rows,cols,subtile_rows' with subtile_rows dividing rows (e.g. 256,512,64)");
+    config.base_m = m;
+    config.base_n = n;
+    config.sub_m = s;
+  }
+  // This rank's share of the cores, within the intra-op threads the user allowed (torchrun sets 1 per rank).
+  const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
+  const int64_t share = std::max<int64_t>(1, cores / std::max(1, local_ranks));
+  const int64_t default_compute = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), share));
+  config.compute_blocks = env_int("TORCH_GEMM_AR_COMPUTE_THREADS", default_compute, 1, 1024);
+  config.comm_blocks = env_int("TORCH_GEMM_AR_COMM_THREADS", 1, 1, 64);
+  return config;
+}
+
+}  // namespace gemm_ar::cpu

@@ -1,0 +1,96 @@
+// One call of the CPU fused engine: the tile protocol of design.md §5 between the rank processes of one host.
+// Compute blocks (the caller's thread and its intra-op team) multiply tiles into this rank's window and publish
+// them in per-block ready queues; comm blocks (engine threads) publish drained tiles to their owners, reduce the
+// subtiles this rank owns in fixed rank order, and copy every other owner's finished subtiles into the output.
+#pragma once
+#include <ATen/ATen.h>
+#include <gemm_ar/layout.hpp>
+#include <gemm_ar/tile_plan.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/local_gemm.h"
+#include "common/rank_agreement.h"
+#include "cpu/shm_sync.h"
+#include "cpu/window_set.h"
+
+namespace gemm_ar::cpu {
+
+// Fixed area at the start of every window, before the call's layout: the call header and the doorbells, at
+// offsets that do not depend on the call's shapes (so a peer can be woken whatever call it is in).
+constexpr int64_t kMainDoorbell = 64;  // doorbell of the caller's thread; comm block c uses doorbell c < 64
+constexpr int64_t kDoorbellsOffset = 256;
+constexpr int64_t kControlBytes = 8192;
+static_assert(kDoorbellsOffset + (kMainDoorbell + 1) * kCacheLine <= kControlBytes, "control area too small");
+
+inline Doorbell doorbell(uint8_t* window, int64_t index) {
+  return Doorbell::at(window + kDoorbellsOffset + index * kCacheLine);
+}
+
+// Debug switches for benchmarks and negative-control tests (torch_gemm_ar._C; never needed in normal use).
+struct EngineSwitches {
+  std::atomic<bool> overlap{true};         // false: comm starts after the whole GEMM (the seed's "sequential")
+  std::atomic<bool> ignore_epochs{false};  // a deliberate protocol bug: any stale flag counts as ready
+};
+EngineSwitches& engine_switches();
+
+// A subtile one comm block handles: its owner reduces it, every other rank copies it once final.
+struct WorkItem {
+  int owner;
+  int64_t local_id;  // owner-local subtile id
+  int64_t tile, stripe;
+  int64_t step;      // when the tile is computed: its position in its compute block's walk
+};
+
+struct CallJob {
+  uint32_t epoch = 0;
+  int64_t bank = 0;
+  TilePlan plan{};
+  WindowLayout layout{};
+  int rank = 0, world = 1;
+  int64_t compute_blocks = 1, comm_blocks = 1;
+  std::vector<uint8_t*> windows;  // every rank's window base (control area first)
+  at::ScalarType partial_dtype = at::kFloat, out_dtype = at::kFloat;
+  int64_t partial_elem = 4, out_elem = 4;
+  uint8_t* out = nullptr;  // [m, n] row-major, the caller's tensor
+  const LocalGemm* gemm = nullptr;
+  const WindowSet* window_set = nullptr;
+  // Header validation happens in comm block 0 before any peer data is read; the others wait for its verdict.
+  const CallArgs* call = nullptr;
+  CallSignature signature{};
+  std::string group_name;
+  std::chrono::milliseconds timeout{0};
+  bool overlap = true, ignore_epochs = false;
+  std::vector<std::vector<WorkItem>> items;  // per comm block
+
+  std::atomic<bool> abort{false};
+  std::atomic<int> headers_checked{0};  // 0 pending, 1 valid
+  std::atomic<bool> compute_done{false};
+  std::mutex error_mutex;
+  std::string error;
+  bool error_is_disagreement = false;  // every rank stopped before moving data: the engine stays usable
+
+  uint8_t* region(int r, int64_t offset) const { return windows[r] + kControlBytes + offset; }
+  // Records the first error, tells peers this rank gave up the call, and stops the local blocks.
+  void fail(const std::string& message, bool disagreement);
+};
+
+// Plans the per-comm-block work lists (production order, own reductions first) into job.items.
+void plan_work(CallJob& job);
+// The compute side: every compute block's tiles, then its queue entries. Runs on the caller's thread.
+void run_compute_blocks(CallJob& job);
+// The comm side of comm block c. Errors are recorded in the job (job.fail), never thrown.
+void run_comm_block(CallJob& job, int64_t c);
+
+// Waits until every rank has published its header for `epoch` and returns every signature; throws naming the
+// ranks that did not arrive in time, abandoned the call, or died. `stop` ends the wait early (throws).
+std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& windows, const WindowSet& window_set,
+                                             int rank, uint32_t epoch, const CallSignature& mine,
+                                             std::chrono::milliseconds timeout, Doorbell bell,
+                                             const std::atomic<bool>* stop);
+
+}  // namespace gemm_ar::cpu

@@ -1,0 +1,288 @@
+#include "cpu/fused_engine.h"
+
+#include <c10/util/Exception.h>
+#include <gemm_ar/protocol.hpp>
+
+#include <map>
+
+#include "common/settings.h"
+#include "cpu/call_header.h"
+#include "cpu/host_identity.h"
+#include "cpu/store_exchange.h"
+
+namespace gemm_ar::cpu {
+namespace {
+
+constexpr size_t kGrowthQuantum = size_t{1} << 20;
+
+// Raises a ValueError for diagnoses that every rank reaches alike, a RuntimeError for everything else.
+[[noreturn]] void raise(const std::string& message, bool disagreement) {
+  if (disagreement) TORCH_CHECK_VALUE(false, message);
+  TORCH_CHECK(false, message);
+}
+
+}  // namespace
+
+FusedEngine& FusedEngine::of(c10d::ProcessGroup& group) {
+  static std::mutex registry_mutex;
+  // Engines are never destroyed: their comm threads and windows live until the process exits.
+  static auto* registry = new std::map<std::string, std::pair<const c10d::ProcessGroup*, FusedEngine*>>();
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto& slot = (*registry)[group.getGroupName()];
+  if (slot.second == nullptr || slot.first != &group) slot = {&group, new FusedEngine(group)};
+  return *slot.second;
+}
+
+FusedEngine::FusedEngine(c10d::ProcessGroup& group)
+    : group_name_(group.getGroupName()), rank_(group.getRank()), world_(group.getSize()) {
+  auto store = group.getStore();
+  if (!store) {
+    unavailable_ = "process group '" + group_name_ + "' has no store to set up shared windows";
+    return;
+  }
+  const std::string me = host_identity();
+  auto values = exchange_over_store(*store, "gemm_ar/hosts", rank_, world_, me + "|" + std::to_string(getpid()),
+                                    wait_timeout(), nullptr);
+  std::vector<pid_t> pids(world_);
+  for (int r = 0; r < world_; ++r) {
+    const auto bar = values[r].rfind('|');
+    pids[r] = static_cast<pid_t>(std::stol(values[r].substr(bar + 1)));
+    if (values[r].substr(0, bar) != me && unavailable_.empty()) {
+      unavailable_ = "the ranks of group '" + group_name_ + "' are not all on one host (rank " + std::to_string(r) +
+                     " is elsewhere); the CPU fused engine needs shared memory";
+    }
+  }
+  if (!unavailable_.empty()) return;
+  windows_ = std::make_unique<WindowSet>(std::move(store), rank_, world_, std::move(pids));
+  // Only the control area until the first fused call says how much it needs.
+  windows_->resize(kControlBytes, /*round=*/0, wait_timeout(), [this] { windows_->check_peers_alive("while setting up windows"); });
+}
+
+std::string FusedEngine::unavailable_reason() const {
+  if (!unavailable_.empty()) return unavailable_;
+  if (!poisoned_.empty()) return "the fused engine of this group stopped after an earlier failure (" + poisoned_ + ")";
+  return "";
+}
+
+std::string FusedEngine::where() const {
+  return " [rank " + std::to_string(rank_) + " of group '" + group_name_ + "', call " + std::to_string(epoch_) + "]";
+}
+
+std::vector<uint8_t*> FusedEngine::bases() const {
+  std::vector<uint8_t*> out(world_);
+  for (int r = 0; r < world_; ++r) out[r] = windows_->base(r);
+  return out;
+}
+
+void FusedEngine::ring_peers() const {
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    for (int64_t c = 0; c < config_.comm_blocks; ++c) doorbell(windows_->base(r), c).ring();
+    doorbell(windows_->base(r), kMainDoorbell).ring();
+  }
+}
+
+void FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
+  config_ = engine_config(world_);
+  ++epoch_;
+  signature_ = call_signature(call, chosen);
+  if (chosen == Algorithm::Fused) {
+    signature_[kSigTileM] = config_.base_m;
+    signature_[kSigTileN] = config_.base_n;
+    signature_[kSigSubM] = config_.sub_m;
+    signature_[kSigComputeBlocks] = config_.compute_blocks;
+    signature_[kSigCommBlocks] = config_.comm_blocks;
+  }
+  publish_header(windows_->base(rank_), epoch_, signature_);
+  ring_peers();
+  if (!call.error.empty()) raise(call.error + where(), call.error_code != kFusedUnavailableError);
+  if (chosen == Algorithm::Fused && call.m > 0) return;
+  std::vector<CallSignature> all;
+  try {
+    all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
+                            doorbell(windows_->base(rank_), kMainDoorbell), nullptr);
+  } catch (const std::exception& e) {
+    publish_abort(windows_->base(rank_), epoch_);
+    ring_peers();
+    raise(e.what(), false);
+  }
+  const std::string problem = diagnose_signatures(all, rank_, call, group_name_);
+  if (!problem.empty()) raise(problem, true);
+}
+
+namespace {
+
+// Region sizes in bytes are what matters: express a call's needs as a one-row layout of bytes.
+LayoutParams byte_capacity(const LayoutParams& p) {
+  LayoutParams c = p;
+  c.pad_m = 1;
+  c.pad_n = std::max(p.pad_m * p.pad_n * p.elem_bytes, p.pad_m * p.pad_n * p.partial_elem_bytes);
+  c.elem_bytes = 1;
+  c.partial_elem_bytes = 1;
+  return c;
+}
+
+bool fits(const LayoutParams& call, const LayoutParams& capacity) {
+  const LayoutParams c = byte_capacity(call);
+  return c.pad_n <= capacity.pad_n && c.tiles <= capacity.tiles &&
+         c.max_owned_subtiles <= capacity.max_owned_subtiles && c.queue_capacity <= capacity.queue_capacity &&
+         c.world == capacity.world && c.compute_blocks == capacity.compute_blocks &&
+         c.comm_blocks == capacity.comm_blocks;
+}
+
+// The next capacity: at least the call's needs and the old capacity, with headroom so that slowly growing shapes
+// do not regrow every call. Deterministic, so every rank picks the same.
+LayoutParams grown_capacity(const LayoutParams& call, const LayoutParams& old) {
+  LayoutParams c = byte_capacity(call);
+  const bool same_blocks = old.compute_blocks == c.compute_blocks && old.comm_blocks == c.comm_blocks;
+  if (same_blocks && old.world == c.world) {
+    c.pad_n = std::max(c.pad_n, 2 * old.pad_n);
+    c.tiles = std::max(c.tiles, 2 * old.tiles);
+    c.max_owned_subtiles = std::max(c.max_owned_subtiles, 2 * old.max_owned_subtiles);
+    c.queue_capacity = std::max(c.queue_capacity, 2 * old.queue_capacity);
+  }
+  return c;
+}
+
+}  // namespace
+
+void FusedEngine::grow(const LayoutParams& need) {
+  const LayoutParams capacity = grown_capacity(need, capacity_);
+  const WindowLayout regions = make_window_layout(capacity);
+  const size_t bytes = static_cast<size_t>(kControlBytes + regions.total_bytes);
+  const size_t rounded = (bytes + kGrowthQuantum - 1) / kGrowthQuantum * kGrowthQuantum;
+  // Every rank has agreed on this call before growing (run() checked the headers), so all of them grow; while
+  // waiting, a peer that died or gave up ends the wait at once.
+  const std::vector<uint8_t*> old = bases();
+  auto poll = [&] {
+    windows_->check_peers_alive("while growing the shared windows");
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_ && abandoned(old[r], epoch_)) {
+        raise("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch_) +
+                  " (see that rank's error)" + where(),
+              true);
+      }
+    }
+  };
+  // Always fresh windows when the regions move: a slower peer may still read the old ones (its own mapping).
+  windows_->resize(rounded, epoch_, wait_timeout(), poll);
+  capacity_ = capacity;
+  regions_ = regions;
+  publish_header(windows_->base(rank_), epoch_, signature_);  // the new windows start zeroed
+  ring_peers();
+}
+
+void FusedEngine::start_comm_threads(int64_t count) {
+  while (static_cast<int64_t>(threads_.size()) < count) {
+    const int64_t c = static_cast<int64_t>(threads_.size());
+    threads_.emplace_back([this, c] { comm_thread_main(c); });
+  }
+}
+
+void FusedEngine::comm_thread_main(int64_t c) {
+  uint64_t seen = 0;
+  for (;;) {
+    CallJob* job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return job_generation_ != seen; });
+      seen = job_generation_;
+      job = job_;
+    }
+    if (c >= job->comm_blocks) continue;
+    run_comm_block(*job, c);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--running_ == 0) finished_.notify_all();
+  }
+}
+
+at::Tensor FusedEngine::run(const CallArgs& call) {
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
+  CallJob job;
+  job.epoch = epoch_;
+  job.bank = call_bank(epoch_);
+  TORCH_CHECK(make_tile_plan(&job.plan, call.m, call.n, call.k, config_.base_m, config_.base_n, 1, 1, config_.sub_m),
+              "gemm_allreduce: invalid tile plan for M=", call.m, " N=", call.n, " K=", call.k);
+  job.rank = rank_;
+  job.world = world_;
+  job.compute_blocks = config_.compute_blocks;
+  job.comm_blocks = config_.comm_blocks;
+  job.partial_dtype = gemm.compute_dtype();
+  job.out_dtype = call.dtype;
+  job.partial_elem = c10::elementSize(job.partial_dtype);
+  job.out_elem = c10::elementSize(job.out_dtype);
+  const LayoutParams need = make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
+                                              job.compute_blocks, job.comm_blocks);
+  if (!fits(need, capacity_)) {
+    // Growing is collective, so agree on the call first (the comm blocks would check it only later): a rank
+    // whose arguments differ must not be waited for in a growth it will never join. Every rank reaches the same
+    // verdict from the same headers.
+    std::vector<CallSignature> all;
+    try {
+      all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
+                              doorbell(windows_->base(rank_), kMainDoorbell), nullptr);
+    } catch (const std::exception& e) {
+      publish_abort(windows_->base(rank_), epoch_);
+      ring_peers();
+      raise(e.what(), false);
+    }
+    const std::string problem = diagnose_signatures(all, rank_, call, group_name_);
+    if (!problem.empty()) raise(problem, true);
+    try {
+      grow(need);
+    } catch (...) {
+      publish_abort(windows_->base(rank_), epoch_);
+      ring_peers();
+      throw;
+    }
+  }
+  job.layout = regions_;
+  auto out = at::empty({call.m, call.n}, call.b.options());
+  job.windows = bases();
+  job.out = static_cast<uint8_t*>(out.data_ptr());
+  job.gemm = &gemm;
+  job.window_set = windows_.get();
+  job.call = &call;
+  job.signature = signature_;
+  job.group_name = group_name_;
+  job.timeout = wait_timeout();
+  job.overlap = engine_switches().overlap.load();
+  job.ignore_epochs = engine_switches().ignore_epochs.load();
+  plan_work(job);
+  for (int64_t b = 0; b < job.compute_blocks; ++b) {
+    store_release(reinterpret_cast<uint32_t*>(job.region(rank_, queue_count_offset(job.layout, b))), 0);
+  }
+
+  start_comm_threads(job.comm_blocks);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = &job;
+    running_ = job.comm_blocks;
+    ++job_generation_;
+  }
+  wake_.notify_all();
+  try {
+    run_compute_blocks(job);
+  } catch (const std::exception& e) {
+    job.fail(std::string("gemm_allreduce: the local GEMM failed: ") + e.what() + where(), false);
+  }
+  job.compute_done.store(true, std::memory_order_release);
+  for (int64_t c = 0; c < job.comm_blocks; ++c) doorbell(job.windows[rank_], c).ring();
+  {
+    // The comm blocks bound each of their waits; this bound only guards against a bug in them.
+    std::unique_lock<std::mutex> lock(mutex_);
+    const bool done = finished_.wait_for(lock, job.timeout * 4 + std::chrono::seconds(60), [&] { return running_ == 0; });
+    if (!done) {
+      poisoned_ = "comm threads did not finish";
+      TORCH_CHECK(false, "gemm_allreduce: internal error: comm threads did not finish", where());
+    }
+    job_ = nullptr;
+  }
+  if (!job.error.empty()) {
+    if (!job.error_is_disagreement) poisoned_ = job.error;
+    raise(job.error, job.error_is_disagreement);
+  }
+  return out.view(call.out_shape);
+}
+
+}  // namespace gemm_ar::cpu

@@ -1,0 +1,69 @@
+// The CPU fused engine of one process group: its shared windows, its comm threads and its call counter.
+// Created collectively on the group's first call on CPU; lives as long as the process.
+#pragma once
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/call_args.h"
+#include "common/rank_agreement.h"
+#include "cpu/engine_config.h"
+#include "cpu/fused_call.h"
+#include "cpu/window_set.h"
+
+namespace gemm_ar::cpu {
+
+class FusedEngine {
+ public:
+  // The engine of `group`; the first call for a group is collective (all its ranks make it, as they do for the
+  // op's first call on that group).
+  static FusedEngine& of(c10d::ProcessGroup& group);
+
+  // "" when the fused path can run on this group; otherwise why not (ranks on several hosts, an earlier failure).
+  std::string unavailable_reason() const;
+  // Whether calls on this group agree through the window headers (otherwise through the process group).
+  // (Also after a failure: every rank must keep agreeing through the same channel.)
+  bool has_windows() const { return windows_ != nullptr; }
+
+  // Starts the next call on this rank: publishes its signature; raises this rank's own argument error (peers read
+  // it from the header). Unless a fused run follows (which checks the headers in its comm thread while the GEMM
+  // already runs), waits for every rank's signature and raises the same diagnosis on every rank.
+  void agree(const CallArgs& call, Algorithm chosen);
+  at::Tensor run(const CallArgs& call);
+
+ private:
+  FusedEngine(c10d::ProcessGroup& group);
+  // Grows the windows (collectively) so that the fixed region layout holds `need`.
+  void grow(const LayoutParams& need);
+  void start_comm_threads(int64_t count);
+  void comm_thread_main(int64_t c);
+  std::vector<uint8_t*> bases() const;
+  void ring_peers() const;
+  std::string where() const;
+
+  std::string group_name_;
+  int rank_, world_;
+  std::unique_ptr<WindowSet> windows_;
+  std::string unavailable_, poisoned_;
+  uint32_t epoch_ = 0;
+  EngineConfig config_{};
+  // Region offsets stay fixed between growths, sized for the largest call so far: a call never writes where the
+  // previous call's data (still read by a slower peer) lay under another shape's layout.
+  LayoutParams capacity_{};
+  WindowLayout regions_{};
+  CallSignature signature_{};
+
+  std::mutex mutex_;
+  std::condition_variable wake_, finished_;
+  std::vector<std::thread> threads_;
+  CallJob* job_ = nullptr;
+  uint64_t job_generation_ = 0;
+  int64_t running_ = 0;
+};
+
+}  // namespace gemm_ar::cpu

@@ -1,0 +1,361 @@
+"""A Llama-style decoder block (attention + SwiGLU MLP) with tensor parallelism over CPU ranks: unfused TP vs the same
+model converted by torch_gemm_ar.nn.replace_row_parallel.
+
+    torchrun --nproc-per-node 2 examples/tp_transformer.py                 # both TP styles
+    torchrun --nproc-per-node 2 examples/tp_transformer.py --style plain --algorithm chunked
+
+Two ways of writing the unfused TP model, both converted in place:
+- dtensor: torch.distributed.tensor.parallel.parallelize_module with ColwiseParallel for q/k/v/gate/up and
+  RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model).
+- plain: Megatron-style layers written by hand (ColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
+  all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]).
+For each style the script checks that the outputs agree, runs a few training steps (forward + backward + SGD) on
+both models and checks that the weights agree, then prints forward and training-step times side by side.
+The model classes are importable (tests/test_nn_*.py use them); nothing runs on import.
+"""
+import argparse
+import copy
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The single-device model (HF Llama module names, so the patterns read like real ones).
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class BlockConfig:
+    hidden: int = 512
+    heads: int = 8
+    ffn: int = 1376
+    bias: bool = False  # Llama has none; True exercises the add-the-bias-once path
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def check(self, world: int) -> None:
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ValueError(f"hidden={self.hidden} must split into {self.heads} heads of even size")
+        if self.heads % world or self.ffn % world:
+            raise ValueError(f"heads={self.heads} and ffn={self.ffn} must be divisible by the world size {world}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight
+
+
+def apply_rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding on [B, heads, S, head_dim] (rotate-half form)."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.head_dim = cfg.hidden // cfg.heads
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+
+        def heads(t):  # the head count comes from the shape: all heads, or this rank's heads under TP
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        q = apply_rotary(heads(self.q_proj(x)), self.rope_theta)
+        k = apply_rotary(heads(self.k_proj(x)), self.rope_theta)
+        v = heads(self.v_proj(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def make_block(cfg: BlockConfig, seed: int, dtype=torch.float32) -> DecoderBlock:
+    """The same full block on every rank (same seed); biases and norm weights randomised so they matter."""
+    torch.manual_seed(seed)
+    block = DecoderBlock(cfg).to(dtype)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith("bias") or "layernorm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "layernorm" in name else 0.0))
+    return block
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unfused tensor parallelism written by hand, Megatron-LM style. Functional collectives (c10d_functional ops) keep
+# it traceable by torch.compile.
+# ---------------------------------------------------------------------------------------------------------------
+def _all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Entering the TP region: identity forward; backward sums the ranks' input gradients (Megatron's copy-to)."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_sum(grad, ctx.group_name), None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Leaving the TP region: all_reduce forward; identity backward (the output gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group_name):
+        return _all_reduce_sum(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """weight [out/world, in], bias [out/world]: this rank's slice of the output features."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup):
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rows = linear.out_features // world
+        self.group_name = group.group_name
+        self.weight = nn.Parameter(linear.weight.detach()[rank * rows:(rank + 1) * rows].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach()[rank * rows:(rank + 1) * rows].clone())
+
+    def forward(self, x):
+        return F.linear(CopyToTensorParallel.apply(x, self.group_name), self.weight, self.bias)
+
+
+class UnfusedRowParallelLinear(nn.Module):
+    """weight [out, in/world], bias [out]: matmul, then all_reduce, then the bias once (Megatron / DeepSpeed)."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup):
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        cols = linear.in_features // world
+        self.group_name = group.group_name
+        self.weight = nn.Parameter(linear.weight.detach()[:, rank * cols:(rank + 1) * cols].clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        out = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.group_name)
+        return out if self.bias is None else out + self.bias
+
+
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+ROW_PARALLEL_PATTERNS = ["*.o_proj", "*.down_proj"]
+
+
+def tensor_parallel_plain(block: DecoderBlock, group: dist.ProcessGroup) -> DecoderBlock:
+    """A copy of `block` sharded Megatron-style over `group` (unfused)."""
+    block = copy.deepcopy(block)
+    for name in COLUMN_PARALLEL + ROW_PARALLEL:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = block.get_submodule(parent_name)
+        layer = ColumnParallelLinear if name in COLUMN_PARALLEL else UnfusedRowParallelLinear
+        setattr(parent, leaf, layer(getattr(parent, leaf), group))
+    return block
+
+
+def tensor_parallel_dtensor(block: DecoderBlock, mesh) -> DecoderBlock:
+    """A copy of `block` parallelized with torch.distributed.tensor.parallel (unfused)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in COLUMN_PARALLEL}
+    plan.update({name: RowwiseParallel() for name in ROW_PARALLEL})
+    return parallelize_module(copy.deepcopy(block), mesh, plan)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local value of a parameter or gradient, DTensor or not."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The comparison script.
+# ---------------------------------------------------------------------------------------------------------------
+def _median_ms(fns, warmup: int, iters: int, group) -> list:
+    """Median wall time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, bucket in zip(fns, times):
+            dist.barrier(group)
+            start = time.perf_counter()
+            fn()
+            bucket.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(bucket) for bucket in times]
+
+
+def _max_difference(a: nn.Module, b: nn.Module) -> float:
+    params_b = dict(b.named_parameters())
+    worst = 0.0
+    for name, p in a.named_parameters():
+        worst = max(worst, (local_tensor(p).detach().double() - local_tensor(params_b[name]).detach().double())
+                    .abs().max().item())
+    return worst
+
+
+def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dict:
+    import torch_gemm_ar
+
+    full = make_block(cfg, args.seed, dtype)
+    make_tp = (lambda: tensor_parallel_dtensor(full, mesh)) if style == "dtensor" else (
+        lambda: tensor_parallel_plain(full, group))
+    unfused, converted = make_tp(), make_tp()
+    # The optimizer is built before the conversion: the converted layers adopt the same Parameter objects.
+    opt_unfused = torch.optim.SGD(unfused.parameters(), lr=args.lr, momentum=0.9)
+    opt_converted = torch.optim.SGD(converted.parameters(), lr=args.lr, momentum=0.9)
+    patterns = None if style == "dtensor" else ROW_PARALLEL_PATTERNS
+    replaced = torch_gemm_ar.nn.replace_row_parallel(converted, group=group, patterns=patterns,
+                                                     algorithm=args.algorithm)
+
+    generator = torch.Generator().manual_seed(args.seed + 1)  # the same activations on every rank (replicated)
+
+    def batch():
+        x = torch.randn(args.batch, args.seq, cfg.hidden, generator=generator).to(dtype)
+        return x, torch.randn(args.batch, args.seq, cfg.hidden, generator=generator).to(dtype)
+
+    with torch.no_grad():
+        x, _ = batch()
+        forward_diff = (unfused(x).double() - converted(x).double()).abs().max().item()
+    for _ in range(args.steps):
+        x, target = batch()
+        for model, opt in ((unfused, opt_unfused), (converted, opt_converted)):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x).float(), target.float()).backward()
+            opt.step()
+    weight_diff = _max_difference(unfused, converted)
+
+    x, target = batch()
+
+    def forward(model):
+        with torch.no_grad():
+            model(x)
+
+    def train_step(model, opt):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x).float(), target.float()).backward()
+        opt.step()
+
+    pairs = ((unfused, opt_unfused), (converted, opt_converted))
+    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], args.warmup, args.iters, group)
+    step_ms = _median_ms([lambda m=m, o=o: train_step(m, o) for m, o in pairs], args.warmup, args.iters, group)
+    timing = {"unfused": (forward_ms[0], step_ms[0]), "converted": (forward_ms[1], step_ms[1])}
+    return {"replaced": replaced, "forward_diff": forward_diff, "weight_diff": weight_diff, "timing": timing}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--style", choices=["dtensor", "plain", "both"], default="both")
+    parser.add_argument("--algorithm", default="auto")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=1376)
+    parser.add_argument("--bias", action="store_true", help="give every linear layer a bias")
+    parser.add_argument("--steps", type=int, default=3, help="training steps compared")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations (median reported)")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+
+    if "RANK" not in os.environ:
+        print("run with torchrun, e.g.: torchrun --nproc-per-node 2 examples/tp_transformer.py", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cfg = BlockConfig(hidden=args.hidden, heads=args.heads, ffn=args.ffn, bias=args.bias)
+    cfg.check(world)
+    dtype = getattr(torch, args.dtype)
+    group = dist.group.WORLD
+    mesh = None
+    styles = ["dtensor", "plain"] if args.style == "both" else [args.style]
+    if "dtensor" in styles:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        group = mesh.get_group()
+
+    # The comparison tolerance: products of unit-scale values summed over the hidden dimension.
+    tolerance = (2e-4 if dtype == torch.float32 else 6e-2) * math.sqrt(cfg.hidden / 64)
+    failed = False
+    for style in styles:
+        result = compare_style(style, args, cfg, dtype, group, mesh)
+        ok = result["forward_diff"] <= tolerance and result["weight_diff"] <= tolerance
+        failed |= not ok
+        if rank == 0:
+            (fu, tu), (fc, tc) = result["timing"]["unfused"], result["timing"]["converted"]
+            print(f"\n== {style}: {world} ranks, tokens={args.batch * args.seq}, hidden={cfg.hidden}, ffn={cfg.ffn}, "
+                  f"{args.dtype}, algorithm={args.algorithm}")
+            print(f"replaced: {', '.join(result['replaced'])}")
+            print(f"max |unfused - converted|: output {result['forward_diff']:.3g}, weights after {args.steps} "
+                  f"SGD steps {result['weight_diff']:.3g} (tolerance {tolerance:.3g}): {'OK' if ok else 'MISMATCH'}")
+            print(f"{'median ms':<22}{'unfused':>10}{'converted':>11}{'speedup':>9}")
+            print(f"{'forward':<22}{fu:>10.2f}{fc:>11.2f}{fu / fc:>9.2f}")
+            print(f"{'train step':<22}{tu:>10.2f}{tc:>11.2f}{tu / tc:>9.2f}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Inputs and float64 references shared by the multi-rank tests: every rank can rebuild every rank's shard from the
+seed, so each rank checks the reduced result on its own."""
+import hashlib
+
+import torch
+
+# Relative tolerance per dtype, applied to values of magnitude ~sqrt(K * world) (sums of unit-variance products).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 3e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+# Shapes that are not multiples of any tile size: (M, K, N).
+ODD_SHAPES = [
+    (1, 1, 1), (7, 33, 65), (129, 300, 777), (1000, 33, 65), (7, 300, 1), (1, 33, 777), (129, 1, 65), (1000, 300, 777),
+]
+
+
+def shard(seed: int, rank: int, m: int, k: int, dtype, three_d: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    a = torch.randn(m, k, generator=g, dtype=torch.float64).to(dtype)
+    if three_d and m % 2 == 0 and m > 0:
+        a = a.reshape(2, m // 2, k)
+    return a
+
+
+def weight(seed: int, k: int, n: int, dtype, transposed: bool) -> torch.Tensor:
+    """b = [K, N]; transposed=True gives weight.t() of an nn.Linear-style [N, K] tensor (a non-contiguous view)."""
+    g = torch.Generator().manual_seed(seed * 7919 + 100_003)
+    if transposed:
+        return torch.randn(n, k, generator=g, dtype=torch.float64).to(dtype).t()
+    return torch.randn(k, n, generator=g, dtype=torch.float64).to(dtype)
+
+
+def bias_vector(seed: int, n: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7919 + 200_003)
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+
+
+def reference(shards, b, bias=None) -> torch.Tensor:
+    out = sum(a.double().reshape(-1, a.shape[-1]) @ b.double() for a in shards)
+    if bias is not None:
+        out = out + bias.double()
+    return out.reshape(*shards[0].shape[:-1], b.shape[1])
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype, k: int, world: int, what: str):
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype}, expected {dtype}"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    tol = TOLERANCE[dtype]
+    scale = (max(k, 1) * world) ** 0.5 + 1.0
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def digest(t: torch.Tensor) -> str:
+    """Bitwise fingerprint, to check that every rank returned the same tensor."""
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,273 @@
+"""The benchmarks: their formulas against the seed's published figures, their tables and sweep analysis on
+synthetic data, and every script end to end on tiny odd shapes with real ranks (JSON structure and the error
+column checked; no timing assertions: this machine is shared)."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+sys.path.insert(0, BENCH)
+
+from benchkit import crossover, metrics, models, plot, report  # noqa: E402
+from rank_pool import free_port  # noqa: E402
+
+RUN_TIMEOUT_S = 400
+# Worst relative error (max|out - ref| / max|ref|) a correct result can have, per dtype.
+REL_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
+
+
+# --- formulas (design.md §9) against the seed's 8 x 910B table ---------------------------------------------------
+
+def test_seed_figures_follow_from_the_formulas():
+    compute, comm, pipelined = 371.6e-6, 437.3e-6, 560.6e-6
+    sequential = compute + comm  # 808.9 us
+    assert metrics.speedup(sequential, pipelined) == pytest.approx(1.443, abs=5e-4)
+    assert metrics.time_saved(sequential, pipelined) == pytest.approx(248.3e-6, abs=1e-9)
+    assert metrics.comm_time(sequential, compute) == pytest.approx(comm)
+    assert metrics.overlap_efficiency(compute, comm, pipelined) == pytest.approx(0.668, abs=5e-4)
+
+
+def test_overlap_efficiency_edge_cases():
+    assert metrics.overlap_efficiency(1.0, 1.0, 1.0) == pytest.approx(1.0)  # the shorter phase fully hidden
+    assert metrics.overlap_efficiency(1.0, 0.5, 1.5) == pytest.approx(0.0)  # no overlap at all
+    assert metrics.overlap_efficiency(1.0, None, 1.0) is None  # no measurable communication
+    assert metrics.comm_time(1.0, 1.2) is None
+
+
+def test_gflops_and_bus_bandwidth():
+    assert metrics.gflops(5416, 6144, 1408, 368.1e-6) == pytest.approx(254546, rel=1e-4)  # the seed's compute-only
+    # 2 ranks: each moves half the buffer in reduce-scatter and half in all-gather, i.e. the buffer once.
+    assert metrics.allreduce_bus_bytes(1000, 1000, 4, 2) == pytest.approx(4e6)
+    assert metrics.bus_bandwidth_gbs(1000, 1000, 4, 8, 1e-3) == pytest.approx(2 * 7 / 8 * 4e6 / 1e-3 / 1e9)
+    assert metrics.bus_bandwidth_gbs(1000, 1000, 4, 1, 1e-3) is None
+
+
+def test_rank_stats_uses_slowest_rank_median():
+    stats = metrics.rank_stats([[1.0, 5.0, 2.0], [3.0, 3.5, 0.5]])
+    assert stats["rank_medians_s"] == [2.0, 3.0]
+    assert (stats["median_s"], stats["min_s"], stats["max_s"]) == (3.0, 0.5, 5.0)
+
+
+def test_first_index_from_which():
+    assert metrics.first_index_from_which([False, True, False, True, True]) == 3
+    assert metrics.first_index_from_which([True, True]) == 0
+    assert metrics.first_index_from_which([True, False]) is None
+    assert metrics.first_index_from_which([]) is None
+
+
+# --- tables and sweep analysis -------------------------------------------------------------------------------------
+
+def test_table_columns_are_aligned():
+    text = report.format_table(["name", "time us", "x"], [["a", "1.0", "2"], ["longer name", "12,345.6", "0.5"],
+                                                          ["gone", "absent: why"]])
+    lines = text.splitlines()
+    assert lines[2].index("1.0") + 3 == lines[3].index("12,345.6") + 8  # numbers right-aligned
+    assert lines[2].startswith("a ") and lines[3].startswith("longer name")
+    assert lines[4] == "gone         absent: why"
+    assert set(lines[1].replace(" ", "")) == {"-"}
+
+
+def _point(times):
+    return {"rows": {k: {"available": t is not None, "median_s": t} for k, t in times.items()}}
+
+
+def test_crossovers_thresholds_and_auto_floor():
+    ms = [1, 16, 256, 4096]
+    layer_a = [_point({"sequential": 1.0, "chunked": 2.0, "auto": 1.0, "baseline": 1.0}),
+               _point({"sequential": 1.0, "chunked": 0.9, "auto": 1.0, "baseline": 1.0}),
+               _point({"sequential": 1.0, "chunked": 1.1, "auto": 1.0, "baseline": 0.9}),  # auto at 0.9x
+               _point({"sequential": 2.0, "chunked": 1.0, "auto": 1.0, "baseline": 1.0})]
+    layer_b = [_point({"sequential": 1.0, "chunked": 0.5, "auto": 0.5, "baseline": 1.0}) for _ in ms]
+    result = crossover.analyse(["a", "b"], ms, [layer_a, layer_b])
+    assert result["crossovers"]["a"] == {"chunked": 4096, "fused": None}
+    assert result["crossovers"]["b"] == {"chunked": 1, "fused": None}
+    assert result["recommended_thresholds"] == {"min_m_for_chunked": 4096, "min_m_for_fused": None}
+    assert result["best_by_layer"]["a"] == ["sequential", "chunked", "sequential", "chunked"]
+    assert [(r["layer"], r["m"]) for r in result["auto_below_floor"]] == [("a", 256)]
+    assert result["auto_worst"]["speed_vs_baseline"] == pytest.approx(0.9)
+
+
+def test_model_layers():
+    layers = {(l.model, l.projection, l.tp): l for l in models.layers(["Llama-3.1-8B"], [2, 8], scale=1)}
+    assert (layers["Llama-3.1-8B", "o_proj", 2].k, layers["Llama-3.1-8B", "o_proj", 2].n) == (2048, 4096)
+    assert (layers["Llama-3.1-8B", "down_proj", 8].k, layers["Llama-3.1-8B", "down_proj", 8].n) == (1792, 4096)
+    scaled = models.layers(["Llama-3.1-70B"], [4], scale=8)
+    assert [(l.k, l.n) for l in scaled] == [(256, 1024), (896, 1024)]
+    with pytest.raises(ValueError, match="unknown model"):
+        models.layers(["GPT-5"], [2], 1)
+
+
+@pytest.mark.skipif(plot.matplotlib_missing() is not None, reason="matplotlib is not installed: no plot to check")
+def test_speedup_plot_writes_a_png(tmp_path):
+    ms = [1, 16]
+    points = [{"rows": {"chunked": {"available": True, "speedup_vs_baseline": s}}} for s in (0.8, 1.2)]
+    path = str(tmp_path / "p.png")
+    plot.speedup_plot(path, "t", ["layer"], ms, [points], 0.97)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --- rows: the fused engine is picked up once it exists -------------------------------------------------------
+
+class StubLibrary:
+    """Records how the rows call the library, with or without the fused engine's sequential mode."""
+
+    def __init__(self, with_mode):
+        self.calls, self.overlap = [], None
+        if with_mode:
+            import contextlib
+
+            @contextlib.contextmanager
+            def fused_engine_mode(overlap=True):
+                self.overlap = overlap
+                try:
+                    yield
+                finally:
+                    self.overlap = None
+
+            self.fused_engine_mode = fused_engine_mode
+
+    def gemm_allreduce(self, a, b, group=None, *, bias=None, algorithm="auto"):
+        self.calls.append((algorithm, self.overlap))
+        return a @ b
+
+
+@pytest.mark.parametrize("with_mode", [True, False])
+def test_same_engine_sequential_row(with_mode):
+    import types
+
+    import torch
+
+    from benchkit.inputs import InputSet
+    from benchkit.rows import build_rows
+
+    lib = StubLibrary(with_mode)
+    env = types.SimpleNamespace(library=lib, group="world", self_group="self", device=torch.device("cpu"), rank=0)
+    sets = [InputSet(torch.randn(3, 2), torch.randn(2, 5), None)]
+    rows = build_rows(env, sets, torch.float32, ["fused_sequential", "fused"])
+    rows["fused_sequential"].run(0)
+    rows["fused"].run(0)
+    if with_mode:
+        assert lib.calls == [("fused", False), ("fused", None)]
+        assert rows["fused_sequential"].note == ""
+    else:
+        assert lib.calls == [("sequential", None), ("fused", None)]
+        assert "fused_engine_mode" in rows["fused_sequential"].note
+    assert rows["fused"].sequential_ref == "fused_sequential"
+
+
+# --- the scripts end to end ------------------------------------------------------------------------------------------
+
+def run_script(script, *args, torchrun=True):
+    args = [*args, "--seed", str(random.randrange(1 << 30))]  # fresh inputs on every test run
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", os.path.join(BENCH, script), "--",
+                   *args]
+    else:
+        command = [sys.executable, os.path.join(BENCH, script), *args]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=REPO)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    return done.stdout
+
+
+def check_shape_summary(summary, dtype, world=2, iters=None):
+    rows = summary["rows"]
+    for key, entry in rows.items():
+        if not entry["available"]:
+            # Only an algorithm this build cannot run may be absent, and it says why.
+            assert key in ("fused", "fused_sequential"), f"{key} absent: {entry.get('reason')}"
+            assert "not available" in entry["reason"]
+            continue
+        assert len(entry["timings_s"]) == world
+        if iters is not None:
+            assert all(len(times) == iters for times in entry["timings_s"]), key
+        assert all(t > 0 for times in entry["timings_s"] for t in times)
+        assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
+        assert entry["max_rel_error"] < REL_TOL[dtype], f"{key}: relative error {entry['max_rel_error']}"
+        if key not in ("compute_only",):
+            assert entry["identical_on_all_ranks"], f"{key}: ranks returned different tensors"
+        if key not in ("compute_only", "allreduce_only"):
+            assert entry["speedup_vs_baseline"] > 0
+    return rows
+
+
+def test_bench_gemm_allreduce_end_to_end(tmp_path):
+    out = str(tmp_path / "bench.json")
+    stdout = run_script("bench_gemm_allreduce.py", "--m", "37", "--k", "19", "--n", "23", "--bias", "--iters", "2",
+                        "--warmup", "1", "--json", out)
+    with open(out) as f:
+        result = json.load(f)
+    assert result["shape"] == {"m": 37, "k": 19, "n": 23, "dtype": "float32", "bias": True, "world": 2,
+                               "flops_per_rank": 2 * 37 * 19 * 23}
+    assert result["run"]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py --")
+    rows = check_shape_summary(result, "float32", iters=2)
+    assert list(rows) == ["compute_only", "allreduce_only", "sequential", "chunked", "fused_sequential", "fused",
+                          "auto", "baseline"]
+    assert rows["chunked"]["sequential_reference"] == "sequential"
+    assert rows["chunked"]["speedup_vs_sequential"] > 0 and rows["chunked"]["overlap_efficiency"] is not None
+    assert rows["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    # The table names every row and shows the error column.
+    for label in ("compute only", "sequential", "chunked", "fused", "auto", "baseline (float32)", "rel err"):
+        assert label in stdout
+
+
+def test_bench_bfloat16_reports_both_baselines(tmp_path):
+    out = str(tmp_path / "bench.json")
+    run_script("bench_gemm_allreduce.py", "--m", "33", "--k", "65", "--n", "7", "--dtype", "bfloat16",
+               "--algorithms", "chunked", "--iters", "1", "--warmup", "0", "--json", out)
+    with open(out) as f:
+        result = json.load(f)
+    rows = check_shape_summary(result, "bfloat16", iters=1)
+    # chunked pulls in sequential; compute only and both baselines are always measured.
+    assert list(rows) == ["compute_only", "sequential", "chunked", "baseline", "baseline_fp32"]
+    assert "fp32" in rows["baseline"]["note"]
+
+
+def test_bench_cpu_fused_end_to_end(tmp_path):
+    out = str(tmp_path / "fused.json")
+    stdout = run_script("bench_cpu_fused.py", "--shapes", "37x19x23,5x130x9", "--iters", "2", "--warmup", "1",
+                        "--json", out)
+    with open(out) as f:
+        result = json.load(f)
+    assert result["target_fused_over_compute_only"] == pytest.approx(1.10)
+    assert [(s["shape"]["m"], s["shape"]["k"], s["shape"]["n"]) for s in result["shapes"]] == [(37, 19, 23), (5, 130, 9)]
+    for summary in result["shapes"]:
+        rows = check_shape_summary(summary, "float32", iters=2)
+        assert list(rows) == ["compute_only", "fused_sequential", "fused", "baseline"]
+        if rows["fused"]["available"]:
+            assert summary["ratios"]["fused_over_compute_only"] > 0
+    assert "fused/compute" in stdout
+
+
+def test_quick_sweep_end_to_end(tmp_path):
+    out_dir = str(tmp_path / "sweep")
+    # Launched without torchrun, as the README shows: the script starts its own 2 ranks.
+    stdout = run_script("sweep.py", "--out", out_dir, "--quick", "--scale", "256", "--m-list", "1,5,33",
+                        "--models", "Llama-3.2-1B", "--tp", "2", "--max-iters", "2", "--budget-s", "0.01",
+                        torchrun=False)
+    with open(os.path.join(out_dir, "sweep.json")) as f:
+        result = json.load(f)
+    assert result["m_list"] == [1, 5, 33]
+    assert [(l["projection"], l["k"], l["n"]) for l in result["layers"]] == [("o_proj", 4, 8), ("down_proj", 16, 8)]
+    for layer in result["layers"]:
+        assert [p["shape"]["m"] for p in layer["points"]] == [1, 5, 33]
+        for point in layer["points"]:
+            rows = check_shape_summary(point, "float32")
+            assert list(rows) == ["sequential", "chunked", "fused", "auto", "baseline"]
+    analysis = result["analysis"]
+    assert set(analysis["crossovers"]) == {l["name"] for l in result["layers"]}
+    assert set(analysis["recommended_thresholds"]) == {"min_m_for_chunked", "min_m_for_fused"}
+    assert analysis["auto_worst"] is not None
+    assert "Where auto should switch" in stdout and "auto vs baseline" in stdout
+    if plot.matplotlib_missing() is None:
+        with open(os.path.join(out_dir, "sweep.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert result["plot"] is None and "matplotlib" in result["plot_missing_reason"]

@@ -1,0 +1,43 @@
+"""Resolving the `group=` argument of the nn layers: the group object, its c10d name, its size and this rank's place."""
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .._ops import GroupLike
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    group: dist.ProcessGroup
+    name: str
+    world: int
+    rank: int  # this process's rank inside `group`
+
+
+def resolve_group(group: GroupLike, who: str) -> GroupInfo:
+    """GroupInfo of `group` (None: the default group, a str: a c10d group name); `who` prefixes the errors."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized; call torch.distributed.init_process_group() first"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands to ranks outside the group
+        raise ValueError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given; pass "
+            "the tensor-parallel group this rank belongs to"
+        )
+    elif isinstance(group, str):
+        try:
+            group = dist.distributed_c10d._resolve_process_group(group)
+        except Exception as exc:  # c10d raises a bare RuntimeError for unknown names
+            raise ValueError(f"{who}: no process group is named {group!r}") from exc
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{who}: group must be a ProcessGroup, a group name or None; got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of group "
+            f"{group.group_name!r}; pass the tensor-parallel group this rank belongs to"
+        )
+    return GroupInfo(group=group, name=group.group_name, world=dist.get_world_size(group), rank=rank)

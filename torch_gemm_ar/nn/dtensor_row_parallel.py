@@ -1,0 +1,186 @@
+"""Taking over an nn.Linear that torch.distributed.tensor.parallel.RowwiseParallel parallelized (DTensor).
+
+RowwiseParallel stores nothing on the module: `distribute_module` turns weight into a Shard(1) DTensor and bias into
+a Replicate DTensor, and installs a forward pre-hook and a forward hook, lambdas over `functools.partial`s of
+`RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, ...)` and
+`RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, ...)` plus the device mesh. The layouts are
+read back from those closures. torch.distributed.tensor takes seconds to import, so it is never imported here
+just to look: if the user has not imported it, no module can hold a DTensor or RowwiseParallel's hooks.
+"""
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._ops import gemm_allreduce
+from .row_parallel_linear import check_algorithm
+
+
+@dataclass(frozen=True)
+class RowwiseLayouts:
+    """What RowwiseParallel recorded for one module: its mesh and its input/output handling."""
+
+    mesh: Any  # DeviceMesh
+    input_layouts: Tuple[Any, ...]
+    output_layouts: Tuple[Any, ...]
+    use_local_output: bool
+
+
+def _closure_values(hook) -> List[Any]:
+    values = []
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return values
+
+
+def _rowwise_partial(hook, fn) -> Optional[Tuple[functools.partial, Any]]:
+    """(partial, mesh) if `hook` is distribute_module's lambda around a partial of `fn`, else None."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    values = _closure_values(hook)
+    partial = next((v for v in values if isinstance(v, functools.partial) and v.func is fn), None)
+    mesh = next((v for v in values if isinstance(v, DeviceMesh)), None)
+    if partial is None or mesh is None:
+        return None
+    return partial, mesh
+
+
+def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], List[str]]:
+    """(layouts, other_hooks): the layouts if RowwiseParallel's two hooks are on `module`, else None; other_hooks
+    describes every forward hook that is not RowwiseParallel's (they would be lost by a replacement)."""
+    style = sys.modules.get("torch.distributed.tensor.parallel.style")
+    input_fn = style.RowwiseParallel._prepare_input_fn if style is not None else None
+    output_fn = style.RowwiseParallel._prepare_output_fn if style is not None else None
+    pre, post, others = None, None, []
+    for hook in module._forward_pre_hooks.values():
+        found = _rowwise_partial(hook, input_fn) if input_fn is not None else None
+        if found is not None and pre is None:
+            pre = found
+        else:
+            others.append(f"forward pre-hook {getattr(hook, '__qualname__', hook)!r}")
+    for hook in module._forward_hooks.values():
+        found = _rowwise_partial(hook, output_fn) if output_fn is not None else None
+        if found is not None and post is None:
+            post = found
+        else:
+            others.append(f"forward hook {getattr(hook, '__qualname__', hook)!r}")
+    if pre is None or post is None:
+        return None, others
+    (pre_partial, mesh), (post_partial, _) = pre, post
+    input_layouts, _desired = pre_partial.args
+    output_layouts, use_local_output = post_partial.args
+    return RowwiseLayouts(mesh, tuple(input_layouts), tuple(output_layouts), bool(use_local_output)), others
+
+
+def is_dtensor(t) -> bool:
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    return dtensor_module is not None and isinstance(t, dtensor_module.DTensor)
+
+
+def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
+                     group_name: Optional[str]) -> List[str]:
+    """Why `module` cannot be replaced by a DTensorRowParallelLinear (empty list: it can)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not isinstance(module, nn.Linear):
+        kind = type(module).__name__
+        return [f"it is a {kind}, not an nn.Linear (RowwiseParallel on {kind} is not a GEMM + all_reduce)"]
+    weight, bias = module.weight, module.bias
+    if is_dtensor(weight) and weight.device_mesh.ndim != 1:
+        return [f"its weight lives on a {weight.device_mesh.ndim}-D device mesh {tuple(weight.placements)}; only a "
+                "1-D tensor-parallel mesh is supported"]
+    if not is_dtensor(weight) or tuple(weight.placements) != (Shard(1),):
+        placements = tuple(weight.placements) if is_dtensor(weight) else "a plain tensor"
+        return [f"its weight is {placements}, not sharded along the input dimension (Shard(1)): not row-parallel"
+                + (" (ColwiseParallel shards the output dimension, Shard(0))" if placements == (Shard(0),) else "")]
+    if layouts is None:
+        return ["its weight is a Shard(1) DTensor but RowwiseParallel's forward hooks are not on it (parallelized "
+                "by another style or by hand), so its input and output handling is unknown"]
+    problems = []
+    if other_hooks:
+        problems.append("it has other hooks that a replacement would drop: " + ", ".join(other_hooks))
+    mesh = layouts.mesh
+    if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Replicate(),)):
+        problems.append("its bias is not a Replicate() DTensor")
+    if tuple(layouts.output_layouts) != (Replicate(),):
+        problems.append(
+            f"its output_layouts is {layouts.output_layouts}: a row-parallel GEMM followed by a reduce-scatter "
+            "(sequence parallelism), not by an all_reduce; gemm_allreduce fuses only output_layouts=Replicate()"
+        )
+    world = mesh.size()
+    if module.in_features % world:
+        problems.append(f"in_features={module.in_features} is not divisible by the mesh size {world}: the shards "
+                        "are uneven, and gemm_allreduce needs the same K on every rank")
+    mesh_group = mesh.get_group()
+    if group_name is not None and mesh_group.group_name != group_name:
+        problems.append(f"it is sharded over the mesh's group {mesh_group.group_name!r} (size {world}), but "
+                        f"group= names {group_name!r}: wrong group")
+    return problems
+
+
+class DTensorRowParallelLinear(nn.Module):
+    """Stands in for an nn.Linear parallelized with RowwiseParallel(output_layouts=Replicate()): the same inputs,
+    outputs and Parameter objects (weight: Shard(1) DTensor, bias: Replicate DTensor), so optimizers, gradient
+    hooks and the state_dict (DTensor values under `weight` / `bias`) are unchanged. The local shard product and
+    the all_reduce run as one gemm_allreduce on the mesh's group.
+    """
+
+    def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        if linear.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = linear.bias
+        self.device_mesh = layouts.mesh
+        self.input_layouts = layouts.input_layouts
+        self.output_layouts = layouts.output_layouts
+        self.use_local_output = layouts.use_local_output
+        self.group_name = layouts.mesh.get_group().group_name
+        self.algorithm = check_algorithm(algorithm, "DTensorRowParallelLinear")
+
+    def _local_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's [..., in/world] slice, reached the way RowwiseParallel's pre-hook reaches Shard(-1)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        last = x.dim() - 1
+        if isinstance(x, DTensor):
+            if not (len(x.placements) == 1 and x.placements[0].is_shard(last)):
+                x = x.redistribute(self.device_mesh, (Shard(last),))
+            return x.to_local()
+        layout = self.input_layouts[0]
+        if layout.is_shard() and layout.dim in (-1, last):
+            return x  # the common case: the local shard itself, no DTensor round trip
+        x = DTensor.from_local(x, self.device_mesh, self.input_layouts, run_check=False)
+        return x.redistribute(self.device_mesh, (Shard(last),)).to_local()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self._local_shard(x)
+        weight = self.weight.to_local()  # [out, in/world]; its gradient comes back as a Shard(1) DTensor
+        bias = None if self.bias is None else self.bias.to_local()
+        if local.shape[-1] != weight.shape[1]:
+            raise ValueError(f"DTensorRowParallelLinear: the local input shard has {local.shape[-1]} features, the "
+                             f"weight shard {weight.shape[1]}; input shape {tuple(local.shape)}")
+        lead = local.shape[:-1]
+        if local.dim() not in (2, 3):  # the op takes 2-D or 3-D
+            local = local.reshape(-1, local.shape[-1])
+        out = gemm_allreduce(local, weight.t(), self.group_name, bias=bias, algorithm=self.algorithm)
+        out = out.reshape(*lead, self.out_features)
+        if self.use_local_output:
+            return out
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(out, self.device_mesh, (Replicate(),), run_check=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_layouts={self.input_layouts}, use_local_output={self.use_local_output}, "
+                f"mesh_size={self.device_mesh.size()}, algorithm={self.algorithm!r}")
