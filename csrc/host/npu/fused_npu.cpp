@@ -2,6 +2,7 @@
 
 #include <torch_npu/csrc/core/npu/NPUCachingAllocator.h>
 #include <torch_npu/csrc/core/npu/NPUEvent.h>
+#include <torch_npu/csrc/core/npu/NPUFunctions.h>
 #include <torch_npu/csrc/core/npu/NPUGuard.h>
 #include <torch_npu/csrc/core/npu/NPUStream.h>
 #include <torch_npu/csrc/framework/OpCommand.h>
@@ -168,13 +169,18 @@ void refresh_error_record(CommState& state, const c10_npu::NPUStream& stream) {
 }  // namespace
 
 FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+  if (group.getSize() > kMaxWorld) {
+    return {FusedBlocker::kWorld, "the fused NPU kernels handle at most " + std::to_string(kMaxWorld) + " ranks"};
+  }
+  // Set up before anything that depends on this rank's arguments: the setup is collective and every rank asks
+  // this question on every call, bad arguments or not (op_flow), so all ranks meet in it on the group's first call.
+  CommState& state = comm_state(group, at::Device(c10::DeviceType::PrivateUse1, c10_npu::current_device()));
+  if (!call.error.empty()) return {FusedBlocker::kShape, call.error};  // raised by the agreement that follows
   if (dtype_code(call.dtype) == 0) {
     return {FusedBlocker::kDtype, std::string("the fused NPU kernels take float16 and bfloat16, not ") +
                                       c10::toString(call.dtype)};
   }
-  if (group.getSize() > kMaxWorld) {
-    return {FusedBlocker::kWorld, "the fused NPU kernels handle at most " + std::to_string(kMaxWorld) + " ranks"};
-  }
+  if (!state.unavailable.empty()) return {state.unavailable_kind, state.unavailable};
   if (call.m == 0) return {};  // the op returns an empty tensor without running anything
   if (call.k == 0 || call.n == 0) {
     return {FusedBlocker::kShape, "K=" + std::to_string(call.k) + ", N=" + std::to_string(call.n) +
@@ -185,8 +191,6 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
                                       ": the fused NPU kernels take row strides up to " +
                                       std::to_string(kMaxRowStride) + " elements"};
   }
-  CommState& state = comm_state(group, call.b.device());
-  if (!state.unavailable.empty()) return {state.unavailable_kind, state.unavailable};
   KernelArgs args;
   if (!plan_call(call, state, &args)) {
     return {FusedBlocker::kShape, "the fused NPU kernels cannot plan M=" + std::to_string(call.m) +

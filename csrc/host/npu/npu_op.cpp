@@ -54,14 +54,21 @@ Algorithm choose_auto(const CallArgs& call, c10d::ProcessGroup& group, bool fuse
   return Algorithm::Chunked;
 }
 
-const BackendHooks& npu_backend() {
-  static const BackendHooks hooks{
-      c10::DeviceType::PrivateUse1,
-      {at::kHalf, at::kBFloat16},
-      [](const CallArgs& call, c10d::ProcessGroup& group) { return check_fused(call, group).reason; },
-      [](const CallArgs& call, c10d::ProcessGroup& group) { return run_fused(call, group); },
-      &choose_auto,
+BackendHooks make_npu_backend() {
+  BackendHooks hooks;
+  hooks.device_type = c10::DeviceType::PrivateUse1;
+  hooks.dtypes = {at::kHalf, at::kBFloat16};
+  hooks.fused_unavailable_reason = [](const CallArgs& call, c10d::ProcessGroup& group) {
+    return check_fused(call, group).reason;
   };
+  hooks.run_fused = [](const CallArgs& call, c10d::ProcessGroup& group) { return run_fused(call, group); };
+  hooks.choose_auto = &choose_auto;
+  // check_agreement stays empty: the call signatures are exchanged over the HCCL process group.
+  return hooks;
+}
+
+const BackendHooks& npu_backend() {
+  static const BackendHooks hooks = make_npu_backend();
   return hooks;
 }
 
