@@ -1,0 +1,341 @@
+#include "npu/comm_state.h"
+
+#include <acl/acl.h>
+#include <torch_npu/csrc/core/npu/NPUGuard.h>
+#include <torch_npu/csrc/distributed/ProcessGroupHCCL.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include <unistd.h>
+
+#include "common/settings.h"
+#include "npu/hccl_context_layout.h"
+#include "npu/hccl_symbols.h"
+
+namespace gemm_ar::npu {
+namespace {
+
+namespace layout = hccl_layout;
+
+
+// How far one rank's setup got. The code travels to the other ranks so that every rank reaches the same decision
+// and can say who failed where.
+enum SetupStage : int64_t {
+  kStageOk = 0,
+  kStageSymbols = 1,
+  kStageTopology = 2,
+  kStageHandle = 3,
+  kStageResources = 4,
+  kStageContext = 5,
+  kStageMismatch = 6,
+  kStageCores = 7,
+  kStageOther = 8,
+};
+
+const char* stage_summary(int64_t stage) {
+  switch (stage) {
+    case kStageSymbols: return "HCCL one-sided API not found";
+    case kStageTopology: return "HcomGetL0TopoTypeEx failed";
+    case kStageHandle: return "HcomGetCommHandleByGroup failed";
+    case kStageResources: return "HcclAllocComResourceByTiling failed";
+    case kStageContext: return "reading the HCCL device context failed";
+    case kStageMismatch: return "the HCCL device context does not cover the group (windows not reachable)";
+    case kStageCores: return "AI core counts unavailable";
+    default: return "setup error";
+  }
+}
+
+struct SetupError : std::runtime_error {
+  SetupError(SetupStage stage, const std::string& message) : std::runtime_error(message), stage(stage) {}
+  SetupStage stage;
+};
+
+void check_acl(aclError status, SetupStage stage, const char* what) {
+  if (status != ACL_SUCCESS) {
+    throw SetupError(stage, std::string(what) + " returned ACL error " + std::to_string(status));
+  }
+}
+
+void copy_from_device(void* host, const void* device, size_t bytes, SetupStage stage, const char* what) {
+  check_acl(aclrtMemcpy(host, bytes, device, bytes, ACL_MEMCPY_DEVICE_TO_HOST), stage, what);
+}
+
+// Reads what RING topologies (A3) return, HCCL's op-resource block, and builds the CommContext the kernels expect:
+// this rank's windows from the block's head, every peer's from the rank-relation record its remoteRes[] entry
+// points to.
+void assemble_ring_context(const uint8_t* block, CommContext* ctx) {
+  layout::Mc2Workspace workspace{};
+  copy_from_device(&workspace, block, sizeof(workspace), kStageContext, "aclrtMemcpy(workspace)");
+  layout::OpResParamHead head{};
+  copy_from_device(&head, block + offsetof(layout::OpResParam, localUsrRankId), sizeof(head), kStageContext,
+                   "aclrtMemcpy(op resource head)");
+  if (head.rankSize == 0 || head.rankSize > kMaxWorld || head.localUsrRankId >= head.rankSize) {
+    throw SetupError(kStageContext, "HCCL op resources report rank " + std::to_string(head.localUsrRankId) + " of " +
+                                        std::to_string(head.rankSize));
+  }
+  std::vector<layout::RemoteResPtr> remote(head.rankSize);
+  copy_from_device(remote.data(), block + offsetof(layout::OpResParam, remoteRes),
+                   remote.size() * sizeof(layout::RemoteResPtr), kStageContext, "aclrtMemcpy(remoteRes)");
+  *ctx = CommContext{};
+  ctx->work_space = workspace.workspace;
+  ctx->work_space_size = workspace.workspaceSize;
+  ctx->rank_id = head.localUsrRankId;
+  ctx->rank_num = head.rankSize;
+  ctx->win_size = head.winSize;
+  for (uint32_t peer = 0; peer < head.rankSize; ++peer) {
+    if (peer == head.localUsrRankId) {
+      ctx->windows_in[peer] = head.localWindowsIn;
+      ctx->windows_out[peer] = head.localWindowsOut;
+      continue;
+    }
+    if (remote[peer].nextDevicePtr == 0) {
+      throw SetupError(kStageMismatch, "HCCL has no remote resources for rank " + std::to_string(peer));
+    }
+    layout::RankRelationResV2 relation{};
+    copy_from_device(&relation, reinterpret_cast<const void*>(remote[peer].nextDevicePtr), sizeof(relation),
+                     kStageContext, "aclrtMemcpy(rank relation)");
+    ctx->windows_in[peer] = relation.windowsIn;
+    ctx->windows_out[peer] = relation.windowsOut;
+  }
+}
+
+layout::Mc2TilingV2 batch_write_tiling(const std::string& hcom_name) {
+  layout::Mc2TilingV2 tiling;
+  std::memset(&tiling, 0, sizeof(tiling));
+  tiling.init.version = layout::kInitTilingVersion;
+  tiling.init.mc2HcommCnt = 1;
+  tiling.init.offset[0] = static_cast<uint32_t>(offsetof(layout::Mc2TilingV2, cc));
+  tiling.init.commBlockNum = layout::kTilingCommBlockNum;
+  tiling.init.devType = layout::kTilingDevType;
+  tiling.cc.version = layout::kCcTilingVersion;
+  tiling.cc.commEngine = layout::kCommEngineAiv;
+  tiling.cc.opType = layout::kOpTypeBatchWrite;
+  std::strncpy(tiling.cc.groupName, hcom_name.c_str(), sizeof(tiling.cc.groupName) - 1);
+  std::strncpy(tiling.cc.algConfig, layout::kAlgConfigFullMesh, sizeof(tiling.cc.algConfig) - 1);
+  return tiling;
+}
+
+int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
+  int64_t value = 0;
+  check_acl(aclrtGetDeviceInfo(static_cast<uint32_t>(device), attribute, &value), kStageCores, name);
+  if (value <= 0) throw SetupError(kStageCores, std::string(name) + " reported " + std::to_string(value));
+  return value;
+}
+
+// What one rank contributes to the agreement.
+struct LocalSetup {
+  int64_t stage = kStageOk;
+  std::string error;
+  int64_t window_bytes = 0, compute_blocks = 0, comm_blocks = 0;
+};
+
+// Everything up to (not including) the cross-rank agreement. Never throws: a failure is reported, so that this
+// rank still joins the agreement and no peer waits for it forever.
+LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
+  LocalSetup local;
+  try {
+    // torch_npu only uses the rank argument to check that rank % device_count is the current device; passing the
+    // device index itself satisfies that check for every rank layout.
+    state.hcom_name = hccl.getHcclCommName(state.device.index());
+    const HcclInternalApi& api = hccl_internal_api();
+    if (!api.missing.empty()) throw SetupError(kStageSymbols, "missing " + api.missing);
+
+    CommTopo topo = COMM_TOPO_RESERVED;
+    HcclResult result = api.get_l0_topo_type(state.hcom_name.c_str(), &topo, kTopoQueryWithoutSetDevice);
+    if (result != HCCL_SUCCESS) {
+      throw SetupError(kStageTopology, "HcomGetL0TopoTypeEx('" + state.hcom_name + "') returned HCCL error " +
+                                           std::to_string(static_cast<int>(result)));
+    }
+    state.mesh = topo == COMM_TOPO_1DMESH;
+    result = api.get_comm_handle_by_group(state.hcom_name.c_str(), &state.comm);
+    if (result != HCCL_SUCCESS || state.comm == nullptr) {
+      throw SetupError(kStageHandle, "HcomGetCommHandleByGroup('" + state.hcom_name + "') returned HCCL error " +
+                                         std::to_string(static_cast<int>(result)));
+    }
+
+    // HCCL may keep using the stream it was given for the resources' lifetime, so it gets its own and keeps it.
+    aclrtStream resource_stream = nullptr;
+    check_acl(aclrtCreateStream(&resource_stream), kStageResources, "aclrtCreateStream");
+    layout::Mc2TilingV2 tiling = batch_write_tiling(state.hcom_name);
+    void* context = nullptr;
+    result = api.alloc_com_resource_by_tiling(state.comm, resource_stream, &tiling, &context);
+    if (result != HCCL_SUCCESS || context == nullptr) {
+      throw SetupError(kStageResources, "HcclAllocComResourceByTiling('" + state.hcom_name +
+                                            "', BatchWrite full mesh) returned HCCL error " +
+                                            std::to_string(static_cast<int>(result)));
+    }
+    check_acl(aclrtSynchronizeStream(resource_stream), kStageResources, "aclrtSynchronizeStream");
+
+    if (state.mesh) {
+      // MESH: HCCL's context starts with exactly the fields the kernels read.
+      copy_from_device(&state.host_ctx, context, sizeof(state.host_ctx), kStageContext, "aclrtMemcpy(context)");
+      state.comm_ctx_device = reinterpret_cast<uint64_t>(context);
+    } else {
+      assemble_ring_context(static_cast<const uint8_t*>(context), &state.host_ctx);
+      state.assembled_ctx =
+          at::from_blob(&state.host_ctx, {static_cast<int64_t>(sizeof(CommContext))}, at::kByte).to(state.device);
+      state.comm_ctx_device = reinterpret_cast<uint64_t>(state.assembled_ctx.data_ptr());
+    }
+
+    const CommContext& ctx = state.host_ctx;
+    if (static_cast<int>(ctx.rank_num) != state.world || static_cast<int>(ctx.rank_id) != state.rank) {
+      throw SetupError(kStageMismatch, "HCCL's context describes rank " + std::to_string(ctx.rank_id) + " of " +
+                                           std::to_string(ctx.rank_num) + ", the group has this rank as " +
+                                           std::to_string(state.rank) + " of " + std::to_string(state.world));
+    }
+    for (int peer = 0; peer < state.world; ++peer) {
+      if (ctx.windows_in[peer] == 0) {
+        throw SetupError(kStageMismatch, "no window address for rank " + std::to_string(peer) +
+                                             " (groups that span several servers are not supported by `fused`)");
+      }
+    }
+    local.window_bytes = static_cast<int64_t>(ctx.win_size);
+
+    const int32_t device = state.device.index();
+    const int64_t cube = device_info(device, ACL_DEV_ATTR_CUBE_CORE_NUM, "aclrtGetDeviceInfo(CUBE_CORE_NUM)");
+    const int64_t vector = device_info(device, ACL_DEV_ATTR_VECTOR_CORE_NUM, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
+    // One compute block per cube core. Half the vector cores drive the transfers by default (the seed's 24 of 48),
+    // which leaves vector cores for other streams: every comm block must be resident at once.
+    const int64_t max_compute = std::min(cube, kMaxComputeBlocks);
+    const int64_t max_comm = std::min(vector, kMaxCommBlocks);
+    local.compute_blocks = env_int("TORCH_GEMM_AR_NPU_COMPUTE_BLOCKS", max_compute, 1, max_compute);
+    local.comm_blocks =
+        env_int("TORCH_GEMM_AR_NPU_COMM_BLOCKS", std::clamp<int64_t>(vector / 2, 1, max_comm), 1, max_comm);
+  } catch (const SetupError& e) {
+    local.stage = e.stage;
+    local.error = e.what();
+  } catch (const std::exception& e) {
+    local.stage = kStageOther;
+    local.error = e.what();
+  }
+  return local;
+}
+
+// Agreement fields: one row per rank, filled only by its owner, so that a SUM all-reduce gathers them.
+enum AgreementField : int64_t {
+  kFieldStage,
+  kFieldWindow,
+  kFieldCompute,
+  kFieldComm,
+  kFieldEpoch,
+  kFieldHost,
+  kFields,
+};
+
+// FNV-1a of the host name: equal on ranks of one server (design.md §4: `fused` is for same-host groups).
+int64_t host_fingerprint() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return 0;
+  uint64_t hash = 14695981039346656037ull;
+  for (const char* c = name; *c != '\0'; ++c) hash = (hash ^ static_cast<unsigned char>(*c)) * 1099511628211ull;
+  return static_cast<int64_t>(hash >> 1);  // non-negative, so the SUM gather cannot overflow into it
+}
+
+void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local) {
+  auto table = at::zeros({state.world, kFields}, at::TensorOptions().dtype(at::kLong));
+  auto row = table[state.rank];
+  row[kFieldStage] = local.stage;
+  row[kFieldWindow] = local.window_bytes;
+  row[kFieldCompute] = local.compute_blocks;
+  row[kFieldComm] = local.comm_blocks;
+  row[kFieldHost] = host_fingerprint();
+  if (state.rank == 0) {
+    // A random first epoch: flags a previous process left in recycled window memory never carry this run's tags.
+    row[kFieldEpoch] = static_cast<int64_t>(std::random_device{}());
+  }
+  std::vector<at::Tensor> tensors{table.to(state.device)};
+  c10d::AllreduceOptions options;
+  options.timeout = wait_timeout();
+  group.allreduce(tensors, options)->wait(options.timeout);
+  auto gathered = tensors[0].cpu();
+  auto rows = gathered.accessor<int64_t, 2>();
+
+  std::ostringstream failures;
+  bool only_symbols = true, any_topology = false;
+  int64_t window = INT64_MAX, compute = INT64_MAX, comm = INT64_MAX;
+  for (int r = 0; r < state.world; ++r) {
+    const int64_t stage = rows[r][kFieldStage];
+    if (stage != kStageOk) {
+      failures << (failures.tellp() ? "; " : "") << "rank " << r << ": " << stage_summary(stage);
+      only_symbols = only_symbols && stage == kStageSymbols;
+      any_topology = any_topology || stage == kStageMismatch || stage == kStageTopology;
+      continue;
+    }
+    window = std::min(window, rows[r][kFieldWindow]);
+    compute = std::min(compute, rows[r][kFieldCompute]);
+    comm = std::min(comm, rows[r][kFieldComm]);
+  }
+  for (int r = 1; r < state.world; ++r) {
+    if (rows[r][kFieldHost] != rows[0][kFieldHost]) {
+      state.unavailable = "group '" + state.group_name + "' spans several hosts (rank " + std::to_string(r) +
+                          " is not on rank 0's); the fused NPU path needs every rank on one server";
+      state.unavailable_kind = FusedBlocker::kTopology;
+      return;
+    }
+  }
+  if (failures.tellp()) {
+    state.unavailable = "HCCL one-sided window setup failed (" + failures.str() + ")" +
+                        (local.error.empty() ? std::string() : "; on this rank: " + local.error);
+    state.unavailable_kind = only_symbols ? FusedBlocker::kSymbols
+                             : any_topology ? FusedBlocker::kTopology
+                                            : FusedBlocker::kSetup;
+    return;
+  }
+  state.window_bytes = static_cast<uint64_t>(window);
+  state.compute_blocks = static_cast<int32_t>(compute);
+  state.comm_blocks = static_cast<int32_t>(comm);
+  state.first_epoch = static_cast<uint32_t>(rows[0][kFieldEpoch]);
+  state.next_epoch = state.first_epoch;
+  state.error_device = at::zeros({static_cast<int64_t>(sizeof(ErrorRecord))},
+                                 at::TensorOptions().dtype(at::kByte).device(state.device));
+  state.error_host = at::empty({static_cast<int64_t>(sizeof(ErrorRecord))},
+                               at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memset(state.error_host.data_ptr(), 0, sizeof(ErrorRecord));
+}
+
+void set_up(CommState& state, c10d::ProcessGroup& group) {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = group.getBackend(c10::DeviceType::PrivateUse1);
+  } catch (const std::exception&) {
+  }
+  auto* hccl = dynamic_cast<c10d_npu::ProcessGroupHCCL*>(backend.get());
+  if (hccl == nullptr) {
+    // Same answer on every rank (it is a property of the group), so no agreement is needed.
+    state.unavailable = "group '" + state.group_name + "' has no HCCL backend for NPU tensors" +
+                        (backend ? " (its NPU backend is " + backend->getBackendName() + ")" : std::string());
+    state.unavailable_kind = FusedBlocker::kBackend;
+    return;
+  }
+  c10_npu::NPUGuard guard(state.device);
+  LocalSetup local = set_up_locally(state, *hccl);
+  agree(state, group, local);
+}
+
+}  // namespace
+
+CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device) {
+  // Held across the setup collective, so two threads never set up the same group twice. Never destroyed: device
+  // memory and HCCL resources must not be released by static destructors after torch_npu has shut down.
+  static std::mutex registry_mutex;
+  static auto* registry = new std::map<std::string, std::unique_ptr<CommState>>();
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const std::string key = group.getGroupName() + "@" + std::to_string(device.index());
+  auto found = registry->find(key);
+  if (found != registry->end()) return *found->second;
+  auto state = std::make_unique<CommState>();
+  state->group_name = group.getGroupName();
+  state->rank = group.getRank();
+  state->world = group.getSize();
+  state->device = device;
+  set_up(*state, group);
+  return *registry->emplace(key, std::move(state)).first->second;
+}
+
+}  // namespace gemm_ar::npu

@@ -1,0 +1,285 @@
+#include "npu/fused_npu.h"
+
+#include <torch_npu/csrc/core/npu/NPUCachingAllocator.h>
+#include <torch_npu/csrc/core/npu/NPUEvent.h>
+#include <torch_npu/csrc/core/npu/NPUFunctions.h>
+#include <torch_npu/csrc/core/npu/NPUGuard.h>
+#include <torch_npu/csrc/core/npu/NPUStream.h>
+#include <torch_npu/csrc/framework/OpCommand.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "common/settings.h"
+#include "gemm_ar/kernel_args.hpp"
+#include "kernel_launch.h"
+
+namespace gemm_ar::npu {
+namespace {
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+// The kernels' DMA takes 16-bit row strides (in elements) on A2/A3.
+constexpr int64_t kMaxRowStride = 65535;
+// How far back an error record's tag is matched against this communicator's calls.
+constexpr uint32_t kErrorEpochLookback = 1u << 16;
+
+uint32_t dtype_code(at::ScalarType dtype) {
+  if (dtype == at::kHalf) return kDTypeFloat16;
+  if (dtype == at::kBFloat16) return kDTypeBFloat16;
+  return 0;
+}
+
+// The row stride the kernels should use for a [rows, cols] view with unit column stride; any value >= cols is
+// fine for a single row, whose stride torch leaves arbitrary.
+int64_t row_stride(const at::Tensor& t, int64_t rows, int64_t cols) {
+  return rows <= 1 ? std::max<int64_t>(cols, 1) : t.stride(0);
+}
+
+// The operands as the kernels read them: unit stride along the fast dimension, b either [K, N] row-major or the
+// transpose of a row-major [N, K] (nn.Linear's weight.t(), passed without a copy).
+struct Operands {
+  at::Tensor a, b, bias;
+  int64_t lda = 0, ldb = 0;
+  uint32_t b_layout = kBRowMajor;
+};
+
+Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
+  const int64_t m = call.m, k = call.k, n = call.n;
+  Operands ops;
+  ops.a = call.a2d;
+  const bool a_usable = (k == 1 || ops.a.stride(1) == 1) && (m == 1 || ops.a.stride(0) >= k);
+  if (!a_usable || row_stride(ops.a, m, k) > kMaxRowStride) ops.a = ops.a.contiguous();
+  ops.lda = ops.a.is_contiguous() ? k : row_stride(ops.a, m, k);
+
+  const at::Tensor& b = call.b;
+  if ((n == 1 || b.stride(1) == 1) && (k == 1 || b.stride(0) >= n) && (k == 1 || b.stride(0) <= kMaxRowStride)) {
+    ops.b = b;
+    ops.b_layout = kBRowMajor;
+    ops.ldb = k == 1 ? n : b.stride(0);
+  } else if ((k == 1 || b.stride(0) == 1) && (n == 1 || (b.stride(1) >= k && b.stride(1) <= kMaxRowStride))) {
+    ops.b = b;
+    ops.b_layout = kBTransposed;
+    ops.ldb = n == 1 ? k : b.stride(1);
+  } else {
+    ops.b = b.contiguous();
+    ops.b_layout = kBRowMajor;
+    ops.ldb = n;
+  }
+  // The cube adds the bias to its fp32 accumulator (A2/A3's bias table takes fp32) and loads it in whole 32-byte
+  // blocks per tile, so it goes in as fp32 padded with zeros to pad_n.
+  if (call.bias.has_value()) {
+    ops.bias = at::zeros({plan.pad_n}, call.bias->options().dtype(at::kFloat));
+    ops.bias.narrow(0, 0, n).copy_(*call.bias);
+  }
+  return ops;
+}
+
+// Arguments that depend only on the call's sizes and the communicator: what check_fused and run_fused share.
+bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
+  *args = KernelArgs{};
+  args->magic = kKernelArgsMagic;
+  args->dtype = dtype_code(call.dtype);
+  args->rank = state.rank;
+  args->world = state.world;
+  args->compute_blocks = state.compute_blocks;
+  args->comm_blocks = state.comm_blocks;
+  return plan_kernel_args(args, call.m, call.n, call.k);
+}
+
+std::string window_too_small(const CallArgs& call, const CommState& state, const KernelArgs& args,
+                             uint64_t needed) {
+  const int64_t needed_mib = (static_cast<int64_t>(needed) + kMiB - 1) / kMiB;
+  std::ostringstream os;
+  os << "the HCCL window of group '" << state.group_name << "' holds " << state.window_bytes / kMiB
+     << " MiB but this call needs " << needed_mib << " MiB (M=" << call.m << ", N=" << call.n << " padded to "
+     << args.plan.pad_m << "x" << args.plan.pad_n << ": " << args.layout.reduced_bytes
+     << " B reduced buffer + signals + " << kHcclStagingReserveBytes / kMiB
+     << " MiB left to HCCL); set HCCL_BUFFSIZE=" << needed_mib
+     << " (MB; HCCL's default is 200) on every rank before the process group is created";
+  return os.str();
+}
+
+// Queues a raw kernel launch on the task queue of `stream`, which must be the current stream (RunOpApi enqueues on
+// the current one); the launch itself runs later, in order with every other operation queued on that stream.
+void enqueue_launch(const c10_npu::NPUStream& stream, const char* name,
+                    void (*launch)(uint32_t, void*, void*), uint32_t blocks, void* args_device) {
+  TORCH_INTERNAL_ASSERT(c10_npu::getCurrentNPUStream(stream.device_index()) == stream);
+  aclrtStream raw = stream.stream(false);
+  at_npu::native::OpCommand::RunOpApi(name, [=]() -> int {
+    launch(blocks, raw, args_device);
+    return 0;
+  });
+}
+
+void keep_alive_on(const c10_npu::NPUStream& stream, std::initializer_list<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors) c10_npu::NPUCachingAllocator::recordStream(t.storage().data_ptr(), stream);
+}
+
+std::string describe_error(const ErrorRecord& e) {
+  std::ostringstream os;
+  os << "rank " << e.rank;
+  switch (e.code) {
+    case kErrBadArgs: os << " rejected the kernel arguments (host and kernels built from different sources?)"; break;
+    case kErrTimeoutCompute:
+      os << " waited too long for its own GEMM kernel (ready queue slot " << e.item << ", comm block " << e.block
+         << ")";
+      break;
+    case kErrTimeoutPrepare: os << " waited too long for rank " << e.peer << " to start the call"; break;
+    case kErrTimeoutReduce:
+      os << " waited too long for rank " << e.peer << "'s contribution to its subtile " << e.item;
+      break;
+    case kErrTimeoutGather:
+      os << " waited too long for rank " << e.peer << " to deliver reduced subtile " << e.item;
+      break;
+    case kErrAborted: os << " stopped because another of its blocks failed"; break;
+    case kErrQueueCorrupt:
+      os << " found an unexpected tile id in ready queue " << (e.item >> 32) << ", slot " << (e.item & 0xffffffff);
+      break;
+    default: os << " reported error code " << e.code; break;
+  }
+  return os.str();
+}
+
+// Raises the failure of an earlier call that the last refreshed error record shows, once. Needs state.mutex.
+void raise_recorded_error(CommState& state) {
+  if (!state.error_copied || !state.error_copied->query()) return;  // refresh still in flight: look next time
+  ErrorRecord record;
+  std::memcpy(&record, state.error_host.data_ptr(), sizeof(record));
+  if (record.code == kErrNone || record.tag == 0 || record.tag == state.reported_error_tag) return;
+  const uint32_t calls = state.next_epoch - state.first_epoch;
+  for (uint32_t back = 1; back <= std::min(calls, kErrorEpochLookback); ++back) {
+    const uint32_t epoch = state.next_epoch - back;
+    if (signal_tag(epoch) != record.tag) continue;
+    state.reported_error_tag = record.tag;
+    TORCH_CHECK(false, "gemm_allreduce (fused, NPU): call #", epoch - state.first_epoch + 1, " on group '",
+                state.group_name, "' failed: ", describe_error(record),
+                " (TORCH_GEMM_AR_TIMEOUT_S bounds every wait). The output of that call is invalid; a peer that "
+                "died or skipped the call leaves the group unusable.");
+  }
+}
+
+// Copies the error record to the host after this call's kernels, without waiting for them.
+void refresh_error_record(CommState& state, const c10_npu::NPUStream& stream) {
+  state.error_host.copy_(state.error_device, /*non_blocking=*/true);
+  state.error_copied = std::make_shared<c10_npu::NPUEvent>();
+  state.error_copied->record(stream);
+}
+
+}  // namespace
+
+FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+  if (group.getSize() > kMaxWorld) {
+    return {FusedBlocker::kWorld, "the fused NPU kernels handle at most " + std::to_string(kMaxWorld) + " ranks"};
+  }
+  // Set up before anything that depends on this rank's arguments: the setup is collective and every rank asks
+  // this question on every call, bad arguments or not (op_flow), so all ranks meet in it on the group's first call.
+  CommState& state = comm_state(group, at::Device(c10::DeviceType::PrivateUse1, c10_npu::current_device()));
+  if (!call.error.empty()) return {FusedBlocker::kShape, call.error};  // raised by the agreement that follows
+  if (dtype_code(call.dtype) == 0) {
+    return {FusedBlocker::kDtype, std::string("the fused NPU kernels take float16 and bfloat16, not ") +
+                                      c10::toString(call.dtype)};
+  }
+  if (!state.unavailable.empty()) return {state.unavailable_kind, state.unavailable};
+  if (call.m == 0) return {};  // the op returns an empty tensor without running anything
+  if (call.k == 0 || call.n == 0) {
+    return {FusedBlocker::kShape, "K=" + std::to_string(call.k) + ", N=" + std::to_string(call.n) +
+                                      ": an empty product has nothing to overlap"};
+  }
+  if (call.k > kMaxRowStride || call.n > kMaxRowStride) {
+    return {FusedBlocker::kShape, "K=" + std::to_string(call.k) + ", N=" + std::to_string(call.n) +
+                                      ": the fused NPU kernels take row strides up to " +
+                                      std::to_string(kMaxRowStride) + " elements"};
+  }
+  KernelArgs args;
+  if (!plan_call(call, state, &args)) {
+    return {FusedBlocker::kShape, "the fused NPU kernels cannot plan M=" + std::to_string(call.m) +
+                                      ", N=" + std::to_string(call.n) + ", K=" + std::to_string(call.k)};
+  }
+  const uint64_t needed = kHcclStagingReserveBytes + static_cast<uint64_t>(args.layout.window_bytes);
+  if (needed > state.window_bytes) return {FusedBlocker::kWindow, window_too_small(call, state, args, needed)};
+  return {};
+}
+
+at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+  const at::Device device = call.b.device();
+  c10_npu::NPUGuard device_guard(device);
+  CommState& state = comm_state(group, device);
+  TORCH_CHECK(state.unavailable.empty(), "gemm_allreduce: fused NPU path unavailable: ", state.unavailable);
+  std::lock_guard<std::mutex> lock(state.mutex);
+  raise_recorded_error(state);
+
+  KernelArgs args;
+  TORCH_CHECK(plan_call(call, state, &args), "gemm_allreduce: the fused NPU kernels cannot plan M=", call.m,
+              ", N=", call.n, ", K=", call.k);
+  const uint64_t needed = kHcclStagingReserveBytes + static_cast<uint64_t>(args.layout.window_bytes);
+  TORCH_CHECK(needed <= state.window_bytes, "gemm_allreduce: ", window_too_small(call, state, args, needed));
+
+  const Operands ops = prepare_operands(call, args.plan);
+  auto out = at::empty({call.m, call.n}, call.b.options());
+  const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
+  // The kernels want the scratch kWindowAlign-aligned; the slack makes that true whatever the allocator returns.
+  auto scratch_storage = at::empty({args.layout.scratch_bytes + kWindowAlign}, bytes);
+  const auto storage_address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(scratch_storage.data_ptr()));
+  const int64_t skip = align_up(storage_address, kWindowAlign) - storage_address;
+  auto scratch = scratch_storage.narrow(0, skip, args.layout.scratch_bytes);
+  // Queue slots carry epoch tags; zero is never one, so recycled memory can never look like a published tile.
+  scratch.narrow(0, args.layout.queue_offset, static_cast<int64_t>(state.compute_blocks) * args.layout.queue_stride)
+      .zero_();
+
+  args.epoch = state.next_epoch++;
+  args.b_layout = ops.b_layout;
+  args.a = reinterpret_cast<uint64_t>(ops.a.data_ptr());
+  args.b = reinterpret_cast<uint64_t>(ops.b.data_ptr());
+  args.bias = ops.bias.defined() ? reinterpret_cast<uint64_t>(ops.bias.data_ptr()) : 0;
+  args.out = reinterpret_cast<uint64_t>(out.data_ptr());
+  args.lda = ops.lda;
+  args.ldb = ops.ldb;
+  args.ldo = call.n;
+  args.comm_ctx = state.comm_ctx_device;
+  args.window_offset = kHcclStagingReserveBytes;
+  args.window_bytes = state.window_bytes - kHcclStagingReserveBytes;
+  args.scratch = reinterpret_cast<uint64_t>(scratch.data_ptr());
+  args.error = reinterpret_cast<uint64_t>(state.error_device.data_ptr());
+  args.bias_rank = 0;
+  const int64_t timeout_us = wait_timeout().count() * 1000;
+  args.wait_timeout_us = static_cast<uint32_t>(std::min<int64_t>(timeout_us, UINT32_MAX));
+
+  // The kernels take the struct through device memory; a pinned staging copy keeps the upload asynchronous.
+  auto args_host = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
+                             at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(args_host.data_ptr(), &args, sizeof(args));
+  auto args_device = at::empty({static_cast<int64_t>(sizeof(KernelArgs))}, bytes);
+  args_device.copy_(args_host, /*non_blocking=*/true);
+  void* args_ptr = args_device.data_ptr();
+
+  // Fork: the comm kernel starts after everything queued so far on the caller's stream (args, scratch, inputs).
+  const c10_npu::NPUStream compute_stream = c10_npu::getCurrentNPUStream(device.index());
+  const c10_npu::NPUStream comm_stream = c10_npu::getNPUStreamFromPool(device.index());
+  c10_npu::NPUEvent forked;
+  forked.record(compute_stream);
+  forked.block(comm_stream);
+
+  enqueue_launch(compute_stream, "gemm_ar_compute", &launch_gemm_compute,
+                 static_cast<uint32_t>(state.compute_blocks), args_ptr);
+  {
+    c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
+    enqueue_launch(comm_stream, "gemm_ar_comm", &launch_gemm_comm, static_cast<uint32_t>(state.comm_blocks),
+                   args_ptr);
+  }
+  keep_alive_on(comm_stream, {args_device, scratch, out});
+
+  // Join: the caller's stream sees `out` only after the comm kernel wrote it.
+  c10_npu::NPUEvent joined;
+  joined.record(comm_stream);
+  joined.block(compute_stream);
+
+  refresh_error_record(state, compute_stream);
+  if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) {
+    state.error_copied->synchronize();
+    raise_recorded_error(state);
+  }
+  return out.view(call.out_shape);
+}
+
+}  // namespace gemm_ar::npu

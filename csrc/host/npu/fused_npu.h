@@ -1,0 +1,29 @@
+// The `fused` algorithm on Ascend NPUs (design.md §4, §7): the cube GEMM kernel on the caller's stream and the vector
+// reduce-scatter/all-gather kernel on a side stream, both working over HCCL's one-sided windows.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <string>
+
+#include "common/call_args.h"
+#include "npu/comm_state.h"
+
+namespace gemm_ar::npu {
+
+struct FusedCheck {
+  FusedBlocker blocker = FusedBlocker::kNone;
+  std::string reason;  // empty when the fused path can run the call
+};
+
+// Whether the fused path can run this call on this group, and if not why. The answer is the same on every rank
+// (it rests on the agreed arguments and on values agreed when the communicator was set up). May set up the
+// communicator, which is collective over `group`.
+FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group);
+
+// Runs the call; check_fused must have passed. Returns an ordinary tensor of call.out_shape. A failure of an
+// earlier call on the same communicator (a peer that never arrived) is raised here; with
+// TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 every call waits for its kernels and raises its own failure.
+at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group);
+
+}  // namespace gemm_ar::npu

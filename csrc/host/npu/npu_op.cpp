@@ -1,0 +1,86 @@
+// The NPU (PrivateUse1) kernel of pto::gemm_allreduce: the shared op flow with the HCCL process group for
+// `sequential` and `chunked`, the PTO kernels for `fused`, and the NPU `auto` policy.
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <set>
+
+#include "common/op_flow.h"
+#include "common/settings.h"
+#include "npu/fused_npu.h"
+
+namespace gemm_ar::npu {
+namespace {
+
+// `auto` takes `sequential` below this many output rows, where one HCCL all_reduce after the GEMM is latency-bound
+// and there is too little work to overlap. Not yet measured on hardware (docs/ascend.md); override with
+// TORCH_GEMM_AR_NPU_FUSED_MIN_ROWS.
+constexpr int64_t kDefaultFusedMinRows = 64;
+
+const char* blocker_name(FusedBlocker blocker) {
+  switch (blocker) {
+    case FusedBlocker::kDtype: return "dtype";
+    case FusedBlocker::kShape: return "shape";
+    case FusedBlocker::kWorld: return "world size";
+    case FusedBlocker::kBackend: return "backend";
+    case FusedBlocker::kSymbols: return "CANN version";
+    case FusedBlocker::kTopology: return "topology";
+    case FusedBlocker::kSetup: return "HCCL setup";
+    case FusedBlocker::kWindow: return "window size";
+    case FusedBlocker::kNone: break;
+  }
+  return "unknown";
+}
+
+// One warning per kind of reason per process: a model calls the op thousands of times with the same problem.
+void warn_fallback_once(const FusedCheck& check) {
+  static std::mutex mutex;
+  static std::set<FusedBlocker> warned;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!warned.insert(check.blocker).second) return;
+  }
+  TORCH_WARN("gemm_allreduce: algorithm='auto' uses 'chunked' instead of 'fused' on NPU (", blocker_name(check.blocker),
+             "): ", check.reason, ". This warning is shown once per reason.");
+}
+
+Algorithm choose_auto(const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
+  const int64_t min_rows = env_int("TORCH_GEMM_AR_NPU_FUSED_MIN_ROWS", kDefaultFusedMinRows, 0, INT64_MAX);
+  if (call.m < min_rows) return Algorithm::Sequential;
+  if (fused_available) return Algorithm::Fused;
+  // Asked again only to word the warning; the communicator is cached, so this is cheap and gives the same answer.
+  warn_fallback_once(check_fused(call, group));
+  return Algorithm::Chunked;
+}
+
+BackendHooks make_npu_backend() {
+  BackendHooks hooks;
+  hooks.device_type = c10::DeviceType::PrivateUse1;
+  hooks.dtypes = {at::kHalf, at::kBFloat16};
+  hooks.fused_unavailable_reason = [](const CallArgs& call, c10d::ProcessGroup& group) {
+    return check_fused(call, group).reason;
+  };
+  hooks.run_fused = [](const CallArgs& call, c10d::ProcessGroup& group) { return run_fused(call, group); };
+  hooks.choose_auto = &choose_auto;
+  // check_agreement stays empty: the call signatures are exchanged over the HCCL process group.
+  return hooks;
+}
+
+const BackendHooks& npu_backend() {
+  static const BackendHooks hooks = make_npu_backend();
+  return hooks;
+}
+
+at::Tensor gemm_allreduce_npu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
+                              const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+  // Custom ops get no device guard from the dispatcher; every launch below must target a's device.
+  c10::DeviceGuard device_guard(a.device());
+  return run_gemm_allreduce(a, b, std::string_view(group_name.data(), group_name.size()), bias,
+                            std::string_view(algorithm.data(), algorithm.size()), npu_backend());
+}
+
+}  // namespace
+}  // namespace gemm_ar::npu
+
+TORCH_LIBRARY_IMPL(pto, PrivateUse1, m) { m.impl("gemm_allreduce", &gemm_ar::npu::gemm_allreduce_npu); }

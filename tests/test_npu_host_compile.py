@@ -1,0 +1,155 @@
+"""Check 1 (design.md §8): the NPU host code compiles against torch and the real torch-npu 2.13.0 headers, and every
+torch_npu C++ symbol it uses is exported, with the same mangled name, by the wheel's libtorch_npu.so.
+
+No NPU, CANN or importable torch_npu is needed: the wheel is only read. Its location is TORCH_NPU_ROOT (a directory
+holding torch_npu/include, e.g. from `pip install --no-deps --target <dir> torch-npu==2.13.0`), else an installed
+torch_npu found without importing it.
+"""
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NPU_SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "host", "npu", "*.cpp")))
+# Namespaces whose symbols must come from libtorch_npu.so.
+TORCH_NPU_NAMESPACES = ("c10_npu::", "c10d_npu::", "at_npu::")
+
+
+def _torch_npu_package_dir():
+    root = os.environ.get("TORCH_NPU_ROOT")
+    if root:
+        return os.path.join(root, "torch_npu")
+    # find_spec on a top-level name locates the package without executing it (importing it would need CANN).
+    spec = importlib.util.find_spec("torch_npu")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+TORCH_NPU_DIR = _torch_npu_package_dir()
+TORCH_NPU_INCLUDE = os.path.join(TORCH_NPU_DIR, "include") if TORCH_NPU_DIR else None
+HEADERS_MISSING = TORCH_NPU_INCLUDE is None or not os.path.isfile(
+    os.path.join(TORCH_NPU_INCLUDE, "torch_npu", "csrc", "distributed", "ProcessGroupHCCL.hpp")
+)
+pytestmark = pytest.mark.skipif(
+    HEADERS_MISSING,
+    reason="torch-npu 2.13.0 headers not found (TORCH_NPU_ROOT="
+    + repr(os.environ.get("TORCH_NPU_ROOT"))
+    + "): set TORCH_NPU_ROOT to a directory containing torch_npu/include, "
+    "e.g. pip install --no-deps --target <dir> torch-npu==2.13.0",
+)
+
+
+def compile_command(source, output):
+    torch_include = cpp_extension.include_paths()[0]
+    third_party = [
+        *cpp_extension.include_paths(),
+        os.path.join(torch_include, "torch", "csrc", "distributed"),  # torch_npu includes c10d/ProcessGroup.hpp
+        sysconfig.get_paths()["include"],
+        TORCH_NPU_INCLUDE,
+        os.path.join(TORCH_NPU_INCLUDE, "third_party", "hccl", "inc"),
+        os.path.join(TORCH_NPU_INCLUDE, "third_party", "acl", "inc"),
+    ]
+    project = [os.path.join(ROOT, "csrc", d) for d in ("include", "host", "kernels")]
+    return [
+        "g++",
+        "-std=c++20",  # what torch 2.13's cpp_extension builds with
+        "-c",
+        "-O0",
+        "-fPIC",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-parameter",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        *[f"-I{d}" for d in project],
+        # Third-party headers as system headers: their warnings are not ours.
+        *[arg for d in third_party for arg in ("-isystem", d)],
+        source,
+        "-o",
+        output,
+    ]
+
+
+class Compiled:
+    def __init__(self, returncode, stderr, seconds, obj):
+        self.returncode, self.stderr, self.seconds, self.obj = returncode, stderr, seconds, obj
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Compiles each source once (about half a minute each on 2 cores) and shares the result between the tests."""
+    assert shutil.which("g++"), "g++ is needed to compile the NPU host code"
+    out_dir = tmp_path_factory.mktemp("npu_host_objects")
+    cache = {}
+
+    def get(source):
+        if source not in cache:
+            obj = str(out_dir / (os.path.basename(source) + ".o"))
+            start = time.monotonic()
+            proc = subprocess.run(compile_command(source, obj), capture_output=True, text=True)
+            cache[source] = Compiled(proc.returncode, proc.stderr, time.monotonic() - start, obj)
+            print(f"\n{os.path.relpath(source, ROOT)}: compiled in {cache[source].seconds:.1f} s", file=sys.stderr)
+        return cache[source]
+
+    return get
+
+
+def test_there_are_npu_sources():
+    assert len(NPU_SOURCES) >= 3, NPU_SOURCES
+
+
+@pytest.mark.parametrize("source", NPU_SOURCES, ids=os.path.basename)
+def test_compiles_against_torch_npu_headers(compiled, source):
+    result = compiled(source)
+    assert result.returncode == 0, f"{os.path.relpath(source, ROOT)} does not compile:\n{result.stderr[-8000:]}"
+    own_warnings = [line for line in result.stderr.splitlines() if "warning:" in line and "csrc/" in line]
+    assert not own_warnings, "warnings in project code:\n" + "\n".join(own_warnings)
+
+
+def _symbols(path, defined):
+    args = ["nm", "--defined-only" if defined else "--undefined-only"]
+    if path.endswith(".so"):
+        args.append("-D")
+    proc = subprocess.run([*args, path], capture_output=True, text=True, check=True)
+    return {line.split()[-1] for line in proc.stdout.splitlines() if line.strip()}
+
+
+def _demangle(names):
+    proc = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True)
+    return dict(zip(names, proc.stdout.splitlines()))
+
+
+def _strip_kind(demangled):
+    """'typeinfo for c10d_npu::X' -> 'c10d_npu::X' (also vtable, VTT, guard variable)."""
+    for kind in ("typeinfo for ", "typeinfo name for ", "vtable for ", "VTT for ", "guard variable for "):
+        if demangled.startswith(kind):
+            return demangled[len(kind):]
+    return demangled
+
+
+@pytest.fixture(scope="module")
+def torch_npu_exports():
+    library = os.path.join(TORCH_NPU_DIR, "lib", "libtorch_npu.so")
+    if not os.path.isfile(library):
+        pytest.skip(f"{library} not found: the torch-npu wheel's binary is needed to check the symbols")
+    return _symbols(library, defined=True)
+
+
+@pytest.mark.parametrize("source", NPU_SOURCES, ids=os.path.basename)
+def test_torch_npu_symbols_exist_in_the_wheel(compiled, torch_npu_exports, source):
+    result = compiled(source)
+    assert result.returncode == 0, "does not compile (see test_compiles_against_torch_npu_headers)"
+    undefined = sorted(_symbols(result.obj, defined=False))
+    readable = _demangle(undefined)
+    needed = [name for name in undefined if _strip_kind(readable[name]).startswith(TORCH_NPU_NAMESPACES)]
+    missing = [readable[name] for name in needed if name not in torch_npu_exports]
+    assert not missing, "not exported by libtorch_npu.so (wrong signature or ABI?):\n" + "\n".join(missing)
