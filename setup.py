@@ -29,6 +29,7 @@ setup(
     version="0.1.0",
     description="Fused GEMM + AllReduce for tensor-parallel PyTorch (Ascend NPU and CPU)",
     packages=find_packages(include=["torch_gemm_ar", "torch_gemm_ar.*"]),
+    package_data={"torch_gemm_ar": ["libgemm_ar_*.so"]},  # the Ascend kernels, where they were built
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={

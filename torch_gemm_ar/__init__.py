@@ -7,6 +7,14 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.pto.gemm_allreduce)
 from . import _registrations  # noqa: F401  (fake kernel and autograd formula)
+
+if hasattr(torch, "npu"):  # torch_npu is loaded: register the Ascend kernel too (built only where CANN was found)
+    try:
+        from . import _C_npu  # noqa: F401
+    except ImportError as _error:
+        import warnings
+
+        warnings.warn(f"torch-gemm-ar: the Ascend NPU backend is not built ({_error}); see docs/ascend.md")
 from ._ops import ALGORITHMS, gemm_allreduce, group_name_of
 from .engine_mode import fused_engine_mode
 from . import nn

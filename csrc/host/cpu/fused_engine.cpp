@@ -8,6 +8,7 @@
 #include "common/settings.h"
 #include "cpu/call_header.h"
 #include "cpu/host_identity.h"
+#include "cpu/output_pool.h"
 #include "cpu/store_exchange.h"
 
 namespace gemm_ar::cpu {
@@ -237,7 +238,7 @@ at::Tensor FusedEngine::run(const CallArgs& call) {
     }
   }
   job.layout = regions_;
-  auto out = at::empty({call.m, call.n}, call.b.options());
+  auto out = pooled_empty(call.m, call.n, call.dtype);
   job.windows = bases();
   job.out = static_cast<uint8_t*>(out.data_ptr());
   job.gemm = &gemm;
