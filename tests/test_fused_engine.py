@@ -42,10 +42,11 @@ def random_case(seed, step, world):
     return m, k, n, dtype, rng.random() < 0.5, rng.random() < 0.5
 
 
-def stress(rank, world, seed, calls, slow_rank=None):
-    """Back-to-back fused calls, each with new inputs and a new shape; returns how many results were wrong."""
+def stress(rank, world, seed, calls, slow_rank=None, comm_threads="0"):
+    """Back-to-back fused calls, each with new inputs and a new shape; returns how many results were wrong.
+    comm_threads "0": comm work between tiles on the caller's thread; "N": N comm threads (N comm blocks)."""
     wrong = 0
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads):
         for step in range(calls):
             m, k, n, dtype, with_bias, transposed = random_case(seed, step, world)
             shards = [shard(seed + step, r, m, k, dtype) for r in range(world)]
@@ -61,21 +62,23 @@ def stress(rank, world, seed, calls, slow_rank=None):
     return wrong
 
 
+@pytest.mark.parametrize("comm_threads", ["0", "1", "3"])
 @pytest.mark.parametrize("world,calls", [(2, 2000), (3, 700), (4, 400)])
-def test_back_to_back_stress(ranks, world, calls):
-    wrong = ranks(world).run(stress, random.randrange(1 << 30), calls, timeout_s=600)
+def test_back_to_back_stress(ranks, world, calls, comm_threads):
+    wrong = ranks(world).run(stress, random.randrange(1 << 30), calls, comm_threads=comm_threads, timeout_s=600)
     assert wrong == [0] * world, f"wrong results per rank: {wrong}"
 
 
-def stress_ignoring_epochs(rank, world, seed, calls):
+def stress_ignoring_epochs(rank, world, seed, calls, comm_threads):
     with ignore_epochs_for_testing():
-        return stress(rank, world, seed, calls, slow_rank=1)
+        return stress(rank, world, seed, calls, slow_rank=1, comm_threads=comm_threads)
 
 
-def test_negative_control_stress_catches_ignored_epochs(ranks):
+@pytest.mark.parametrize("comm_threads", ["0", "1"])
+def test_negative_control_stress_catches_ignored_epochs(ranks, comm_threads):
     """With a deliberate protocol bug (stale flags of earlier calls count as ready) the same stress test must
     report wrong results: evidence that it would catch a real ordering bug."""
-    wrong = ranks(2).run(stress_ignoring_epochs, random.randrange(1 << 30), 300, timeout_s=600)
+    wrong = ranks(2).run(stress_ignoring_epochs, random.randrange(1 << 30), 300, comm_threads, timeout_s=600)
     assert sum(wrong) > 0, "the stress test did not notice a protocol that ignores epochs"
     # The engine is fine again once the bug is switched off.
     assert ranks(2).run(stress, random.randrange(1 << 30), 50) == [0, 0]

@@ -99,43 +99,50 @@ void CallJob::fail(const std::string& message, bool disagreement) {
   }
 }
 
+namespace {
+
+// Reads every peer's header for `epoch` without waiting; true once all have arrived (signatures in `all`).
+bool poll_signatures(const std::vector<uint8_t*>& windows, int rank, uint32_t epoch, std::vector<CallSignature>& all,
+                     std::vector<char>& arrived) {
+  bool done = true;
+  for (size_t r = 0; r < windows.size(); ++r) {
+    if (arrived[r]) continue;
+    switch (read_header(windows[r], epoch, &all[r])) {
+      case PeerCallState::kArrived: arrived[r] = 1; break;
+      case PeerCallState::kNotYet: done = false; break;
+      case PeerCallState::kAbandoned:
+        throw CallRejected("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch) +
+                           " before it started (see that rank's error) [rank " + std::to_string(rank) + "]");
+    }
+  }
+  return done;
+}
+
+std::string missing_ranks(const std::vector<char>& arrived, uint32_t epoch, std::chrono::milliseconds timeout,
+                          int rank) {
+  std::vector<int> missing;
+  for (size_t r = 0; r < arrived.size(); ++r)
+    if (!arrived[r]) missing.push_back(static_cast<int>(r));
+  std::ostringstream os;
+  os << "gemm_allreduce: rank(s) " << rank_list(missing) << " did not arrive at call " << epoch << " within "
+     << timeout.count() / 1000.0 << " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " << rank << "]";
+  return os.str();
+}
+
+}  // namespace
+
 std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& windows, const WindowSet& window_set,
                                              int rank, uint32_t epoch, const CallSignature& mine,
                                              std::chrono::milliseconds timeout, Doorbell bell,
                                              const std::atomic<bool>* stop) {
-  const int world = static_cast<int>(windows.size());
-  std::vector<CallSignature> all(world);
-  std::vector<char> arrived(world, 0);
+  std::vector<CallSignature> all(windows.size());
+  std::vector<char> arrived(windows.size(), 0);
   all[rank] = mine;
   arrived[rank] = 1;
-  auto ready = [&] {
-    bool done = true;
-    for (int r = 0; r < world; ++r) {
-      if (arrived[r]) continue;
-      switch (read_header(windows[r], epoch, &all[r])) {
-        case PeerCallState::kArrived: arrived[r] = 1; break;
-        case PeerCallState::kNotYet: done = false; break;
-        case PeerCallState::kAbandoned:
-          throw CallRejected("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " +
-                             std::to_string(epoch) + " before it started (see that rank's error) [rank " +
-                             std::to_string(rank) + "]");
-      }
-    }
-    return done;
-  };
   const std::string context = "before call " + std::to_string(epoch);
-  bounded_wait(
-      ready, no_progress, [&] { window_set.check_peers_alive(context.c_str()); },
-      [&] {
-        std::vector<int> missing;
-        for (int r = 0; r < world; ++r)
-          if (!arrived[r]) missing.push_back(r);
-        std::ostringstream os;
-        os << "gemm_allreduce: rank(s) " << rank_list(missing) << " did not arrive at call " << epoch << " within "
-           << timeout.count() / 1000.0 << " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " << rank << "]";
-        return os.str();
-      },
-      bell, timeout, stop);
+  bounded_wait([&] { return poll_signatures(windows, rank, epoch, all, arrived); }, no_progress,
+               [&] { window_set.check_peers_alive(context.c_str()); },
+               [&] { return missing_ranks(arrived, epoch, timeout, rank); }, bell, timeout, stop);
   return all;
 }
 
@@ -167,7 +174,7 @@ void plan_work(CallJob& job) {
   }
 }
 
-void run_compute_blocks(CallJob& job) {
+void run_compute_blocks(CallJob& job, const std::function<void()>& between_tiles) {
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   auto compute_block = [&](int64_t b) {
@@ -187,6 +194,7 @@ void run_compute_blocks(CallJob& job) {
       *word(job.region(job.rank, queue_entry_offset(w, b, i))) = static_cast<uint32_t>(t);
       store_release(count, static_cast<uint32_t>(i + 1));
       bell.ring();
+      if (between_tiles) between_tiles();
     }
   };
   at::parallel_for(0, job.compute_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -196,138 +204,184 @@ void run_compute_blocks(CallJob& job) {
 
 namespace {
 
-void comm_block_body(CallJob& job, int64_t c) {
-  const TilePlan& p = job.plan;
-  const WindowLayout& w = job.layout;
-  const int me = job.rank, world = job.world;
-  const uint32_t epoch = job.epoch;
-  const Doorbell bell = doorbell(job.windows[me], c);
-  const std::string call_name = "call " + std::to_string(epoch);
-
-  // 1. Agree on the call before touching any peer's data.
-  if (c == 0) {
-    auto all = gather_signatures(job.windows, *job.window_set, me, epoch, job.signature, job.timeout, bell, &job.abort);
-    std::string problem = diagnose_signatures(all, me, *job.call, job.group_name);
-    if (!problem.empty()) throw CallRejected(problem);
-    job.headers_checked.store(1, std::memory_order_release);
-    for (int64_t other = 1; other < job.comm_blocks; ++other) doorbell(job.windows[me], other).ring();
-  } else {
-    bounded_wait([&] { return job.headers_checked.load(std::memory_order_acquire) == 1; }, no_progress, [] {},
-                 [&] { return "gemm_allreduce: internal: call header check did not finish"; }, bell,
-                 job.timeout * 2, &job.abort);
-  }
-  auto watch = [&] {
-    job.window_set->check_peers_alive(("during " + call_name).c_str());
-    for (int r = 0; r < world; ++r) {
-      if (r != me && abandoned(job.windows[r], epoch)) {
-        throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name +
-                                 " (see that rank's error) [rank " + std::to_string(me) + "]");
-      }
+// The comm side of one comm block, resumable: poll() does what is ready without waiting (so the compute thread
+// can run it between tiles when the rank has no core to spare for a comm thread); finish() completes the call
+// with bounded waits. The work and its order are the same either way.
+class CommBlock {
+ public:
+  CommBlock(CallJob& job, int64_t c)
+      : job_(job), c_(c), p_(job.plan), w_(job.layout), me_(job.rank), world_(job.world), epoch_(job.epoch),
+        bell_(doorbell(job.windows[job.rank], c)), call_name_("call " + std::to_string(job.epoch)),
+        all_(job.world), arrived_(job.world, 0), sources_(job.world) {
+    all_[me_] = job.signature;
+    arrived_[me_] = 1;
+    for (int64_t j = 0; j < comm_block_queue_count(c, job.compute_blocks, job.comm_blocks); ++j) {
+      const int64_t b = comm_block_queue(c, j, job.comm_blocks);
+      const Range range = block_range(p_.tiles, job.compute_blocks, b);
+      queues_.push_back(Queue{word(job.region(me_, queue_count_offset(w_, b))), b, 0, range.end - range.begin});
     }
-  };
-  if (!job.overlap) {  // the seed's "sequential": communication only after the whole GEMM
-    bounded_wait([&] { return job.compute_done.load(std::memory_order_acquire); }, no_progress, watch,
-                 [&] { return "gemm_allreduce: the GEMM did not finish in time"; }, bell, job.timeout, &job.abort);
   }
 
-  // 2. Drain this block's ready queues: each finished local tile is published to its owner.
+  bool poll() {
+    bool any = drain();
+    if (!validated_ && !try_validate()) return any;
+    const auto& items = job_.items[c_];
+    while (next_ < items.size() && ready(items[next_])) {
+      run_item(items[next_++]);
+      any = true;
+    }
+    return any;
+  }
+
+  void finish() {
+    if (!validated_) {
+      bounded_wait([&] { return try_validate(); }, [&] { return drain(); }, [&] { watch(); },
+                   [&] { return c_ == 0 ? missing_ranks(arrived_, epoch_, job_.timeout, me_)
+                                        : std::string("gemm_allreduce: internal: call header check did not finish"); },
+                   bell_, job_.timeout, &job_.abort);
+    }
+    if (!job_.overlap) {  // the seed's "sequential": communication only after the whole GEMM
+      bounded_wait([&] { return job_.compute_done.load(std::memory_order_acquire); }, no_progress, [&] { watch(); },
+                   [&] { return "gemm_allreduce: the GEMM did not finish in time"; }, bell_, job_.timeout,
+                   &job_.abort);
+    }
+    const auto& items = job_.items[c_];
+    for (; next_ < items.size(); ++next_) {
+      const WorkItem& item = items[next_];
+      bounded_wait([&] { return ready(item); }, [&] { return drain(); }, [&] { watch(); },
+                   [&] { return late(item); }, bell_, job_.timeout, &job_.abort);
+      run_item(item);
+    }
+    // Every local tile must reach its owner, even when this block has nothing left to gather.
+    bounded_wait(
+        [&] {
+          for (const auto& q : queues_)
+            if (q.consumed < q.expected) return false;
+          return true;
+        },
+        [&] { return drain(); }, [&] { watch(); },
+        [&] { return "gemm_allreduce: the local GEMM did not finish " + call_name_ + " in time"; }, bell_,
+        job_.timeout, &job_.abort);
+  }
+
+ private:
   struct Queue {
     uint32_t* count;
     int64_t block, consumed, expected;
   };
-  std::vector<Queue> queues;
-  for (int64_t j = 0; j < comm_block_queue_count(c, job.compute_blocks, job.comm_blocks); ++j) {
-    const int64_t b = comm_block_queue(c, j, job.comm_blocks);
-    const Range range = block_range(p.tiles, job.compute_blocks, b);
-    queues.push_back(Queue{word(job.region(me, queue_count_offset(w, b))), b, 0, range.end - range.begin});
+
+  // Agree on the call before touching any peer's data: block 0 checks every header, the others wait for it.
+  bool try_validate() {
+    if (c_ != 0) return validated_ = job_.headers_checked.load(std::memory_order_acquire) == 1;
+    if (!poll_signatures(job_.windows, me_, epoch_, all_, arrived_)) return false;
+    std::string problem = diagnose_signatures(all_, me_, *job_.call, job_.group_name);
+    if (!problem.empty()) throw CallRejected(problem);
+    job_.headers_checked.store(1, std::memory_order_release);
+    for (int64_t other = 1; other < job_.comm_blocks; ++other) doorbell(job_.windows[me_], other).ring();
+    return validated_ = true;
   }
-  auto publish_tile = [&](int64_t t) {
-    store_release(word(job.region(me, tile_flag_entry_offset(w, t))), epoch);
-    const int owner = static_cast<int>(owner_of(t, world));
-    uint64_t rung = 0;
-    for (int64_t s = 0; s < p.stripes; ++s) {
-      const int64_t block = ag_block_of(local_subtile(t, s, world, p.stripes), job.comm_blocks);
-      if (rung & (uint64_t{1} << block)) continue;
-      rung |= uint64_t{1} << block;
-      doorbell(job.windows[owner], block).ring();
+
+  void watch() const {
+    job_.window_set->check_peers_alive(("during " + call_name_).c_str());
+    for (int r = 0; r < world_; ++r) {
+      if (r != me_ && abandoned(job_.windows[r], epoch_)) {
+        throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name_ +
+                                 " (see that rank's error) [rank " + std::to_string(me_) + "]");
+      }
     }
-  };
-  auto drain = [&] {
+  }
+
+  // Publishes this block's finished local tiles to their owners.
+  bool drain() {
     bool any = false;
-    for (auto& q : queues) {
+    for (auto& q : queues_) {
       const uint32_t available = load_acquire(q.count);
       for (; q.consumed < available; ++q.consumed) {
-        publish_tile(*word(job.region(me, queue_entry_offset(w, q.block, q.consumed))));
+        publish_tile(*word(job_.region(me_, queue_entry_offset(w_, q.block, q.consumed))));
         any = true;
       }
     }
     return any;
-  };
-  auto is_current = [&](uint32_t flag) { return job.ignore_epochs ? flag != 0 : flag == epoch; };
+  }
 
-  // 3. Reduce this rank's subtiles, copy everyone else's, in production order.
-  std::vector<const uint8_t*> sources(world);
-  for (const WorkItem& item : job.items[c]) {
-    const int64_t mi = tile_row(p, item.tile), ni = tile_col(p, item.tile);
-    const int64_t row0 = mi * p.base_m + item.stripe * p.sub_m, col0 = ni * p.base_n;
-    const int64_t rows = stripe_rows(p, mi, item.stripe), cols = tile_cols(p, ni);
-    uint8_t* out = job.out + (row0 * p.n + col0) * job.out_elem;
-    const int64_t bank_offset = reduced_entry_offset(w, job.bank, row0, col0, p.pad_n, job.out_elem);
-    if (item.owner == me) {
-      auto ready = [&] {
-        for (int r = 0; r < world; ++r)
-          if (!is_current(load_acquire(word(job.region(r, tile_flag_entry_offset(w, item.tile)))))) return false;
-        return true;
-      };
-      auto missing = [&] {
-        std::vector<int> late;
-        for (int r = 0; r < world; ++r)
-          if (!is_current(load_acquire(word(job.region(r, tile_flag_entry_offset(w, item.tile)))))) late.push_back(r);
-        return "gemm_allreduce: rank(s) " + rank_list(late) + " did not deliver tile " + std::to_string(item.tile) +
-               " of " + call_name + " within " + std::to_string(job.timeout.count() / 1000.0) +
-               " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me) + "]";
-      };
-      bounded_wait(ready, drain, watch, missing, bell, job.timeout, &job.abort);
-      for (int r = 0; r < world; ++r)
-        sources[r] = job.region(r, partial_entry_offset(w, row0, col0, p.pad_n, job.partial_elem));
-      reduce_rows(ReduceRows{sources.data(), world, p.pad_n, job.partial_dtype, job.region(me, bank_offset), p.pad_n,
-                             out, p.n, job.out_dtype, rows, cols});
-      store_release(word(job.region(me, final_entry_offset(w, item.local_id))), epoch);
-      for (int64_t i = 0; i + 1 < world; ++i) {
-        doorbell(job.windows[rotated_peer(me, item.local_id, i, world)], c).ring();
-      }
-    } else {
-      uint32_t* final_flag = word(job.region(item.owner, final_entry_offset(w, item.local_id)));
-      bounded_wait(
-          [&] { return is_current(load_acquire(final_flag)); }, drain, watch,
-          [&] {
-            return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not finish its subtile " +
-                   std::to_string(item.local_id) + " of " + call_name + " within " +
-                   std::to_string(job.timeout.count() / 1000.0) + " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " +
-                   std::to_string(me) + "]";
-          },
-          bell, job.timeout, &job.abort);
-      copy_rows(job.region(item.owner, bank_offset), p.pad_n * job.out_elem, out, p.n * job.out_elem, rows,
-                cols * job.out_elem);
+  void publish_tile(int64_t t) {
+    store_release(word(job_.region(me_, tile_flag_entry_offset(w_, t))), epoch_);
+    const int owner = static_cast<int>(owner_of(t, world_));
+    uint64_t rung = 0;
+    for (int64_t s = 0; s < p_.stripes; ++s) {
+      const int64_t block = ag_block_of(local_subtile(t, s, world_, p_.stripes), job_.comm_blocks);
+      if (rung & (uint64_t{1} << block)) continue;
+      rung |= uint64_t{1} << block;
+      doorbell(job_.windows[owner], block).ring();
     }
   }
 
-  // 4. Every local tile must reach its owner, even when this block has nothing left to gather.
-  bounded_wait(
-      [&] {
-        for (const auto& q : queues)
-          if (q.consumed < q.expected) return false;
-        return true;
-      },
-      drain, watch, [&] { return "gemm_allreduce: the local GEMM did not finish " + call_name + " in time"; }, bell,
-      job.timeout, &job.abort);
-}
+  bool is_current(uint32_t flag) const { return job_.ignore_epochs ? flag != 0 : flag == epoch_; }
+  bool tile_ready(int r, int64_t t) const {
+    return is_current(load_acquire(word(job_.region(r, tile_flag_entry_offset(w_, t)))));
+  }
+  bool ready(const WorkItem& item) const {
+    if (item.owner != me_) return is_current(load_acquire(word(job_.region(item.owner, final_entry_offset(w_, item.local_id)))));
+    for (int r = 0; r < world_; ++r)
+      if (!tile_ready(r, item.tile)) return false;
+    return true;
+  }
 
-}  // namespace
+  std::string late(const WorkItem& item) const {
+    const std::string bound = " within " + std::to_string(job_.timeout.count() / 1000.0) +
+                              " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me_) + "]";
+    if (item.owner != me_) {
+      return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not finish its subtile " +
+             std::to_string(item.local_id) + " of " + call_name_ + bound;
+    }
+    std::vector<int> missing;
+    for (int r = 0; r < world_; ++r)
+      if (!tile_ready(r, item.tile)) missing.push_back(r);
+    return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not deliver tile " + std::to_string(item.tile) +
+           " of " + call_name_ + bound;
+  }
 
-void run_comm_block(CallJob& job, int64_t c) {
+  // Reduces a subtile this rank owns (fixed rank order) or copies another owner's finished one.
+  void run_item(const WorkItem& item) {
+    const int64_t mi = tile_row(p_, item.tile), ni = tile_col(p_, item.tile);
+    const int64_t row0 = mi * p_.base_m + item.stripe * p_.sub_m, col0 = ni * p_.base_n;
+    const int64_t rows = stripe_rows(p_, mi, item.stripe), cols = tile_cols(p_, ni);
+    uint8_t* out = job_.out + (row0 * p_.n + col0) * job_.out_elem;
+    const int64_t bank_offset = reduced_entry_offset(w_, job_.bank, row0, col0, p_.pad_n, job_.out_elem);
+    if (item.owner != me_) {
+      copy_rows(job_.region(item.owner, bank_offset), p_.pad_n * job_.out_elem, out, p_.n * job_.out_elem, rows,
+                cols * job_.out_elem);
+      return;
+    }
+    for (int r = 0; r < world_; ++r)
+      sources_[r] = job_.region(r, partial_entry_offset(w_, row0, col0, p_.pad_n, job_.partial_elem));
+    reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype, job_.region(me_, bank_offset),
+                           p_.pad_n, out, p_.n, job_.out_dtype, rows, cols});
+    store_release(word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
+    for (int64_t i = 0; i + 1 < world_; ++i) doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();
+  }
+
+  CallJob& job_;
+  const int64_t c_;
+  const TilePlan& p_;
+  const WindowLayout& w_;
+  const int me_, world_;
+  const uint32_t epoch_;
+  const Doorbell bell_;
+  const std::string call_name_;
+  std::vector<CallSignature> all_;
+  std::vector<char> arrived_;
+  std::vector<const uint8_t*> sources_;
+  std::vector<Queue> queues_;
+  size_t next_ = 0;
+  bool validated_ = false;
+};
+
+// Records an error of a comm block in the job (never throws).
+template <class Body>
+void guarded(CallJob& job, Body body) {
   try {
-    comm_block_body(job, c);
+    body();
   } catch (const LocalAbort&) {
     // Another block of this rank failed first and recorded the reason.
   } catch (const CallRejected& e) {
@@ -335,6 +389,23 @@ void run_comm_block(CallJob& job, int64_t c) {
   } catch (const std::exception& e) {
     job.fail(e.what(), /*disagreement=*/false);
   }
+}
+
+}  // namespace
+
+void run_comm_block(CallJob& job, int64_t c) {
+  guarded(job, [&] { CommBlock(job, c).finish(); });
+}
+
+void run_call_inline(CallJob& job) {
+  CommBlock comm(job, 0);
+  bool failed = false;
+  run_compute_blocks(job, [&] {
+    if (!failed && job.overlap) guarded(job, [&] { comm.poll(); });
+    failed = job.abort.load(std::memory_order_acquire);
+  });
+  job.compute_done.store(true, std::memory_order_release);
+  if (!job.abort.load(std::memory_order_acquire)) guarded(job, [&] { comm.finish(); });
 }
 
 }  // namespace gemm_ar::cpu

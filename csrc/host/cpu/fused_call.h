@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -81,10 +82,14 @@ struct CallJob {
 
 // Plans the per-comm-block work lists (production order, own reductions first) into job.items.
 void plan_work(CallJob& job);
-// The compute side: every compute block's tiles, then its queue entries. Runs on the caller's thread.
-void run_compute_blocks(CallJob& job);
-// The comm side of comm block c. Errors are recorded in the job (job.fail), never thrown.
+// The compute side: every compute block's tiles, then its queue entries. Runs on the caller's thread (and its
+// intra-op team); `between_tiles` (may be empty) runs after each tile.
+void run_compute_blocks(CallJob& job, const std::function<void()>& between_tiles);
+// The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
+// One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the
+// rest after the GEMM. For ranks with a single core, where a comm thread could only take turns with the GEMM.
+void run_call_inline(CallJob& job);
 
 // Waits until every rank has published its header for `epoch` and returns every signature; throws naming the
 // ranks that did not arrive in time, abandoned the call, or died. `stop` ends the wait early (throws).

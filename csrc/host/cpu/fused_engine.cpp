@@ -188,12 +188,39 @@ void FusedEngine::comm_thread_main(int64_t c) {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, [&] { return job_generation_ != seen; });
       seen = job_generation_;
+      // A thread beyond this call's comm blocks must not touch the job: it may already be gone.
+      if (c >= running_blocks_) continue;
       job = job_;
     }
-    if (c >= job->comm_blocks) continue;
     run_comm_block(*job, c);
     std::lock_guard<std::mutex> lock(mutex_);
     if (--running_ == 0) finished_.notify_all();
+  }
+}
+
+void FusedEngine::run_with_comm_threads(CallJob& job) {
+  start_comm_threads(job.comm_blocks);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = &job;
+    running_ = running_blocks_ = job.comm_blocks;
+    ++job_generation_;
+  }
+  wake_.notify_all();
+  try {
+    run_compute_blocks(job, nullptr);
+  } catch (const std::exception& e) {
+    job.fail(std::string("gemm_allreduce: the local GEMM failed: ") + e.what() + where(), false);
+  }
+  job.compute_done.store(true, std::memory_order_release);
+  for (int64_t c = 0; c < job.comm_blocks; ++c) doorbell(job.windows[rank_], c).ring();
+  // The comm blocks bound each of their waits; this bound only guards against a bug in them.
+  std::unique_lock<std::mutex> lock(mutex_);
+  const bool done = finished_.wait_for(lock, job.timeout * 4 + std::chrono::seconds(60), [&] { return running_ == 0; });
+  job_ = nullptr;
+  if (!done) {
+    poisoned_ = "comm threads did not finish";
+    TORCH_CHECK(false, "gemm_allreduce: internal error: comm threads did not finish", where());
   }
 }
 
@@ -254,30 +281,14 @@ at::Tensor FusedEngine::run(const CallArgs& call) {
     store_release(reinterpret_cast<uint32_t*>(job.region(rank_, queue_count_offset(job.layout, b))), 0);
   }
 
-  start_comm_threads(job.comm_blocks);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    job_ = &job;
-    running_ = job.comm_blocks;
-    ++job_generation_;
-  }
-  wake_.notify_all();
-  try {
-    run_compute_blocks(job);
-  } catch (const std::exception& e) {
-    job.fail(std::string("gemm_allreduce: the local GEMM failed: ") + e.what() + where(), false);
-  }
-  job.compute_done.store(true, std::memory_order_release);
-  for (int64_t c = 0; c < job.comm_blocks; ++c) doorbell(job.windows[rank_], c).ring();
-  {
-    // The comm blocks bound each of their waits; this bound only guards against a bug in them.
-    std::unique_lock<std::mutex> lock(mutex_);
-    const bool done = finished_.wait_for(lock, job.timeout * 4 + std::chrono::seconds(60), [&] { return running_ == 0; });
-    if (!done) {
-      poisoned_ = "comm threads did not finish";
-      TORCH_CHECK(false, "gemm_allreduce: internal error: comm threads did not finish", where());
+  if (config_.comm_inline) {
+    try {
+      run_call_inline(job);
+    } catch (const std::exception& e) {
+      job.fail(std::string("gemm_allreduce: the local GEMM failed: ") + e.what() + where(), false);
     }
-    job_ = nullptr;
+  } else {
+    run_with_comm_threads(job);
   }
   if (!job.error.empty()) {
     if (!job.error_is_disagreement) poisoned_ = job.error;

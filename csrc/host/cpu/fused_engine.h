@@ -41,6 +41,7 @@ class FusedEngine {
   // Grows the windows (collectively) so that the fixed region layout holds `need`.
   void grow(const LayoutParams& need);
   void start_comm_threads(int64_t count);
+  void run_with_comm_threads(CallJob& job);
   void comm_thread_main(int64_t c);
   std::vector<uint8_t*> bases() const;
   void ring_peers() const;
@@ -63,7 +64,8 @@ class FusedEngine {
   std::vector<std::thread> threads_;
   CallJob* job_ = nullptr;
   uint64_t job_generation_ = 0;
-  int64_t running_ = 0;
+  int64_t running_ = 0;         // comm blocks of the current call still working
+  int64_t running_blocks_ = 0;  // comm blocks of the current call
 };
 
 }  // namespace gemm_ar::cpu
