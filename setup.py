@@ -2,13 +2,15 @@
 pieces only where CANN and torch_npu are found (see build_npu.py)."""
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-import build_npu
-
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)  # PEP 517 builds do not put the project directory on sys.path
+
+import build_npu  # noqa: E402
 
 
 def _rel(pattern):

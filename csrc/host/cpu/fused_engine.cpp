@@ -98,11 +98,15 @@ void FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   ring_peers();
   if (!call.error.empty()) raise(call.error + where(), call.error_code != kFusedUnavailableError);
   if (chosen == Algorithm::Fused && call.m > 0) return;
+  check_every_signature(call);
+}
+
+void FusedEngine::check_every_signature(const CallArgs& call) {
   std::vector<CallSignature> all;
   try {
     all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
                             doorbell(windows_->base(rank_), kMainDoorbell), nullptr);
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // a peer late, dead or gone: tell the others this rank gave up
     publish_abort(windows_->base(rank_), epoch_);
     ring_peers();
     raise(e.what(), false);
@@ -245,17 +249,7 @@ at::Tensor FusedEngine::run(const CallArgs& call) {
     // Growing is collective, so agree on the call first (the comm blocks would check it only later): a rank
     // whose arguments differ must not be waited for in a growth it will never join. Every rank reaches the same
     // verdict from the same headers.
-    std::vector<CallSignature> all;
-    try {
-      all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
-                              doorbell(windows_->base(rank_), kMainDoorbell), nullptr);
-    } catch (const std::exception& e) {
-      publish_abort(windows_->base(rank_), epoch_);
-      ring_peers();
-      raise(e.what(), false);
-    }
-    const std::string problem = diagnose_signatures(all, rank_, call, group_name_);
-    if (!problem.empty()) raise(problem, true);
+    check_every_signature(call);
     try {
       grow(need);
     } catch (...) {

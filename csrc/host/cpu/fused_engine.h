@@ -40,6 +40,8 @@ class FusedEngine {
   FusedEngine(c10d::ProcessGroup& group);
   // Grows the windows (collectively) so that the fixed region layout holds `need`.
   void grow(const LayoutParams& need);
+  // Waits for every rank's header of the current call and raises the diagnosis, if any, on every rank.
+  void check_every_signature(const CallArgs& call);
   void start_comm_threads(int64_t count);
   void run_with_comm_threads(CallJob& job);
   void comm_thread_main(int64_t c);
