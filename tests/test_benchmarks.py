@@ -171,8 +171,8 @@ def run_script(script, *args, torchrun=True):
                    *args]
     else:
         command = [sys.executable, os.path.join(BENCH, script), *args]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=REPO)
+    # The installed torch_gemm_ar (or PYTHONPATH's), never the bare source tree, which has no compiled _C.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=REPO)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     return done.stdout
 
