@@ -6,8 +6,9 @@
 
 namespace gemm_ar {
 
-// CPU bf16/fp16 GEMMs in ATen run 50-100x slower than fp32 on AVX2 hosts, so on CPU those are computed in fp32
-// (inputs converted once per call) and rounded once when stored.
+// CPU bf16/fp16 GEMMs in ATen run 50-100x slower than fp32 on AVX2 hosts, so on CPUs without half-precision matrix
+// instructions (avx512_bf16/amx_bf16, avx512_fp16/amx_fp16) those are computed in fp32 (inputs converted once per
+// call) and rounded once when stored; where the instructions exist, natively (oneDNN accumulates in fp32).
 bool computes_in_fp32(const at::Tensor& t);
 
 class LocalGemm {

@@ -11,7 +11,7 @@ namespace {
 
 constexpr int64_t kChunk = 256;  // columns summed at a time in a register-friendly buffer
 
-template <typename Acc, typename Out>
+template <typename In, typename Acc, typename Out>
 void reduce_typed(const ReduceRows& job) {
   Acc acc[kChunk];
   for (int64_t i = 0; i < job.rows; ++i) {
@@ -19,11 +19,11 @@ void reduce_typed(const ReduceRows& job) {
     auto* out = reinterpret_cast<Out*>(job.out) + i * job.out_stride;
     for (int64_t c0 = 0; c0 < job.cols; c0 += kChunk) {
       const int64_t n = std::min(kChunk, job.cols - c0);
-      const Acc* first = reinterpret_cast<const Acc*>(job.sources[0]) + i * job.source_stride + c0;
-      for (int64_t j = 0; j < n; ++j) acc[j] = first[j];
+      const In* first = reinterpret_cast<const In*>(job.sources[0]) + i * job.source_stride + c0;
+      for (int64_t j = 0; j < n; ++j) acc[j] = static_cast<Acc>(first[j]);
       for (int r = 1; r < job.world; ++r) {
-        const Acc* src = reinterpret_cast<const Acc*>(job.sources[r]) + i * job.source_stride + c0;
-        for (int64_t j = 0; j < n; ++j) acc[j] += src[j];
+        const In* src = reinterpret_cast<const In*>(job.sources[r]) + i * job.source_stride + c0;
+        for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<Acc>(src[j]);
       }
       for (int64_t j = 0; j < n; ++j) {
         const Out value = static_cast<Out>(acc[j]);
@@ -37,16 +37,15 @@ void reduce_typed(const ReduceRows& job) {
 }  // namespace
 
 void reduce_rows(const ReduceRows& job) {
-  if (job.partial_dtype == at::kDouble) {
-    TORCH_CHECK(job.out_dtype == at::kDouble, "gemm_allreduce: float64 partials need a float64 output");
-    return reduce_typed<double, double>(job);
-  }
-  switch (job.out_dtype) {
-    case at::kFloat: return reduce_typed<float, float>(job);
-    case at::kBFloat16: return reduce_typed<float, c10::BFloat16>(job);
-    case at::kHalf: return reduce_typed<float, c10::Half>(job);
-    default: TORCH_CHECK(false, "gemm_allreduce: no CPU reduction for ", job.out_dtype);
-  }
+  const auto in = job.partial_dtype, out = job.out_dtype;
+  if (in == at::kDouble && out == at::kDouble) return reduce_typed<double, double, double>(job);
+  if (in == at::kFloat && out == at::kFloat) return reduce_typed<float, float, float>(job);
+  if (in == at::kFloat && out == at::kBFloat16) return reduce_typed<float, float, c10::BFloat16>(job);
+  if (in == at::kFloat && out == at::kHalf) return reduce_typed<float, float, c10::Half>(job);
+  // Partials already in half precision (CPUs with native half-precision GEMMs): summed in fp32.
+  if (in == at::kBFloat16 && out == at::kBFloat16) return reduce_typed<c10::BFloat16, float, c10::BFloat16>(job);
+  if (in == at::kHalf && out == at::kHalf) return reduce_typed<c10::Half, float, c10::Half>(job);
+  TORCH_CHECK(false, "gemm_allreduce: no CPU reduction from ", in, " partials to ", out);
 }
 
 void copy_rows(const uint8_t* src, int64_t src_stride_bytes, uint8_t* dst, int64_t dst_stride_bytes, int64_t rows,

@@ -11,7 +11,7 @@ struct ReduceRows {
   const uint8_t* const* sources;  // world pointers to the first element of each rank's partial rows
   int world;
   int64_t source_stride;          // elements between rows of a partial
-  at::ScalarType partial_dtype;   // float or double: the precision products are accumulated in
+  at::ScalarType partial_dtype;   // the dtype of the partial products (the sum is accumulated in float or double)
   uint8_t* bank;                  // the owner's reduced rows (window; peers copy from it)
   int64_t bank_stride;
   uint8_t* out;                   // the owner's own output rows
