@@ -39,9 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--input-sets", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / local ranks)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch when not started by torchrun")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    dist_env.add_launch_arguments(p, with_device=False)
     return p.parse_args(argv)
 
 

@@ -42,11 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--input-sets", type=int, default=3, help="independent random input sets, rotated per iteration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write every rank's raw timings and the summary here")
-    p.add_argument("--device", choices=("cpu", "npu"), default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / local ranks)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch when not started by torchrun")
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="bound of every collective wait, and of the whole run when this script launches torchrun")
+    dist_env.add_launch_arguments(
+        p, timeout_help="bound of every collective wait, and of the whole run when this script launches torchrun")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float16" if args.device == "npu" else "float32")
     if min(args.m, args.k, args.n) < 1 or args.iters < 1 or args.warmup < 0 or args.input_sets < 1:

@@ -52,11 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference (saves time at large M)")
-    p.add_argument("--device", choices=("cpu", "npu"), default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / local ranks)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks to launch when not started by torchrun")
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="bound of every collective wait (the whole run is bounded by 50x this when self-launched)")
+    dist_env.add_launch_arguments(
+        p, timeout_help="bound of every collective wait (the whole run is bounded by 50x this when self-launched)")
     args = p.parse_args(argv)
     args.models = (args.models or (QUICK_MODELS if args.quick else ",".join(models.MODELS))).split(",")
     args.tp = int_list(args.tp or (QUICK_TP if args.quick else "2,4,8"))

@@ -3,15 +3,7 @@ import pytest
 import torch
 
 import torch_gemm_ar
-
-
-def raises(fn, *patterns, exc=Exception):
-    with pytest.raises(exc) as info:
-        fn()
-    message = str(info.value)
-    for pattern in patterns:
-        assert pattern in message, f"expected {pattern!r} in error: {message}"
-    return message
+from expect import raises
 
 
 def every_rank_bad(rank, world):

@@ -16,15 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import tp_transformer as tp  # noqa: E402
 import torch_gemm_ar  # noqa: E402
 from torch_gemm_ar.nn import RowParallelLinear  # noqa: E402
-
-
-def raises(fn, *fragments, exc=Exception):
-    with pytest.raises(exc) as info:
-        fn()
-    message = str(info.value)
-    for fragment in fragments:
-        assert fragment in message, f"expected {fragment!r} in the error: {message}"
-    return message
+from expect import raises
 
 
 def _all_reduce(t, group):

@@ -14,6 +14,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 LAUNCH_COMMAND_ENV = "GEMM_AR_BENCH_COMMAND"
 
 
+def add_launch_arguments(parser, with_device: bool = True, timeout_help: str = "bound of every collective wait"):
+    """The options every benchmark script shares: where it runs and how its ranks are launched and bounded."""
+    if with_device:
+        parser.add_argument("--device", choices=("cpu", "npu"), default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / local ranks)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to launch when not started by torchrun")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help=timeout_help)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
