@@ -46,13 +46,9 @@ class Row:
     absent_reason: Optional[str] = None
 
 
-def computes_in_fp32(dtype, device: torch.device) -> bool:
-    """The library computes CPU bf16/fp16 in fp32 (torch's half-precision CPU GEMM is far slower)."""
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
 def library_reduce_bytes(dtype, device: torch.device) -> int:
-    return 4 if computes_in_fp32(dtype, device) else torch.empty(0, dtype=dtype).element_size()
+    """Bytes per element the library's all_reduce moves: the input dtype, like the user's baseline."""
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def available_row_keys(device_type: str, dtype) -> List[str]:
@@ -82,9 +78,9 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
                                    library_call("auto", env.self_group), "local", reduce_bytes)
 
     if "allreduce_only" in keys:
-        # The buffer the library reduces (fp32 for CPU half inputs), refilled untimed because all_reduce is in place.
-        compute_dtype = torch.float32 if computes_in_fp32(dtype, env.device) else dtype
-        partials = [torch.matmul(s.a.to(compute_dtype), s.b.to(compute_dtype)) for s in sets]
+        # The buffer the library reduces (in the input dtype), refilled untimed because all_reduce is in place.
+        compute_dtype = dtype
+        partials = [torch.matmul(s.a.float(), s.b.float()).to(dtype) for s in sets]  # fp32: fast on every CPU
         scratch = torch.empty_like(partials[0])
 
         def refill(i: int):
