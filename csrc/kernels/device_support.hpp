@@ -175,6 +175,17 @@ AICORE inline bool aborted(const KernelArgs& args) {
 
 // What both kernels check before touching memory. Identical on every rank for the same call, so either all ranks
 // run or all stop (the comm kernel reports kErrBadArgs; the compute kernel just returns).
+// Blocks this kernel was launched with. The simulator's get_block_num() is not the launch size, so there the
+// configured count stands in for it.
+AICORE inline int64_t launched_block_count(int64_t configured_blocks) {
+#if defined(__CPU_SIM)
+  return configured_blocks;
+#else
+  (void)configured_blocks;
+  return static_cast<int64_t>(get_block_num());
+#endif
+}
+
 AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
   const TilePlan& p = args.plan;
   if (args.magic != kKernelArgsMagic || dtype_bytes(args.dtype) == 0) return false;

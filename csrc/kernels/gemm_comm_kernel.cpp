@@ -381,11 +381,7 @@ __global__ AICORE void GemmCommKernel(__gm__ uint8_t* args_gm) {
   KernelArgs args;
   device::load_kernel_args(args_gm, &args);
   const int64_t block = static_cast<int64_t>(get_block_idx());
-#if defined(__CPU_SIM)
-  const int64_t launched = args.comm_blocks;  // the simulator's get_block_num() is not the launch size
-#else
-  const int64_t launched = static_cast<int64_t>(get_block_num());
-#endif
+  const int64_t launched = device::launched_block_count(args.comm_blocks);
   if (!device::kernel_args_usable(args, launched, args.comm_blocks)) {
     if (block == 0) device::report_error(args, kErrBadArgs, -1, -1, 0, 1);
     return;

@@ -218,11 +218,7 @@ __global__ AICORE void GemmComputeKernel(__gm__ uint8_t* args_gm) {
   KernelArgs args;
   device::load_kernel_args(args_gm, &args);
   const int64_t block = static_cast<int64_t>(get_block_idx());
-#if defined(__CPU_SIM)
-  const int64_t launched = args.compute_blocks;  // the simulator's get_block_num() is not the launch size
-#else
-  const int64_t launched = static_cast<int64_t>(get_block_num());
-#endif
+  const int64_t launched = device::launched_block_count(args.compute_blocks);
   // Bad arguments are reported by the comm kernel, which checks the same things.
   if (!device::kernel_args_usable(args, launched, args.compute_blocks) || block >= args.compute_blocks) return;
   if (args.dtype == kDTypeFloat16) {

@@ -76,10 +76,6 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 uint32_t* word(uint8_t* p) { return reinterpret_cast<uint32_t*>(p); }
 
-void ring_all(const CallJob& job, int r) {
-  for (int64_t c = 0; c < job.comm_blocks; ++c) doorbell(job.windows[r], c).ring();
-  doorbell(job.windows[r], kMainDoorbell).ring();
-}
 
 }  // namespace
 
@@ -93,9 +89,9 @@ void CallJob::fail(const std::string& message, bool disagreement) {
   abort.store(true, std::memory_order_release);
   if (!disagreement) {  // peers reach a disagreement verdict on their own; anything else they must be told
     publish_abort(windows[rank], epoch);
-    for (int r = 0; r < world; ++r) ring_all(*this, r);
+    for (int r = 0; r < world; ++r) ring_every_doorbell(windows[r], comm_blocks);
   } else {
-    ring_all(*this, rank);
+    ring_every_doorbell(windows[rank], comm_blocks);
   }
 }
 

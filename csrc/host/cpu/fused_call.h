@@ -32,6 +32,12 @@ inline Doorbell doorbell(uint8_t* window, int64_t index) {
   return Doorbell::at(window + kDoorbellsOffset + index * kCacheLine);
 }
 
+// Wakes whatever a rank may be waiting in: its comm blocks and its caller's thread.
+inline void ring_every_doorbell(uint8_t* window, int64_t comm_blocks) {
+  for (int64_t c = 0; c < comm_blocks; ++c) doorbell(window, c).ring();
+  doorbell(window, kMainDoorbell).ring();
+}
+
 // Debug switches for benchmarks and negative-control tests (torch_gemm_ar._C; never needed in normal use).
 struct EngineSwitches {
   std::atomic<bool> overlap{true};         // false: comm starts after the whole GEMM (the seed's "sequential")

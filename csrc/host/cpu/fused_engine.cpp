@@ -77,9 +77,7 @@ std::vector<uint8_t*> FusedEngine::bases() const {
 
 void FusedEngine::ring_peers() const {
   for (int r = 0; r < world_; ++r) {
-    if (r == rank_) continue;
-    for (int64_t c = 0; c < config_.comm_blocks; ++c) doorbell(windows_->base(r), c).ring();
-    doorbell(windows_->base(r), kMainDoorbell).ring();
+    if (r != rank_) ring_every_doorbell(windows_->base(r), config_.comm_blocks);
   }
 }
 
