@@ -13,8 +13,9 @@
 //   4. after the comm kernel: `out` holds the result; read ErrorRecord lazily (see below).
 //
 // Per-call hygiene (why there is no memset and no barrier): every flag is written with the exact value
-// signal_tag(epoch) and waited for with "== tag". `epoch` is a per-communicator call counter, identical on every
-// rank, that changes every call. A flag left over from an earlier call (whatever its shape), or bytes HCCL's own
+// signal_tag(epoch), followed by its complement in the next word, and waited for with "== tag, ~tag" (a data word
+// equal to the tag alone does not pass: device_support.hpp raise_flag / flag_raised). `epoch` is a per-communicator
+// call counter, identical on every rank, that changes every call. A flag left over from an earlier call (whatever its shape), or bytes HCCL's own
 // collectives left in the window between our calls, do not equal the current tag, so nothing is ever reset and
 // shapes may vary freely from call to call. Counters compared with epoch * world would break in both cases (a
 // subtile not used in one call falls behind; HCCL overwrites the window), which is why flags are per
@@ -44,7 +45,7 @@ constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: window
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
 constexpr int64_t kFlagStride = kCacheLine;         // one flag per cache line: AICore flushes whole lines
-constexpr int64_t kQueueSlotBytes = 8;              // ready-queue slot: uint32 tile id, then uint32 tag
+constexpr int64_t kQueueSlotBytes = 16;             // ready-queue slot: tile id, ~id, then the flag (tag, ~tag)
 
 // NPU tile sizes (design.md §5); the kernels are compiled for exactly these.
 constexpr int64_t kNpuBaseM = 128;
