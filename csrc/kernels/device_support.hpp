@@ -134,26 +134,30 @@ AICORE inline void acquire_fence() {
   dsb(DSB_DDR);
 }
 
-// A flag is two 32-bit words at the start of its own cache line: the call's tag and its complement. Data (ours from
-// another call, or what HCCL's collectives leave in the window) would have to hold exactly that 64-bit pattern to
-// pass for a flag; a lone word equal to the tag no longer does (issue 9, finding 2).
+// A flag is four 32-bit words at the start of its own cache line: the call's 64-bit tag (signal_tag,
+// signal_tag_high) and its complement. Data (ours from another call, or what HCCL's collectives leave in the window)
+// would have to hold exactly that 128-bit pattern to pass for a flag; a word equal to the tag no longer does
+// (issue 9, finding 2). Callers pass signal_tag(epoch); the other words follow from it.
 // Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
 // so a stale cached copy can never be written back over it, and written back after so the flag leaves this core.
-AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag) {
+AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
   flush_line(flag);
   scalar_store<uint32_t>(flag, tag);
-  scalar_store<uint32_t>(flag + 1, ~tag);
+  scalar_store<uint32_t>(flag + 1, tag_high);
+  scalar_store<uint32_t>(flag + 2, ~tag);
+  scalar_store<uint32_t>(flag + 3, ~tag_high);
   if (kNegativeControl != kControlDropFlush) flush_line(flag);
   dsb(DSB_DDR);
 }
 
 // Acquire side: the line is dropped first so the words come from GM, not from this core's stale copy; the caller
 // issues acquire_fence() before reading the payload the flag guards.
-AICORE inline bool flag_raised(__gm__ uint32_t* flag, uint32_t tag) {
+AICORE inline bool flag_raised(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
   if (kNegativeControl != kControlDropInvalidate) flush_line(flag);
   if (scalar_load<uint32_t>(flag) != tag) return false;
   if (kNegativeControl == kControlSingleWordFlags) return true;
-  return scalar_load<uint32_t>(flag + 1) == ~tag;
+  return scalar_load<uint32_t>(flag + 1) == tag_high && scalar_load<uint32_t>(flag + 2) == ~tag &&
+         scalar_load<uint32_t>(flag + 3) == ~tag_high;
 }
 
 template <typename T>
@@ -212,13 +216,13 @@ AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t pe
   scalar_store<uint32_t>(&rec->tag, tag);
   flush_line(&rec->tag);
   dsb(DSB_DDR);
-  raise_flag(&rec->abort_tag, tag);  // abort_tag and pad0[0] (its complement) share the first line
+  raise_flag(&rec->abort_tag, tag, signal_tag_high(args.epoch));  // abort_tag and pad0[0..2]: one line
 }
 
 AICORE inline bool aborted(const KernelArgs& args) {
   if (args.error == 0) return false;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
-  return flag_raised(&rec->abort_tag, signal_tag(args.epoch));
+  return flag_raised(&rec->abort_tag, signal_tag(args.epoch), signal_tag_high(args.epoch));
 }
 
 // What both kernels check before touching memory. Identical on every rank for the same call, so either all ranks
