@@ -5,7 +5,8 @@ block), back-to-back calls with fresh random inputs and varying odd shapes, comp
 Strict by construction: every scalar GM access of the kernels (flags, queue slots, error record) runs against
 csrc/kernels/sim_data_cache.hpp, a per-core non-coherent data cache (stores invisible until a dcci covers them,
 stale loads until invalidated, unaligned dcci covering only up to the line's end). The negative controls at the end
-rebuild the kernels with one known bug put back and require the test to catch it."""
+run the kernels with one known bug put back (GEMM_AR_SIM_NEGATIVE_CONTROL, read by simulator builds only) and
+require the test to catch it."""
 import os
 import shutil
 import subprocess
@@ -57,29 +58,19 @@ def _compile_flags(tmp):
     return cxx, flags + extra, extra
 
 
-def _build(tmp, name, negative_control=0):
-    """The simulator binary; negative_control > 0 (csrc/kernels/device_support.hpp NegativeControl) rebuilds the
-    kernels with that bug put back. The two kernels compile in parallel."""
+def _build(tmp):
+    """The simulator binary; the two kernels and the harness compile in parallel."""
     cxx, flags, extra = _compile_flags(tmp)
-    if negative_control:
-        flags = flags + [f"-DGEMM_AR_SIM_NEGATIVE_CONTROL={negative_control}"]
-    main_obj = os.path.join(tmp, "sim_main.o")
-    jobs = []
-    objects = []
+    jobs, objects = [], []
     for src in (os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
                 os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
                 os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")):
-        obj = os.path.join(tmp, f"{name}_{os.path.basename(src)}.o")
-        if src.endswith("sim_main.cpp"):  # holds no kernel code: one build serves every variant
-            obj = main_obj
-            if os.path.exists(obj):
-                objects.append(obj)
-                continue
+        obj = os.path.join(tmp, os.path.basename(src) + ".o")
         jobs.append(subprocess.Popen([cxx] + flags + ["-c", src, "-o", obj]))
         objects.append(obj)
     for job in jobs:
-        assert job.wait() == 0, f"compiling the simulator ({name}) failed"
-    binary = os.path.join(tmp, f"gemm_ar_sim_{name}")
+        assert job.wait() == 0, "compiling the simulator failed"
+    binary = os.path.join(tmp, "gemm_ar_sim")
     subprocess.run([cxx] + objects + ["-o", binary, "-pthread"] + extra, check=True)
     return binary
 
@@ -95,7 +86,7 @@ def sim_build_dir():
 
 @pytest.fixture(scope="module")
 def simulator(sim_build_dir):
-    binary = _build(sim_build_dir, "strict")
+    binary = _build(sim_build_dir)
     info = subprocess.run([binary, "info"], check=True, capture_output=True, text=True).stdout.split()
     return {"binary": binary, "bf16_native": info == ["bf16_native", "1"]}
 
@@ -123,7 +114,7 @@ def _unit_roundoff(dtype, bf16_native):
 
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
-             process_timeout_s=900):
+             process_timeout_s=900, negative_control=0):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
     clobber_after, late_rank, late_us. Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     rng = np.random.default_rng(seed)
@@ -163,7 +154,8 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
-    env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0")
+    # GEMM_AR_SIM_NEGATIVE_CONTROL: the NegativeControl of csrc/kernels/device_support.hpp this run puts back.
+    env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0", GEMM_AR_SIM_NEGATIVE_CONTROL=str(negative_control))
     proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=process_timeout_s,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -335,7 +327,7 @@ def test_flags_are_not_forged_by_data_equal_to_the_tag(simulator, tmp_path):
         _check_call(simulator, FP16, 3, case, results, c)
 
 
-# NegativeControl codes of csrc/kernels/device_support.hpp (each build puts one bug back), and the error codes
+# NegativeControl codes of csrc/kernels/device_support.hpp (each run puts one bug back), and the error codes
 # (gemm_ar::ErrorCode) the strict simulator must then report on some rank; None: any failure (wrong data included).
 ERR_TIMEOUTS = {2, 3, 4, 5}  # kErrTimeoutCompute .. kErrTimeoutGather
 ERR_QUEUE_CORRUPT = 7
@@ -352,13 +344,13 @@ NEGATIVE_CONTROLS = {
 
 
 @pytest.mark.parametrize("control", sorted(NEGATIVE_CONTROLS))
-def test_negative_control_is_caught(simulator, sim_build_dir, tmp_path, control):
+def test_negative_control_is_caught(simulator, tmp_path, control):
     code, expected_errors = NEGATIVE_CONTROLS[control]
-    sim = dict(simulator, binary=_build(sim_build_dir, control, code))
-    # Short timeouts: the broken builds are expected to stall (bounded), report, or return wrong data.
+    sim = simulator
+    # Short timeouts: the broken runs are expected to stall (bounded), report, or return wrong data.
     cases, results = _run_job(sim, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
                               calls=[dict(c) for c in _FORGED_CALLS], seed=91, timeout_us=1_500_000,
-                              process_timeout_s=300)
+                              process_timeout_s=300, negative_control=code)
     failures = []
     for c, case in enumerate(cases):
         try:

@@ -13,6 +13,7 @@
 
 #if defined(__CPU_SIM)
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "sim_data_cache.hpp"
@@ -29,7 +30,8 @@ constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 syst
 static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied as 64-bit words");
 
 // Negative controls of the strict simulator test (tests/test_kernels_sim.py): each re-introduces one known bug so
-// the test can show it catches it. Simulator builds only; a device build always gets 0.
+// the test can show it catches it. Simulator builds read it from the environment variable
+// GEMM_AR_SIM_NEGATIVE_CONTROL (one binary serves every control); a device build always gets kControlNone.
 enum NegativeControl : int {
   kControlNone = 0,
   kControlQueueFlush = 1,        // queue_publish does not flush the tile id's line (finding 1 of issue 9)
@@ -37,10 +39,16 @@ enum NegativeControl : int {
   kControlDropInvalidate = 3,    // flag_raised reads without dropping its cached copy
   kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (finding 2)
 };
-#if defined(__CPU_SIM) && defined(GEMM_AR_SIM_NEGATIVE_CONTROL)
-constexpr int kNegativeControl = GEMM_AR_SIM_NEGATIVE_CONTROL;
+#if defined(__CPU_SIM)
+inline int negative_control() {
+  static const int control = [] {
+    const char* value = std::getenv("GEMM_AR_SIM_NEGATIVE_CONTROL");
+    return value != nullptr ? std::atoi(value) : static_cast<int>(kControlNone);
+  }();
+  return control;
+}
 #else
-constexpr int kNegativeControl = kControlNone;
+AICORE constexpr inline int negative_control() { return kControlNone; }
 #endif
 
 // dcci(p, SINGLE_CACHE_LINE): writes back and drops p's cache line from p up to the next 64-byte boundary only
@@ -146,16 +154,16 @@ AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_
   scalar_store<uint32_t>(flag + 1, tag_high);
   scalar_store<uint32_t>(flag + 2, ~tag);
   scalar_store<uint32_t>(flag + 3, ~tag_high);
-  if (kNegativeControl != kControlDropFlush) flush_line(flag);
+  if (negative_control() != kControlDropFlush) flush_line(flag);
   dsb(DSB_DDR);
 }
 
 // Acquire side: the line is dropped first so the words come from GM, not from this core's stale copy; the caller
 // issues acquire_fence() before reading the payload the flag guards.
 AICORE inline bool flag_raised(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
-  if (kNegativeControl != kControlDropInvalidate) flush_line(flag);
+  if (negative_control() != kControlDropInvalidate) flush_line(flag);
   if (scalar_load<uint32_t>(flag) != tag) return false;
-  if (kNegativeControl == kControlSingleWordFlags) return true;
+  if (negative_control() == kControlSingleWordFlags) return true;
   return scalar_load<uint32_t>(flag + 1) == tag_high && scalar_load<uint32_t>(flag + 2) == ~tag &&
          scalar_load<uint32_t>(flag + 3) == ~tag_high;
 }

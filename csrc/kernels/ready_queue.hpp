@@ -40,7 +40,7 @@ AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t 
   flush_line(slot);  // no stale copy of the line may be written back over what follows
   scalar_store<uint32_t>(slot, static_cast<uint32_t>(tile));
   scalar_store<uint32_t>(slot + 1, ~static_cast<uint32_t>(tile));
-  if (kNegativeControl != kControlQueueFlush) flush_line(slot);
+  if (negative_control() != kControlQueueFlush) flush_line(slot);
   release_fence();
   raise_flag(slot + 4, signal_tag(args.epoch), signal_tag_high(args.epoch));
 }
