@@ -321,9 +321,20 @@ def long_run(rank, world, seed, calls):
 
 
 @pytest.mark.slow
-def test_long_run_stays_correct_and_memory_stops_growing(ranks):
-    # Scaled from the 40,000 calls to 6,000 so that it stays well under 3 min on a loaded 2-core machine.
-    calls = 6000
-    for rss in ranks(2).run(long_run, random.randrange(1 << 20), calls, timeout_s=900):
-        second_half = rss[len(rss) // 2:]
-        assert max(second_half) - second_half[0] < 8.0, f"RSS kept growing after warm-up (MiB per 500 calls): {rss}"
+def test_long_run_stays_correct_and_memory_stops_growing():
+    # Scaled from the 40,000 calls to 12,000 (about two minutes here); RSS levels off after ~5,000 calls
+    # (measured: +900 MiB over the first 5,000, flat after), so the last 4,000 are checked. The output cache is capped at 16 MB
+    # in these ranks (own pool, the cap is read once per process): with the default 512 MB cap, the cache of
+    # exact-size buffers for ever new random shapes fills for longer than this run before it levels off.
+    from rank_pool import RankPool
+
+    calls = 12000
+    with _env(TORCH_GEMM_AR_OUTPUT_CACHE_MB="16"):
+        pool = RankPool(2)
+    try:
+        results = pool.run(long_run, random.randrange(1 << 20), calls, timeout_s=900)
+    finally:
+        pool.close()
+    for rss in results:
+        last = rss[-(4000 // 500) - 1:]
+        assert max(last) - last[0] < 8.0, f"RSS kept growing after warm-up (MiB every 500 calls): {rss}"
