@@ -2,6 +2,7 @@
 
 `gemm_allreduce(a, b, group)` returns `all_reduce_sum(a_rank @ b) [+ bias]`, identical on every rank; it is also
 available as `torch.ops.pto.gemm_allreduce(a, b, group_name, *, bias=None, algorithm="auto")`.
+Sequence parallelism: `gemm_reduce_scatter` (GEMM + ReduceScatter) and `allgather_gemm` (AllGather + GEMM).
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
@@ -15,9 +16,11 @@ if hasattr(torch, "npu"):  # torch_npu is loaded: register the Ascend kernel too
         import warnings
 
         warnings.warn(f"torch-gemm-ar: the Ascend NPU backend is not built ({_error}); see docs/ascend.md")
-from ._ops import ALGORITHMS, gemm_allreduce, group_name_of
+from ._ops import ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_reduce_scatter, group_name_of
 from .engine_mode import fused_engine_mode
 from . import nn
 
-__all__ = ["ALGORITHMS", "fused_engine_mode", "gemm_allreduce", "group_name_of", "nn"]
+__all__ = [
+    "ALGORITHMS", "allgather_gemm", "fused_engine_mode", "gemm_allreduce", "gemm_reduce_scatter", "group_name_of", "nn"
+]
 __version__ = "0.1.0"

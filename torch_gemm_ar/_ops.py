@@ -39,3 +39,46 @@ def gemm_allreduce(
     bias: [N], added once to the reduced result. algorithm: one of auto, sequential, chunked, fused.
     """
     return torch.ops.pto.gemm_allreduce(a, b, group_name_of(group), bias=bias, algorithm=algorithm)
+
+
+def gemm_reduce_scatter(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    scatter_dim: int = 0,
+    bias: Optional[torch.Tensor] = None,
+    algorithm: str = "auto",
+) -> torch.Tensor:
+    """`reduce_scatter_sum(a @ b)` along `scatter_dim` of the output (+ bias on every chunk): rank r gets chunk r.
+
+    a: [M, K] or [B, S, K], this rank's K-shard (row-parallel). scatter_dim: a row dim of the output (not the last);
+    its size must be divisible by the world size. algorithm: auto or sequential (fused: not available yet).
+    Backward: an all-gather of the gradient (allgather_gemm).
+    """
+    return torch.ops.pto.gemm_reduce_scatter(
+        a, b, group_name_of(group), scatter_dim=scatter_dim, bias=bias, algorithm=algorithm
+    )
+
+
+def allgather_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    gather_dim: int = 0,
+    bias: Optional[torch.Tensor] = None,
+    return_gathered: bool = False,
+    algorithm: str = "auto",
+):
+    """`all_gather(a, gather_dim) @ b + bias`; with return_gathered=True, `(out, gathered_a)`.
+
+    a: [M, K] or [B, S, K], this rank's sequence shard (equal shapes on every rank). gather_dim: a row dim of a (not
+    K). algorithm: auto or sequential (fused: not available yet). Backward: a reduce-scatter of a's gradient
+    (gemm_reduce_scatter); gathered_a is returned without gradient.
+    """
+    out, gathered = torch.ops.pto.allgather_gemm(
+        a, b, group_name_of(group), gather_dim=gather_dim, bias=bias, return_gathered=return_gathered,
+        algorithm=algorithm,
+    )
+    return (out, gathered) if return_gathered else out

@@ -15,3 +15,41 @@ def _gemm_allreduce_fake(a, b, group_name, *, bias=None, algorithm="auto"):
     )
     torch._check(a.dtype == b.dtype, lambda: f"gemm_allreduce: a and b must have the same dtype; got {a.dtype}, {b.dtype}")
     return a.new_empty((*a.shape[:-1], b.shape[1]))
+
+
+def _group_size(group_name):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def _row_dim(op, arg, dim, a):
+    torch._check(
+        -a.dim() <= dim < a.dim() - 1,
+        lambda: f"{op}: {arg}={dim} must name a row dim of a {a.dim()}-D input; the last dim cannot be sharded",
+    )
+    return dim % a.dim()
+
+
+@torch.library.register_fake("pto::gemm_reduce_scatter")
+def _gemm_reduce_scatter_fake(a, b, group_name, *, scatter_dim=0, bias=None, algorithm="auto"):
+    out = _gemm_allreduce_fake(a, b, group_name, bias=bias, algorithm=algorithm)
+    dim, world = _row_dim("gemm_reduce_scatter", "scatter_dim", scatter_dim, a), _group_size(group_name)
+    torch._check(
+        out.shape[dim] % world == 0,
+        lambda: f"gemm_reduce_scatter: the output's size along scatter_dim={scatter_dim} is {out.shape[dim]}, "
+        f"not divisible by the world size {world}",
+    )
+    shape = list(out.shape)
+    shape[dim] //= world
+    return a.new_empty(shape)
+
+
+@torch.library.register_fake("pto::allgather_gemm")
+def _allgather_gemm_fake(a, b, group_name, *, gather_dim=0, bias=None, return_gathered=False, algorithm="auto"):
+    _gemm_allreduce_fake(a, b, group_name, bias=bias, algorithm=algorithm)
+    dim, world = _row_dim("allgather_gemm", "gather_dim", gather_dim, a), _group_size(group_name)
+    gathered_shape = list(a.shape)
+    gathered_shape[dim] *= world
+    out = a.new_empty((*gathered_shape[:-1], b.shape[1]))
+    return out, (a.new_empty(gathered_shape) if return_gathered else None)

@@ -1,12 +1,15 @@
 """Drop-in tensor-parallel layers built on gemm_allreduce.
 
-- RowParallelLinear: the row-parallel linear layer (Megatron-LM / vLLM conventions), GEMM and AllReduce fused.
+- RowParallelLinear: the row-parallel linear layer (Megatron-LM / vLLM conventions), GEMM and AllReduce fused
+  (GEMM and ReduceScatter with sequence_parallel=True).
+- ColumnParallelLinear: the column-parallel layer with sequence parallelism, AllGather and GEMM fused.
 - replace_row_parallel(model, group=, patterns=): converts an existing model's row-parallel layers in place, both
   DTensor ones (torch.distributed.tensor.parallel.RowwiseParallel) and plain ones selected by name.
 - DTensorRowParallelLinear: what a RowwiseParallel nn.Linear becomes (same parameters, inputs and outputs).
 """
+from .column_parallel_linear import ColumnParallelLinear
 from .dtensor_row_parallel import DTensorRowParallelLinear
 from .replace import replace_row_parallel
 from .row_parallel_linear import RowParallelLinear
 
-__all__ = ["DTensorRowParallelLinear", "RowParallelLinear", "replace_row_parallel"]
+__all__ = ["ColumnParallelLinear", "DTensorRowParallelLinear", "RowParallelLinear", "replace_row_parallel"]

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._ops import ALGORITHMS, GroupLike, gemm_allreduce
+from .._ops import ALGORITHMS, GroupLike, gemm_allreduce, gemm_reduce_scatter
 from ._groups import GroupInfo, resolve_group
 
 
@@ -26,6 +26,12 @@ class RowParallelLinear(nn.Module):
     Parameter names and shapes are those of a plain sharded `nn.Linear`, so state_dicts move between the two.
     Unlike Megatron/vLLM, `forward` returns the tensor only (no `(output, output_bias)` pair), like `nn.Linear`.
     Backward needs no communication: the output gradient is replicated, so every gradient is a local product.
+
+    With `sequence_parallel=True` (Megatron-LM's sequence parallelism) the AllReduce becomes a ReduceScatter along
+    `sequence_dim` of the output (gemm_reduce_scatter): rank r gets the r-th chunk of the sequence, with the bias
+    added to it; the input still holds the whole sequence. `sequence_dim` is 0 for Megatron's [S, B, H] and
+    [tokens, H] layouts, 1 for [B, S, H]; its size must be divisible by the world size. The backward all-gathers the
+    output gradient.
     """
 
     def __init__(
@@ -36,6 +42,8 @@ class RowParallelLinear(nn.Module):
         *,
         group: GroupLike = None,
         algorithm: str = "auto",
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
         device=None,
         dtype=None,
     ):
@@ -53,6 +61,7 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.algorithm = check_algorithm(algorithm, "RowParallelLinear")
+        self.sequence_parallel, self.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
         if bias:
@@ -87,7 +96,8 @@ class RowParallelLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, *, algorithm: str = "auto") -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group: GroupLike = None, *, algorithm: str = "auto",
+                    sequence_parallel: bool = False, sequence_dim: int = 0) -> "RowParallelLinear":
         """Shard a full (unsharded) `nn.Linear`: keep this rank's slice of its input dimension.
 
         The rank's slice is columns `[r * in/world, (r+1) * in/world)` of `linear.weight` with r its rank in `group`;
@@ -113,11 +123,13 @@ class RowParallelLinear(nn.Module):
             None if bias is None else nn.Parameter(bias, requires_grad=linear.bias.requires_grad),
             info,
             algorithm,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
         )
 
     @classmethod
     def _around(cls, weight: nn.Parameter, bias: Optional[nn.Parameter], info: GroupInfo,
-                algorithm: str) -> "RowParallelLinear":
+                algorithm: str, *, sequence_parallel: bool = False, sequence_dim: int = 0) -> "RowParallelLinear":
         """A layer that adopts existing Parameter objects (the shard `[out, in/world]` and the full bias): optimizers
         and gradient hooks that hold them keep working."""
         layer = cls.__new__(cls)
@@ -126,6 +138,7 @@ class RowParallelLinear(nn.Module):
         layer.out_features, width = weight.shape
         layer.in_features = width * info.world
         layer.algorithm = check_algorithm(algorithm, "RowParallelLinear")
+        layer.sequence_parallel, layer.sequence_dim = bool(sequence_parallel), int(sequence_dim)
         layer.weight = weight
         if bias is None:
             layer.register_parameter("bias", None)
@@ -141,6 +154,12 @@ class RowParallelLinear(nn.Module):
                 f"got shape {tuple(x.shape)}"
             )
         weight_t = self.weight.t()  # [in/world, out] view: the op reads nn.Linear's layout without a copy
+        if self.sequence_parallel:
+            if x.dim() not in (2, 3):
+                raise ValueError(f"RowParallelLinear(sequence_parallel=True): the input must be 2-D or 3-D; got shape "
+                                 f"{tuple(x.shape)}")
+            return gemm_reduce_scatter(x, weight_t, self.group_name, scatter_dim=self.sequence_dim, bias=self.bias,
+                                       algorithm=self.algorithm)
         if x.dim() in (2, 3):
             return gemm_allreduce(x, weight_t, self.group_name, bias=self.bias, algorithm=self.algorithm)
         # The op takes 2-D or 3-D; other ranks (1-D, 4-D+) are flattened around it as nn.Linear accepts them.
@@ -150,7 +169,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"world_size={self.world_size}, rank={self.rank}, algorithm={self.algorithm!r}")
+                f"world_size={self.world_size}, rank={self.rank}, algorithm={self.algorithm!r}"
+                + (f", sequence_parallel=True, sequence_dim={self.sequence_dim}" if self.sequence_parallel else ""))
 
 
 __all__ = ["RowParallelLinear", "check_algorithm"]

@@ -40,17 +40,21 @@ const char* error_code_summary(int64_t code) {
     case kDevice: return "tensors on the wrong or mixed devices";
     case kAlgorithm: return "unknown `algorithm`";
     case kFusedUnavailableError: return "algorithm='fused' is not available there";
+    case kBadShardDimError: return "invalid scatter_dim/gather_dim";
+    case kNotDivisibleError: return "size along scatter_dim not divisible by the world size";
+    case kAlgorithmUnavailableError: return "algorithm not implemented for this op";
     default: return "invalid arguments";
   }
 }
 
 CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                       std::string_view algorithm, c10::DeviceType device_type,
-                      const std::vector<at::ScalarType>& supported_dtypes) {
+                      const std::vector<at::ScalarType>& supported_dtypes, std::string_view op_name) {
   CallArgs call;
+  call.op_name = std::string(op_name);
   auto fail = [&](ErrorCode code, const std::string& message) {
     call.error_code = code;
-    call.error = "gemm_allreduce: " + message;
+    call.error = call.op_name + ": " + message;
     return call;
   };
   auto parsed = parse_algorithm(algorithm);

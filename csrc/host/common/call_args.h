@@ -20,18 +20,29 @@ struct CallArgs {
   int64_t m = 0, k = 0, n = 0;
   at::ScalarType dtype = at::kFloat;
   Algorithm algorithm = Algorithm::Auto;
+  std::string op_name = "gemm_allreduce";  // prefix of every message about this call
+  int64_t op = 0;                  // which op (OpKind): ranks calling different ops disagree
+  int64_t shard_dim = 0;           // scatter_dim / gather_dim of the sequence-parallel ops, normalised (0 otherwise)
   std::string error;               // the local error message, if any
   int64_t error_code = 0;          // nonzero with `error`: which check failed (shared with peers)
 };
+
+// The ops sharing this flow (signature field `op`).
+enum OpKind : int64_t { kOpGemmAllreduce = 0, kOpGemmReduceScatter = 1, kOpAllgatherGemm = 2 };
 
 // Validates and normalises; never throws for bad user input (the message is carried in `error` so that every
 // rank can raise together after the agreement exchange).
 CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                       std::string_view algorithm, c10::DeviceType device_type,
-                      const std::vector<at::ScalarType>& supported_dtypes);
+                      const std::vector<at::ScalarType>& supported_dtypes,
+                      std::string_view op_name = "gemm_allreduce");
 
 // Error code of a rank that was asked for algorithm='fused' where it cannot run.
 constexpr int64_t kFusedUnavailableError = 8;
+// Error codes of the sequence-parallel ops' own checks.
+constexpr int64_t kBadShardDimError = 9;
+constexpr int64_t kNotDivisibleError = 10;
+constexpr int64_t kAlgorithmUnavailableError = 11;  // an algorithm this op does not implement yet
 
 // Short description of an error code, used when another rank reports it.
 const char* error_code_summary(int64_t code);

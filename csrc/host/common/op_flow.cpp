@@ -8,14 +8,37 @@
 
 namespace gemm_ar {
 
-c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name) {
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name, std::string_view op_name) {
   try {
     return c10d::resolve_process_group(std::string(group_name));
   } catch (const std::exception&) {
-    TORCH_CHECK_VALUE(false, "gemm_allreduce: group_name '", group_name,
+    TORCH_CHECK_VALUE(false, op_name, ": group_name '", group_name,
                       "' is not a registered process group (pass ProcessGroup.group_name of a group created by "
                       "torch.distributed.init_process_group or new_group)");
   }
+}
+
+Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
+                           const at::Device& device) {
+  // Asked on every rank, bad arguments or not: on CPU the first call on a group sets up its shared windows.
+  const std::string fused_reason = backend.fused_unavailable_reason(call, group);
+  Algorithm chosen = call.algorithm;
+  if (call.error.empty() && chosen == Algorithm::Fused) {
+    if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
+      call.error_code = kFusedUnavailableError;
+      call.error = call.op_name + ": algorithm='fused' is not available for this call: " + fused_reason +
+                   (call.op == kOpGemmAllreduce ? " (use algorithm='auto', 'chunked' or 'sequential')"
+                                                : " (use algorithm='auto' or 'sequential')");
+    }
+  } else if (call.error.empty() && chosen == Algorithm::Auto) {
+    chosen = backend.choose_auto(call, group, fused_reason.empty());
+  }
+  if (backend.check_agreement) {
+    backend.check_agreement(call, chosen, group);
+  } else {
+    check_ranks_agree(group, call, chosen, device);
+  }
+  return chosen;
 }
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
@@ -27,23 +50,7 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);
   }
-  // Asked on every rank, bad arguments or not: on CPU the first call on a group sets up its shared windows.
-  const std::string fused_reason = backend.fused_unavailable_reason(call, *group);
-  Algorithm chosen = call.algorithm;
-  if (call.error.empty() && chosen == Algorithm::Fused) {
-    if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
-      call.error_code = kFusedUnavailableError;
-      call.error = "gemm_allreduce: algorithm='fused' is not available for this call: " + fused_reason +
-                   " (use algorithm='auto', 'chunked' or 'sequential')";
-    }
-  } else if (call.error.empty() && chosen == Algorithm::Auto) {
-    chosen = backend.choose_auto(call, *group, fused_reason.empty());
-  }
-  if (backend.check_agreement) {
-    backend.check_agreement(call, chosen, *group);
-  } else {
-    check_ranks_agree(*group, call, chosen, a.device());
-  }
+  const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
   if (call.m == 0) return at::empty(call.out_shape, b.options());
   switch (chosen) {
     case Algorithm::Sequential: return run_sequential(call, *group);

@@ -23,7 +23,13 @@ struct BackendHooks {
   std::function<void(const CallArgs&, Algorithm chosen, c10d::ProcessGroup&)> check_agreement;
 };
 
-c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name);
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name,
+                                                     std::string_view op_name = "gemm_allreduce");
+
+// The middle of every op's flow on a group of two or more ranks: resolves `auto`, turns an unavailable `fused` into
+// this rank's error, and makes every rank agree (each raises the same error otherwise). Returns what to run.
+Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
+                           const at::Device& device);
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,

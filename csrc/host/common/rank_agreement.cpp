@@ -12,12 +12,23 @@ const char* const kFieldNames[kSignatureFields] = {"error", "M", "K", "N", "dtyp
                                                    "tile columns (TORCH_GEMM_AR_CPU_TILE)",
                                                    "subtile rows (TORCH_GEMM_AR_CPU_TILE)",
                                                    "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
-                                                   "comm threads (TORCH_GEMM_AR_COMM_THREADS)"};
+                                                   "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
+                                                   "op", "scatter_dim/gather_dim"};
+
+const char* op_kind_name(int64_t op) {
+  switch (op) {
+    case kOpGemmAllreduce: return "gemm_allreduce";
+    case kOpGemmReduceScatter: return "gemm_reduce_scatter";
+    case kOpAllgatherGemm: return "allgather_gemm";
+  }
+  return "?";
+}
 
 std::string field_value(int64_t field, int64_t value) {
   if (field == kSigDtype) return c10::toString(static_cast<at::ScalarType>(value));
   if (field == kSigBias) return value ? "given" : "None";
   if (field == kSigAlgorithm) return algorithm_name(static_cast<Algorithm>(value));
+  if (field == kSigOp) return op_kind_name(value);
   return std::to_string(value);
 }
 
@@ -32,6 +43,8 @@ CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
   s[kSigDtype] = static_cast<int64_t>(call.dtype);
   s[kSigBias] = call.bias.has_value() ? 1 : 0;
   s[kSigAlgorithm] = static_cast<int64_t>(chosen);
+  s[kSigOp] = call.op;
+  s[kSigShardDim] = call.shard_dim;
   return s;
 }
 
@@ -50,7 +63,7 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
     return mine.error + where.str() + (others.tellp() ? " (also " + others.str() + ")" : std::string());
   }
   if (others.tellp()) {
-    return "gemm_allreduce: another rank rejected its arguments (" + others.str() +
+    return mine.op_name + ": another rank rejected its arguments (" + others.str() +
            "); this rank's arguments were valid" + where.str();
   }
   for (int64_t f = kSigM; f < kSignatureFields; ++f) {
@@ -58,7 +71,7 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
     for (int r = 1; r < world; ++r) same = same && all[r][f] == all[0][f];
     if (same) continue;
     std::ostringstream os;
-    os << "gemm_allreduce: ranks of group '" << group_name << "' disagree on " << kFieldNames[f] << ":";
+    os << mine.op_name << ": ranks of group '" << group_name << "' disagree on " << kFieldNames[f] << ":";
     for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f]);
     return os.str();
   }

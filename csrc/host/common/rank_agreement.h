@@ -16,6 +16,7 @@ enum SignatureField : int64_t {
   kSigError,  // local error code (0: arguments valid)
   kSigM, kSigK, kSigN, kSigDtype, kSigBias, kSigAlgorithm,
   kSigTileM, kSigTileN, kSigSubM, kSigComputeBlocks, kSigCommBlocks,  // fused-engine configuration (0 otherwise)
+  kSigOp, kSigShardDim,  // which op (OpKind) and its scatter/gather dim
   kSignatureFields
 };
 using CallSignature = std::array<int64_t, kSignatureFields>;
