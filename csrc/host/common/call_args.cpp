@@ -40,6 +40,8 @@ const char* error_code_summary(int64_t code) {
     case kDevice: return "tensors on the wrong or mixed devices";
     case kAlgorithm: return "unknown `algorithm`";
     case kFusedUnavailableError: return "algorithm='fused' is not available there";
+    case kBadResidualError: return "invalid `residual` (must have shape a.shape[:-1] + [N], a's dtype and device)";
+    case kBadNormWeightError: return "invalid `norm_weight` (must be 1-D [N], a's dtype and device)";
     default: return "invalid arguments";
   }
 }

@@ -32,6 +32,9 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
 
 // Error code of a rank that was asked for algorithm='fused' where it cannot run.
 constexpr int64_t kFusedUnavailableError = 8;
+// Error codes of the add+RMSNorm epilogue's extra arguments (common/add_rmsnorm_flow.cpp).
+constexpr int64_t kBadResidualError = 9;
+constexpr int64_t kBadNormWeightError = 10;
 
 // Short description of an error code, used when another rank reports it.
 const char* error_code_summary(int64_t code);

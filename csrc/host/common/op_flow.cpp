@@ -20,9 +20,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend) {
+                              const BackendHooks& backend,
+                              const std::function<void(CallArgs&)>& extra_checks) {
   auto group = resolve_group(group_name);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
+  if (extra_checks && call.error.empty()) extra_checks(call);
   if (group->getSize() == 1) {
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);

@@ -25,8 +25,11 @@ struct BackendHooks {
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name);
 
+// `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
+// are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend);
+                              const BackendHooks& backend,
+                              const std::function<void(CallArgs&)>& extra_checks = {});
 
 }  // namespace gemm_ar

@@ -4,10 +4,10 @@
 #include "common/op_flow.h"
 #include "common/rank_agreement.h"
 #include "cpu/auto_policy.h"
+#include "cpu/cpu_backend.h"
 #include "cpu/fused_engine.h"
 
 namespace gemm_ar::cpu {
-namespace {
 
 const BackendHooks& cpu_backend() {
   static const BackendHooks hooks{
@@ -29,6 +29,8 @@ const BackendHooks& cpu_backend() {
   };
   return hooks;
 }
+
+namespace {
 
 at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
                               const std::optional<at::Tensor>& bias, c10::string_view algorithm) {

@@ -1,0 +1,28 @@
+// The CPU kernel of pto::gemm_allreduce_add_rmsnorm: the CPU backend's gemm_allreduce with the add+RMSNorm
+// epilogue (common/add_rmsnorm.h), which the fused engine runs per row block during its copy-out.
+#include <torch/library.h>
+
+#include "common/add_rmsnorm.h"
+#include "cpu/cpu_backend.h"
+#include "cpu/fused_engine.h"
+
+namespace gemm_ar::cpu {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+  return run_gemm_allreduce_add_rmsnorm(a, b, residual, norm_weight,
+                                        std::string_view(group_name.data(), group_name.size()), eps, bias,
+                                        std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
+                                        [](const CallArgs& call, c10d::ProcessGroup& group, const RowEpilogue& rows) {
+                                          return FusedEngine::of(group).run(call, rows);
+                                        });
+}
+
+}  // namespace
+}  // namespace gemm_ar::cpu
+
+TORCH_LIBRARY_IMPL(pto, CPU, m) {
+  m.impl("gemm_allreduce_add_rmsnorm", &gemm_ar::cpu::gemm_allreduce_add_rmsnorm_cpu);
+}
