@@ -1,9 +1,10 @@
 """GEMM + AllReduce, every algorithm side by side on the same inputs in one run, reported in the seed's terms.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py -- [--m 4096 --k 128 --n 2048] [--json out.json]
+    torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py [--M 4096 --K 128 --N 2048] [--json out.json]
 
-(`python benchmarks/bench_gemm_allreduce.py ...` launches the torchrun job itself, --nproc ranks; after torchrun,
-the "--" keeps its parser from taking --m and --n for its own abbreviated options.) Rows: compute
+(`python benchmarks/bench_gemm_allreduce.py ...` launches the torchrun job itself, --nproc ranks. The shape options
+are spelled --M/--K/--N: torchrun's parser reads a lowercase --m or --n as an ambiguous abbreviation of its own
+options and stops, even as --m=4096; --m/--k/--n still work without torchrun or after a "--".) Rows: compute
 only, all_reduce only, sequential, chunked, sequential on the fused engine, fused, auto, the user's baseline
 (torch.matmul + dist.all_reduce), on CPU half dtypes also that baseline computed in fp32, on NPU also
 torch_npu.npu_mm_all_reduce_base. Rank 0 prints one table; --json saves every rank's raw timings and the summary.
@@ -29,9 +30,11 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # Default: a communication-heavy shape for a CPU (2*K = 256 flops per 4-byte output element: the GEMM and
     # gloo's all_reduce take about as long) that runs in well under a minute on 2 CPU ranks.
-    p.add_argument("--m", type=int, default=4096, help="rows of a (tokens)")
-    p.add_argument("--k", type=int, default=128, help="inner dimension (this rank's shard of the hidden size)")
-    p.add_argument("--n", type=int, default=2048, help="output columns")
+    # Uppercase first: the spelling torchrun passes through (see the module docstring); lowercase kept as aliases.
+    p.add_argument("--M", "--m", dest="m", type=int, default=4096, help="rows of a (tokens)")
+    p.add_argument("--K", "--k", dest="k", type=int, default=128,
+                   help="inner dimension (this rank's shard of the hidden size)")
+    p.add_argument("--N", "--n", dest="n", type=int, default=2048, help="output columns")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: float32 on cpu, float16 on npu")
     p.add_argument("--bias", action="store_true", help="add a bias vector (once, after the reduction)")
     p.add_argument("--algorithms", default="all",
@@ -47,7 +50,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float16" if args.device == "npu" else "float32")
     if min(args.m, args.k, args.n) < 1 or args.iters < 1 or args.warmup < 0 or args.input_sets < 1:
-        p.error("--m/--k/--n/--iters/--input-sets must be >= 1 and --warmup >= 0")
+        p.error("--M/--K/--N/--iters/--input-sets must be >= 1 and --warmup >= 0")
     return args
 
 

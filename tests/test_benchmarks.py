@@ -90,14 +90,21 @@ def test_crossovers_thresholds_and_auto_floor():
     assert result["best_by_layer"]["a"] == ["sequential", "chunked", "sequential", "chunked"]
     assert [(r["layer"], r["m"]) for r in result["auto_below_floor"]] == [("a", 256)]
     assert result["auto_worst"]["speed_vs_baseline"] == pytest.approx(0.9)
+    # auto against the best single algorithm per point: 1/1, 0.9/1, 1/1, 1/1 on a; 0.5/0.5 on b.
+    assert [(r["layer"], r["m"], r["best"]) for r in result["auto_below_best_floor"]] == [("a", 16, "chunked")]
+    assert result["auto_worst_vs_best"]["speed_vs_best"] == pytest.approx(0.9)
+    assert len(result["auto_vs_best"]) == 8
 
 
 def test_model_layers():
     layers = {(l.model, l.projection, l.tp): l for l in models.layers(["Llama-3.1-8B"], [2, 8], scale=1)}
     assert (layers["Llama-3.1-8B", "o_proj", 2].k, layers["Llama-3.1-8B", "o_proj", 2].n) == (2048, 4096)
     assert (layers["Llama-3.1-8B", "down_proj", 8].k, layers["Llama-3.1-8B", "down_proj", 8].n) == (1792, 4096)
+    # scale divides N only: each layer keeps its real K (its flops per output element) unless k_scale says otherwise.
     scaled = models.layers(["Llama-3.1-70B"], [4], scale=8)
-    assert [(l.k, l.n) for l in scaled] == [(256, 1024), (896, 1024)]
+    assert [(l.k, l.n) for l in scaled] == [(2048, 1024), (7168, 1024)]
+    both = models.layers(["Llama-3.1-70B"], [4], scale=8, k_scale=8)
+    assert [(l.k, l.n) for l in both] == [(256, 1024), (896, 1024)]
     with pytest.raises(ValueError, match="unknown model"):
         models.layers(["GPT-5"], [2], 1)
 
@@ -249,7 +256,8 @@ def test_bench_cpu_fused_end_to_end(tmp_path):
 def test_quick_sweep_end_to_end(tmp_path):
     out_dir = str(tmp_path / "sweep")
     # Launched without torchrun, as the README shows: the script starts its own 2 ranks.
-    stdout = run_script("sweep.py", "--out", out_dir, "--quick", "--scale", "256", "--m-list", "1,5,33",
+    stdout = run_script("sweep.py", "--out", out_dir, "--quick", "--scale", "256", "--k-scale", "256",
+                        "--m-list", "1,5,33",
                         "--models", "Llama-3.2-1B", "--tp", "2", "--max-iters", "2", "--budget-s", "0.01",
                         torchrun=False)
     with open(os.path.join(out_dir, "sweep.json")) as f:
@@ -265,9 +273,116 @@ def test_quick_sweep_end_to_end(tmp_path):
     assert set(analysis["crossovers"]) == {l["name"] for l in result["layers"]}
     assert set(analysis["recommended_thresholds"]) == {"min_m_for_chunked", "min_m_for_fused"}
     assert analysis["auto_worst"] is not None
+    assert analysis["auto_worst_vs_best"] is not None
     assert "Where auto should switch" in stdout and "auto vs baseline" in stdout
+    assert "auto vs best single algorithm: worst" in stdout and "auto/best x" in stdout
     if plot.matplotlib_missing() is None:
         with open(os.path.join(out_dir, "sweep.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     else:
         assert result["plot"] is None and "matplotlib" in result["plot_missing_reason"]
+
+
+# --- the command lines of README.md and docs/*.md, as typed ---------------------------------------------------------
+
+DOC_FILES = [os.path.join(REPO, "README.md")] + sorted(
+    os.path.join(REPO, "docs", f) for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
+# Appended to a documented command to make it tiny (argparse: the last occurrence of an option wins).
+TINY_ARGS = {
+    "bench_gemm_allreduce.py": ["--M", "37", "--K", "19", "--N", "23", "--iters", "1", "--warmup", "0",
+                                "--input-sets", "1"],
+    "bench_cpu_fused.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
+    "sweep.py": ["--models", "Llama-3.2-1B", "--tp", "2", "--m-list", "1,5", "--scale", "256", "--k-scale", "256",
+                 "--max-iters", "1", "--min-iters", "1", "--warmup", "0", "--budget-s", "0.01"],
+}
+
+
+def documented_commands():
+    """(file, command words) of every benchmark command line in the docs: `torchrun ... benchmarks/x.py ...` and
+    `python benchmarks/x.py ...`, continuation lines joined; in a synopsis, [optional] parts are kept and the first
+    of a|b|c alternatives is taken, so the synopsis is checked as a command too."""
+    import re
+    import shlex
+
+    found = []
+    for path in DOC_FILES:
+        with open(path) as f:
+            text = f.read().replace("\\\n", " ")
+        for line in text.splitlines():
+            for match in re.finditer(r"((?:torchrun(?: [^\s`#&;]+)*?|python3?) benchmarks/\w+\.py[^`#\n&;]*)", line):
+                command = match.group(1).replace("[", " ").replace("]", " ")
+                words = [w.split("|")[0] for w in shlex.split(command)]
+                if line.lstrip().startswith("command:"):
+                    continue  # a report's record of a past run, not an instruction
+                found.append((os.path.relpath(path, REPO), words))
+    return found
+
+
+def test_the_docs_show_torchrun_command_lines():
+    commands = documented_commands()
+    scripts = {os.path.basename(next(w for w in words if w.endswith(".py"))) for _, words in commands}
+    assert scripts == set(TINY_ARGS), scripts
+    torchrun_scripts = {os.path.basename(script_and_args(words)[1]) for _, words in commands if words[0] == "torchrun"}
+    assert {"bench_gemm_allreduce.py", "sweep.py"} <= torchrun_scripts
+    assert any(words[0] == "torchrun" and "--M" in words for _, words in commands)
+
+
+def script_and_args(words):
+    index = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    return words[:index], words[index], words[index + 1:]
+
+
+@pytest.mark.parametrize("doc,words", documented_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_documented_command_parses(doc, words):
+    """torchrun's own parser hands every script option through unchanged (it stops at an ambiguous abbreviation
+    such as --m), and the script's parser accepts them."""
+    import importlib
+
+    from torch.distributed.run import get_args_parser
+
+    launcher, script, args = script_and_args(words)
+    if launcher[0] == "torchrun":
+        parsed = get_args_parser().parse_args([*launcher[1:], script, *args])
+        assert parsed.training_script == script
+        assert parsed.training_script_args == args, f"{doc}: torchrun took script options for its own"
+    module = importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    module.parse_args(args)
+
+
+def test_lowercase_shape_options_stay_aliases():
+    import bench_gemm_allreduce
+
+    lower = bench_gemm_allreduce.parse_args(["--m", "5", "--k", "6", "--n", "7"])
+    upper = bench_gemm_allreduce.parse_args(["--M", "5", "--K", "6", "--N", "7"])
+    assert (lower.m, lower.k, lower.n) == (upper.m, upper.k, upper.n) == (5, 6, 7)
+
+
+def test_torchrun_parser_negative_control():
+    """The check above can fail: torchrun stops at the spelling the issue reported."""
+    from torch.distributed.run import get_args_parser
+
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args(["--nproc-per-node", "2", "benchmarks/bench_gemm_allreduce.py", "--m", "4096"])
+
+
+@pytest.mark.parametrize("doc,words", [c for c in documented_commands() if c[1][0] == "torchrun"],
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_documented_torchrun_command_runs(doc, words, tmp_path):
+    """The documented torchrun line itself (torchrun from this environment, on a free port via its PET_MASTER_PORT
+    variable), made tiny by options appended after the documented ones."""
+    launcher, script, args = script_and_args(words)
+    name = os.path.basename(script)
+    args = [str(tmp_path / "out") if a in ("DIR", "out.json") else a for a in args]
+    extra = list(TINY_ARGS[name]) + ["--seed", str(random.randrange(1 << 30))]
+    if name != "sweep.py":
+        extra += ["--json", str(tmp_path / "out.json")]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
+    done = subprocess.run([torchrun, *launcher[1:], script, *args, *extra], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, cwd=REPO, env=env)
+    assert done.returncode == 0, f"{' '.join(words)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    if name == "sweep.py":
+        assert os.path.exists(tmp_path / "out" / "sweep.json")
+    else:
+        with open(tmp_path / "out.json") as f:
+            assert json.load(f)["shape"]["m"] == 37

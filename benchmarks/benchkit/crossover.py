@@ -1,11 +1,14 @@
 """What a sweep over M says about `auto`: per layer, from which M each overlapping algorithm beats `sequential` for
-good, the thresholds that would follow, and whether `auto` stays within 0.97x of the torch baseline everywhere."""
+good, the thresholds that would follow, and per point how `auto` compares with the torch baseline (floor 0.98x) and
+with the best single algorithm measured there (floor 0.97x: auto should pick it)."""
 from typing import Dict, List, Optional
 
 from . import metrics
 
-AUTO_FLOOR = 0.97  # auto may never be slower than this fraction of the baseline's speed
+AUTO_FLOOR = 0.98  # auto may never be slower than this fraction of the baseline's speed
+AUTO_BEST_FLOOR = 0.97  # ... nor than this fraction of the speed of the best single algorithm at that point
 CANDIDATES = ("chunked", "fused")
+SINGLE_ALGORITHMS = ("sequential", *CANDIDATES)
 
 
 def _median(point: dict, key: str) -> Optional[float]:
@@ -28,7 +31,7 @@ def layer_crossovers(ms: List[int], points: List[dict]) -> Dict[str, Optional[in
 
 
 def best_algorithm(point: dict) -> Optional[str]:
-    times = {k: _median(point, k) for k in ("sequential", *CANDIDATES)}
+    times = {k: _median(point, k) for k in SINGLE_ALGORITHMS}
     times = {k: t for k, t in times.items() if t is not None}
     return min(times, key=times.get) if times else None
 
@@ -40,13 +43,18 @@ def analyse(layer_names: List[str], ms: List[int], points_by_layer: List[List[di
         values = [c[candidate] for c in crossovers.values()]
         # Conservative: the candidate must win on every layer from the threshold on; None if some layer never wins.
         recommended[f"min_m_for_{candidate}"] = max(values) if values and all(v is not None for v in values) else None
-    auto_ratios = []
+    auto_ratios, auto_vs_best = [], []
     for name, pts in zip(layer_names, points_by_layer):
         for m, point in zip(ms, pts):
             t_auto, t_base = _median(point, "auto"), _median(point, "baseline")
             if t_auto is not None and t_base is not None:
                 auto_ratios.append({"layer": name, "m": m, "speed_vs_baseline": metrics.speedup(t_base, t_auto)})
+            best = best_algorithm(point)
+            if t_auto is not None and best is not None:
+                auto_vs_best.append({"layer": name, "m": m, "best": best,
+                                     "speed_vs_best": metrics.speedup(_median(point, best), t_auto)})
     worst = min(auto_ratios, key=lambda r: r["speed_vs_baseline"]) if auto_ratios else None
+    worst_vs_best = min(auto_vs_best, key=lambda r: r["speed_vs_best"]) if auto_vs_best else None
     return {
         "crossovers": crossovers,
         "recommended_thresholds": recommended,
@@ -54,4 +62,8 @@ def analyse(layer_names: List[str], ms: List[int], points_by_layer: List[List[di
         "auto_floor": AUTO_FLOOR,
         "auto_worst": worst,
         "auto_below_floor": [r for r in auto_ratios if r["speed_vs_baseline"] < AUTO_FLOOR],
+        "auto_vs_best": auto_vs_best,
+        "auto_best_floor": AUTO_BEST_FLOOR,
+        "auto_worst_vs_best": worst_vs_best,
+        "auto_below_best_floor": [r for r in auto_vs_best if r["speed_vs_best"] < AUTO_BEST_FLOOR],
     }

@@ -1,6 +1,7 @@
 """The row-parallel layers of tensor-parallel Llama-style models, the GEMMs that gemm_allreduce replaces:
 o_proj (K = hidden / TP, N = hidden) and down_proj (K = intermediate / TP, N = hidden), scaled down for small
-machines by dividing K and N by the same factor."""
+machines by dividing N (and K only when asked: K sets the flops per output element, i.e. whether a layer is
+compute- or communication-heavy, so scaling it would sweep only communication-heavy points)."""
 from dataclasses import dataclass
 from typing import List, Sequence
 
@@ -23,14 +24,17 @@ class Layer:
     k: int
     n: int
     scale: int
+    k_scale: int = 1
 
     @property
     def name(self) -> str:
-        scaled = f", 1/{self.scale} scale" if self.scale != 1 else ""
+        scaled = f", N 1/{self.scale}" if self.scale != 1 else ""
+        scaled += f", K 1/{self.k_scale}" if self.k_scale != 1 else ""
         return f"{self.model} {self.projection} TP{self.tp} (K={self.k} N={self.n}{scaled})"
 
 
-def layers(models: Sequence[str], tps: Sequence[int], scale: int) -> List[Layer]:
+def layers(models: Sequence[str], tps: Sequence[int], scale: int, k_scale: int = 1) -> List[Layer]:
+    """scale divides N, k_scale divides K."""
     out = []
     for model in models:
         if model not in MODELS:
@@ -39,7 +43,7 @@ def layers(models: Sequence[str], tps: Sequence[int], scale: int) -> List[Layer]
         for tp in tps:
             for projection in PROJECTIONS:
                 in_features = hidden if projection == "o_proj" else intermediate
-                k = max(1, in_features // tp // scale)
+                k = max(1, in_features // tp // k_scale)
                 n = max(1, hidden // scale)
-                out.append(Layer(model, projection, tp, k, n, scale))
+                out.append(Layer(model, projection, tp, k, n, scale, k_scale))
     return out
