@@ -1,6 +1,12 @@
 """Check 2 (design.md §8): the Ascend kernels (csrc/kernels) compiled with g++ against pto-isa's CPU simulator, running
 the real multi-rank protocol in one process (tests/kernels_sim/sim_main.cpp: a window buffer per rank, a thread per
-block), back-to-back calls with fresh random inputs and varying odd shapes, compared with a float64 reference."""
+block), back-to-back calls with fresh random inputs and varying odd shapes, compared with a float64 reference.
+
+Strict by construction: every scalar GM access of the kernels (flags, queue slots, error record) runs against
+csrc/kernels/sim_data_cache.hpp, a per-core non-coherent data cache (stores invisible until a dcci covers them,
+stale loads until invalidated, unaligned dcci covering only up to the line's end). The negative controls at the end
+run the kernels with one known bug put back (GEMM_AR_SIM_NEGATIVE_CONTROL, read by simulator builds only) and
+require the test to catch it."""
 import os
 import shutil
 import subprocess
@@ -20,6 +26,8 @@ pytestmark = pytest.mark.skipif(
 FP16, BF16 = 1, 2  # gemm_ar::DTypeCode
 B_ROW_MAJOR, B_TRANSPOSED = 0, 1  # gemm_ar::BLayoutCode
 ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced the call
+CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
+#                                             the next call's tag in every 32-bit word
 
 
 def _patched_include_dir(tmp):
@@ -31,40 +39,56 @@ def _patched_include_dir(tmp):
     patched = text.replace('static_assert(false, "Unsupported element cmp.");',
                            'static_assert(sizeof(DType) == 0, "Unsupported element cmp.");')
     dst_dir = os.path.join(tmp, "pto_patch", "pto", "cpu")
-    os.makedirs(dst_dir)
+    os.makedirs(dst_dir, exist_ok=True)
     with open(os.path.join(dst_dir, "TReduceIdx.hpp"), "w") as f:
         f.write(patched)
     return os.path.join(tmp, "pto_patch")
 
 
+def _compile_flags(tmp):
+    cxx = os.environ.get("CXX", "g++")
+    # design.md §8 flags; pto-isa as a system include directory (patched copy first) so that its own warnings do not
+    # drown ours. PTO_CPU_MAX_THREADS=1: every block is already a thread, no nested pools.
+    flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
+             "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
+             "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
+             "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels")]
+    # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
+    extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
+    return cxx, flags + extra, extra
+
+
+def _build(tmp):
+    """The simulator binary; the two kernels and the harness compile in parallel."""
+    cxx, flags, extra = _compile_flags(tmp)
+    jobs, objects = [], []
+    for src in (os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
+                os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
+                os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")):
+        obj = os.path.join(tmp, os.path.basename(src) + ".o")
+        jobs.append(subprocess.Popen([cxx] + flags + ["-c", src, "-o", obj]))
+        objects.append(obj)
+    for job in jobs:
+        assert job.wait() == 0, "compiling the simulator failed"
+    binary = os.path.join(tmp, "gemm_ar_sim")
+    subprocess.run([cxx] + objects + ["-o", binary, "-pthread"] + extra, check=True)
+    return binary
+
+
 @pytest.fixture(scope="module")
-def simulator():
+def sim_build_dir():
     tmp = tempfile.mkdtemp(prefix="gemm_ar_sim_")
     try:
-        cxx = os.environ.get("CXX", "g++")
-        # design.md §8 flags; pto-isa as a system include directory (patched copy first) so that its own warnings
-        # do not drown ours. PTO_CPU_MAX_THREADS=1: every block is already a thread, no nested pools.
-        flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
-                 "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
-                 "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
-                 "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels")]
-        # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
-        extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
-        flags += extra
-        sources = [os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
-                   os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
-                   os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")]
-        objects = []
-        for src in sources:
-            obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            subprocess.run([cxx] + flags + ["-c", src, "-o", obj], check=True)
-            objects.append(obj)
-        binary = os.path.join(tmp, "gemm_ar_sim")
-        subprocess.run([cxx] + objects + ["-o", binary, "-pthread"] + extra, check=True)
-        info = subprocess.run([binary, "info"], check=True, capture_output=True, text=True).stdout.split()
-        yield {"binary": binary, "bf16_native": info == ["bf16_native", "1"]}
+        yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def simulator(sim_build_dir):
+    binary = _build(sim_build_dir)
+    info = subprocess.run([binary, "info"], check=True, capture_output=True, text=True).stdout.split()
+    return {"binary": binary, "bf16_native": info == ["bf16_native", "1"]}
 
 
 def _encode(values, dtype, bf16_native):
@@ -89,7 +113,8 @@ def _unit_roundoff(dtype, bf16_native):
     return 2.0 ** -11 if (dtype == FP16 or not bf16_native) else 2.0 ** -8
 
 
-def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000):
+def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
+             process_timeout_s=900, negative_control=0):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
     clobber_after, late_rank, late_us. Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     rng = np.random.default_rng(seed)
@@ -123,18 +148,22 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
             magnitude = magnitude + np.abs(bias.astype(np.float64))
         epoch = spec.get("epoch", c + 1)
         lines.append(f"{m} {n} {k} {spec['b_layout']} {int(bias is not None)} {lda} {ldb} {ldo} {epoch} "
-                     f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', False))} "
+                     f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', 0))} "
                      f"{spec.get('late_rank', -1)} {spec.get('late_us', 0)}")
         cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
-    env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0")
-    proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=900, env=env)
+    # GEMM_AR_SIM_NEGATIVE_CONTROL: the NegativeControl of csrc/kernels/device_support.hpp this run puts back.
+    env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0", GEMM_AR_SIM_NEGATIVE_CONTROL=str(negative_control))
+    proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=process_timeout_s,
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     results = {}
     for line in proc.stdout.splitlines():
         fields = line.split()
+        if fields and fields[0] == "lost_store_lines":
+            results["lost_store_lines"] = int(fields[1])
         if fields and fields[0] == "result":
             call, rank, code, peer, item, block = map(int, fields[1:])
             results[(call, rank)] = dict(code=code, peer=peer, item=item, block=block)
@@ -147,6 +176,8 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
 
 
 def _check_call(sim, dtype, world, case, results, call):
+    # A scalar store no dcci ever covered: a flag or record the other cores could never see.
+    assert results["lost_store_lines"] == 0, f"{results['lost_store_lines']} cache lines of stores never written back"
     for r in range(world):
         assert results[(call, r)]["code"] == 0, f"call {call} rank {r} failed: {results[(call, r)]}"
     m, n = case["m"], case["n"]
@@ -171,7 +202,7 @@ def test_world2_fp16_back_to_back_odd_shapes_and_clobbered_windows(simulator, tm
     calls = [
         dict(m=200, n=300, k=300, b_layout=B_TRANSPOSED, bias=True, lda_pad=5, epoch=0xFFFFFFFE),
         dict(m=130, n=260, k=70, b_layout=B_ROW_MAJOR, bias=False, ldb_pad=3, ldo_pad=7, epoch=0xFFFFFFFF,
-             clobber_after=True),
+             clobber_after=CLOBBER_RANDOM),
         dict(m=64, n=40, k=520, b_layout=B_TRANSPOSED, bias=True, ldo_pad=2, epoch=0),
         dict(m=257, n=513, k=33, b_layout=B_ROW_MAJOR, bias=True, epoch=1),
     ]
@@ -199,7 +230,8 @@ def test_world4_fp16_fewer_tiles_than_ranks_and_shared_queues(simulator, tmp_pat
     # Call 0 has one tile (ranks 1..3 own nothing); P=5 queues over Q=2 comm blocks.
     calls = [
         dict(m=100, n=200, k=130, b_layout=B_TRANSPOSED, bias=True, epoch=1000),
-        dict(m=260, n=270, k=80, b_layout=B_ROW_MAJOR, bias=True, ldb_pad=2, epoch=1001, clobber_after=True),
+        dict(m=260, n=270, k=80, b_layout=B_ROW_MAJOR, bias=True, ldb_pad=2, epoch=1001,
+             clobber_after=CLOBBER_RANDOM),
         dict(m=129, n=257, k=300, b_layout=B_TRANSPOSED, bias=False, lda_pad=3, epoch=1002),
     ]
     cases, results = _run_job(simulator, tmp_path, world=4, dtype=FP16, compute_blocks=5, comm_blocks=2,
@@ -237,7 +269,7 @@ def test_stress_many_back_to_back_calls_with_random_shapes(simulator, tmp_path):
     first_epoch = int(rng.integers(0, 2 ** 32))
     for c, spec in enumerate(calls):
         spec["epoch"] = (first_epoch + c) % 2 ** 32
-        spec["clobber_after"] = c % 4 == 3
+        spec["clobber_after"] = CLOBBER_RANDOM if c % 4 == 3 else 0
     cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=3, comm_blocks=2,
                               calls=calls, seed=99)
     for c, case in enumerate(cases):
@@ -252,3 +284,81 @@ def test_world1_is_a_plain_matmul(simulator, tmp_path):
                               calls=calls, seed=5)
     for c, case in enumerate(cases):
         _check_call(simulator, FP16, 1, case, results, c)
+
+
+def test_world2_bf16_both_b_layouts_bias_and_odd_tails(simulator, tmp_path):
+    # bf16 with M, N and K all off the 128/256/64 tiles (and K past one 256 panel), bias on and off, both b layouts.
+    calls = [
+        dict(m=131, n=259, k=321, b_layout=B_ROW_MAJOR, bias=True, ldb_pad=1, epoch=70),
+        dict(m=131, n=259, k=321, b_layout=B_TRANSPOSED, bias=True, lda_pad=2, epoch=71),
+        dict(m=3, n=17, k=65, b_layout=B_TRANSPOSED, bias=False, ldo_pad=3, epoch=72),
+        dict(m=129, n=511, k=7, b_layout=B_ROW_MAJOR, bias=False, epoch=73),
+    ]
+    cases, results = _run_job(simulator, tmp_path, world=2, dtype=BF16, compute_blocks=3, comm_blocks=2,
+                              calls=calls, seed=71)
+    for c, case in enumerate(cases):
+        _check_call(simulator, BF16, 2, case, results, c)
+
+
+@pytest.mark.parametrize("world", [5, 8])
+def test_large_worlds_at_a_small_shape(simulator, tmp_path, world):
+    # Every rank owns a few subtiles at most; rank count past what the other cases use (kMaxWorld is 8).
+    calls = [dict(m=140, n=300, k=90, b_layout=B_TRANSPOSED, bias=True, epoch=200),
+             dict(m=70, n=520, k=40, b_layout=B_ROW_MAJOR, bias=False, ldo_pad=1, epoch=201)]
+    cases, results = _run_job(simulator, tmp_path, world=world, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=300 + world)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, world, case, results, c)
+
+
+# The calls the negative controls and the forged-flag case run: the windows and scratch hold the next call's tag in
+# every 32-bit word before calls 1 and 2 (data that forges a single-word flag).
+_FORGED_CALLS = [
+    dict(m=140, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=90, clobber_after=CLOBBER_FORGED_TAGS),
+    dict(m=140, n=300, k=70, b_layout=B_ROW_MAJOR, bias=False, epoch=91, clobber_after=CLOBBER_FORGED_TAGS),
+    dict(m=140, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=92),
+]
+
+
+def test_flags_are_not_forged_by_data_equal_to_the_tag(simulator, tmp_path):
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=[dict(c) for c in _FORGED_CALLS], seed=91)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 3, case, results, c)
+
+
+# NegativeControl codes of csrc/kernels/device_support.hpp (each run puts one bug back), and the error codes
+# (gemm_ar::ErrorCode) the strict simulator must then report on some rank; None: any failure (wrong data included).
+ERR_TIMEOUTS = {2, 3, 4, 5}  # kErrTimeoutCompute .. kErrTimeoutGather
+ERR_QUEUE_CORRUPT = 7
+NEGATIVE_CONTROLS = {
+    # finding 1: the tile id's line is not flushed before the slot's flag -> the consumer reads a stale id
+    "queue_flush": (1, {ERR_QUEUE_CORRUPT}),
+    # flags are stored but never written back -> every wait times out
+    "drop_flush": (2, ERR_TIMEOUTS),
+    # flags are polled from the core's stale cached copy -> waits time out
+    "drop_invalidate": (3, ERR_TIMEOUTS),
+    # finding 2: a data word equal to the tag passes as a flag -> wrong data or a corrupt queue
+    "single_word_flags": (4, None),
+}
+
+
+@pytest.mark.parametrize("control", sorted(NEGATIVE_CONTROLS))
+def test_negative_control_is_caught(simulator, tmp_path, control):
+    code, expected_errors = NEGATIVE_CONTROLS[control]
+    sim = simulator
+    # Short timeouts: the broken runs are expected to stall (bounded), report, or return wrong data.
+    cases, results = _run_job(sim, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=[dict(c) for c in _FORGED_CALLS], seed=91, timeout_us=1_500_000,
+                              process_timeout_s=300, negative_control=code)
+    failures = []
+    for c, case in enumerate(cases):
+        try:
+            _check_call(sim, FP16, 3, case, results, c)
+        except AssertionError as e:
+            failures.append(f"call {c}: {str(e).splitlines()[0]}")
+    assert failures, f"negative control {control!r} went unnoticed: the strict simulator would not catch this bug"
+    if expected_errors is not None:
+        reported = {res["code"] for key, res in results.items() if key != "lost_store_lines"}
+        assert reported & expected_errors, (f"negative control {control!r}: expected one of error codes "
+                                            f"{sorted(expected_errors)}, ranks reported {sorted(reported)}")

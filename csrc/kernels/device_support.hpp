@@ -1,8 +1,10 @@
 // Small device-side services both kernels need: reading KernelArgs from device memory, a clock for bounded
 // waits, cross-core flags with the fences that make data written before them visible, and the error record.
-// Compiled by bisheng for AICore (cube and vector) and by g++ in pto-isa's CPU simulator (-D__CPU_SIM), where
-// fences are no-ops, so the flag helpers use C++ acquire/release atomics there to keep the simulated protocol
-// honest about ordering.
+// Compiled by bisheng for AICore (cube and vector) and by g++ in pto-isa's CPU simulator (-D__CPU_SIM).
+//
+// Every scalar access to GM goes through scalar_load / scalar_store / flush_line. On the device they are plain
+// volatile accesses and dcci; in the simulator they run against sim_data_cache.hpp's per-core non-coherent cache,
+// so a missing flush or invalidate shows up there as a timeout, a corrupt queue or a lost store (design.md §8).
 #pragma once
 #include <pto/pto-inst.hpp>
 
@@ -11,7 +13,10 @@
 
 #if defined(__CPU_SIM)
 #include <chrono>
+#include <cstdlib>
 #include <thread>
+
+#include "sim_data_cache.hpp"
 #endif
 
 namespace gemm_ar {
@@ -24,14 +29,65 @@ constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 syst
 
 static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied as 64-bit words");
 
+// Negative controls of the strict simulator test (tests/test_kernels_sim.py): each re-introduces one known bug so
+// the test can show it catches it. Simulator builds read it from the environment variable
+// GEMM_AR_SIM_NEGATIVE_CONTROL (one binary serves every control); a device build always gets kControlNone.
+enum NegativeControl : int {
+  kControlNone = 0,
+  kControlQueueFlush = 1,        // queue_publish does not flush the tile id's line (finding 1 of issue 9)
+  kControlDropFlush = 2,         // raise_flag does not write its line back
+  kControlDropInvalidate = 3,    // flag_raised reads without dropping its cached copy
+  kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (finding 2)
+};
+#if defined(__CPU_SIM)
+inline int negative_control() {
+  static const int control = [] {
+    const char* value = std::getenv("GEMM_AR_SIM_NEGATIVE_CONTROL");
+    return value != nullptr ? std::atoi(value) : static_cast<int>(kControlNone);
+  }();
+  return control;
+}
+#else
+AICORE constexpr inline int negative_control() { return kControlNone; }
+#endif
+
+// dcci(p, SINGLE_CACHE_LINE): writes back and drops p's cache line from p up to the next 64-byte boundary only
+// (AscendC's documented behaviour for an unaligned address), so callers pass the lowest address they need covered.
+AICORE inline void flush_line(const volatile __gm__ void* p) {
+#if defined(__CPU_SIM)
+  sim_cache::dcci_from(p);
+#else
+  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
+#endif
+}
+
+// One scalar word of GM through this core's data cache (memory order: none by itself; see raise_flag).
+template <typename T>
+AICORE inline T scalar_load(const volatile __gm__ T* p) {
+#if defined(__CPU_SIM)
+  return sim_cache::load<T>(p);
+#else
+  return *p;
+#endif
+}
+
+template <typename T>
+AICORE inline void scalar_store(volatile __gm__ T* p, T value) {
+#if defined(__CPU_SIM)
+  sim_cache::store<T>(p, value);
+#else
+  *p = value;
+#endif
+}
+
 // AICore keeps a data cache in front of GM for scalar accesses; drop the lines of [p, p + bytes) so the next
 // scalar reads see what DMA or other cores wrote.
-AICORE inline void invalidate_lines(const __gm__ void* p, int64_t bytes) {
+AICORE inline void invalidate_lines(const volatile __gm__ void* p, int64_t bytes) {
   const uint64_t line = static_cast<uint64_t>(kCacheLine);
   const uint64_t first = reinterpret_cast<uint64_t>(p) / line * line;
   const uint64_t end = reinterpret_cast<uint64_t>(p) + static_cast<uint64_t>(bytes);
   for (uint64_t at = first; at < end; at += line) {
-    dcci((__gm__ void*)at, cache_line_t::SINGLE_CACHE_LINE);
+    flush_line(reinterpret_cast<const volatile __gm__ void*>(at));
   }
 }
 
@@ -41,7 +97,7 @@ AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   const __gm__ uint64_t* from = reinterpret_cast<const __gm__ uint64_t*>(src);
   uint64_t* to = reinterpret_cast<uint64_t*>(dst);
   for (uint64_t i = 0; i < sizeof(KernelArgs) / sizeof(uint64_t); ++i) {
-    to[i] = from[i];
+    to[i] = scalar_load(from + i);
   }
 }
 
@@ -86,28 +142,30 @@ AICORE inline void acquire_fence() {
   dsb(DSB_DDR);
 }
 
-// One 32-bit flag (local or in a peer's window). The line is invalidated first so a stale cached copy can never
-// be written back over it, and flushed after so the value leaves this core now.
-AICORE inline void store_flag(__gm__ uint32_t* flag, uint32_t value) {
-#if defined(__CPU_SIM)
-  __atomic_store_n(flag, value, __ATOMIC_RELEASE);
-#else
-  volatile __gm__ uint32_t* p = flag;
-  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
-  *p = value;
-  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
+// A flag is four 32-bit words at the start of its own cache line: the call's 64-bit tag (signal_tag,
+// signal_tag_high) and its complement. Data (ours from another call, or what HCCL's collectives leave in the window)
+// would have to hold exactly that 128-bit pattern to pass for a flag; a word equal to the tag no longer does
+// (issue 9, finding 2). Callers pass signal_tag(epoch); the other words follow from it.
+// Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
+// so a stale cached copy can never be written back over it, and written back after so the flag leaves this core.
+AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
+  flush_line(flag);
+  scalar_store<uint32_t>(flag, tag);
+  scalar_store<uint32_t>(flag + 1, tag_high);
+  scalar_store<uint32_t>(flag + 2, ~tag);
+  scalar_store<uint32_t>(flag + 3, ~tag_high);
+  if (negative_control() != kControlDropFlush) flush_line(flag);
   dsb(DSB_DDR);
-#endif
 }
 
-AICORE inline uint32_t load_flag(__gm__ uint32_t* flag) {
-#if defined(__CPU_SIM)
-  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
-#else
-  volatile __gm__ uint32_t* p = flag;
-  dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
-  return *p;
-#endif
+// Acquire side: the line is dropped first so the words come from GM, not from this core's stale copy; the caller
+// issues acquire_fence() before reading the payload the flag guards.
+AICORE inline bool flag_raised(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
+  if (negative_control() != kControlDropInvalidate) flush_line(flag);
+  if (scalar_load<uint32_t>(flag) != tag) return false;
+  if (negative_control() == kControlSingleWordFlags) return true;
+  return scalar_load<uint32_t>(flag + 1) == tag_high && scalar_load<uint32_t>(flag + 2) == ~tag &&
+         scalar_load<uint32_t>(flag + 3) == ~tag_high;
 }
 
 template <typename T>
@@ -154,23 +212,25 @@ AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t pe
   if (args.error == 0) return;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
   const uint32_t tag = signal_tag(args.epoch);
-  invalidate_lines(&rec->tag, kCacheLine);
-  rec->code = code;
-  rec->rank = args.rank;
-  rec->peer = peer;
-  rec->item = item;
-  rec->block = block;
-  rec->stage = stage;
-  invalidate_lines(&rec->tag, kCacheLine);  // write the line back before the tag that validates it
+  flush_line(&rec->tag);  // rec->tag starts the record's second line: this covers every field below
+  scalar_store<int32_t>(&rec->code, code);
+  scalar_store<int32_t>(&rec->rank, args.rank);
+  scalar_store<int32_t>(&rec->peer, peer);
+  scalar_store<int64_t>(&rec->item, item);
+  scalar_store<int32_t>(&rec->block, block);
+  scalar_store<int32_t>(&rec->stage, stage);
+  flush_line(&rec->tag);  // the fields reach GM before the tag that validates them
   dsb(DSB_DDR);
-  store_flag(&rec->tag, tag);
-  store_flag(&rec->abort_tag, tag);
+  scalar_store<uint32_t>(&rec->tag, tag);
+  flush_line(&rec->tag);
+  dsb(DSB_DDR);
+  raise_flag(&rec->abort_tag, tag, signal_tag_high(args.epoch));  // abort_tag and pad0[0..2]: one line
 }
 
 AICORE inline bool aborted(const KernelArgs& args) {
   if (args.error == 0) return false;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
-  return load_flag(&rec->abort_tag) == signal_tag(args.epoch);
+  return flag_raised(&rec->abort_tag, signal_tag(args.epoch), signal_tag_high(args.epoch));
 }
 
 // What both kernels check before touching memory. Identical on every rank for the same call, so either all ranks

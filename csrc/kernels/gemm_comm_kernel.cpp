@@ -18,8 +18,8 @@
 //     write of this call is still on its way into this rank's window when the next call (maybe another layout)
 //     starts; every other flag addressed to this rank is waited for anyway.
 // Every wait is bounded: no progress for wait_timeout_us, or another block's failure, ends the kernel with the
-// reason in the ErrorRecord. Flags are exact-tag, per (subtile, source) / per (owner, block) / per subtile, so
-// nothing is reset between calls and shapes may vary (see kernel_args.hpp).
+// reason in the ErrorRecord. Flags are exact-tag (64-bit tag and its complement), per (subtile, source) / per
+// (owner, block) / per subtile, so nothing is reset between calls and shapes may vary (see kernel_args.hpp).
 #include <pto/pto-inst.hpp>
 
 #include "device_support.hpp"
@@ -80,6 +80,7 @@ class CommBlock {
     me_ = args_.rank;
     world_ = args_.world;
     tag_ = signal_tag(args_.epoch);
+    tag_high_ = signal_tag_high(args_.epoch);
     queues_.init(args_, c_);
     const TilePlan& p = args_.plan;
     int64_t most = 0;
@@ -114,7 +115,8 @@ class CommBlock {
     release_fence();
     for (int32_t i = 0; i < world_; ++i) {
       const int32_t peer = (me_ + 1 + i) % world_;
-      store_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_);
+      raise_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_,
+                 tag_high_);
     }
   }
 
@@ -126,7 +128,7 @@ class CommBlock {
     while (!rs_done || list_base_ < list_len_ || announced < world_) {
       bool progress = false;
       if (!rs_done) {
-        const int64_t t = queues_.poll(args_, tag_);
+        const int64_t t = queues_.poll(args_, tag_, tag_high_);
         if (t == -2) {
           report_error(args_, kErrQueueCorrupt, -1, queues_.corrupt_item(), static_cast<int32_t>(c_), 1);
           return;
@@ -141,7 +143,7 @@ class CommBlock {
       // Before leaving the call, see every owner's "prepared" flag of my column, even those I never needed: then no
       // write of this call into my window is still in flight when the next call - whose layout may put data where
       // these flags were - starts. Every other remote write of the call is already waited for.
-      while (announced < world_ && load_flag(prepared_flag(announced, c_)) == tag_) {
+      while (announced < world_ && flag_raised(prepared_flag(announced, c_), tag_, tag_high_)) {
         ++announced;
         progress = true;
       }
@@ -188,7 +190,7 @@ class CommBlock {
     __gm__ uint32_t* flag = prepared_flag(owner, block);
     const uint64_t start = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    while (load_flag(flag) != tag_) {
+    while (!flag_raised(flag, tag_, tag_high_)) {
       if (aborted(args_)) return false;
       if (now_us() - start > timeout) {
         report_error(args_, kErrTimeoutPrepare, owner, block, static_cast<int32_t>(c_), 1);
@@ -221,7 +223,7 @@ class CommBlock {
       set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       release_fence();
-      store_flag(contrib_flag(owner, l, me_), tag_);
+      raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
     }
     return true;
   }
@@ -240,12 +242,12 @@ class CommBlock {
     if (owner == me_) {
       // Flags never go back within a call: resume where the last pass stopped, so each is read once when set.
       int32_t& seen = sources_seen_[i % kListWindow];
-      while (seen < world_ && load_flag(contrib_flag(me_, l, seen)) == tag_) ++seen;
+      while (seen < world_ && flag_raised(contrib_flag(me_, l, seen), tag_, tag_high_)) ++seen;
       if (seen < world_) return false;
       acquire_fence();
       gather(l, s);
     } else {
-      if (load_flag(arrival_flag(me_, s)) != tag_) return false;
+      if (!flag_raised(arrival_flag(me_, s), tag_, tag_high_)) return false;
       acquire_fence();
       copy_out(s);
     }
@@ -294,7 +296,7 @@ class CommBlock {
     release_fence();
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
-      store_flag(arrival_flag(peer, s), tag_);
+      raise_flag(arrival_flag(peer, s), tag_, tag_high_);
     }
   }
 
@@ -319,7 +321,7 @@ class CommBlock {
     const int32_t block = static_cast<int32_t>(c_);
     for (int32_t o = 0; o < world_; ++o) {
       for (int64_t cb = 0; cb < args_.comm_blocks; ++cb) {
-        if (load_flag(prepared_flag(o, cb)) != tag_) {
+        if (!flag_raised(prepared_flag(o, cb), tag_, tag_high_)) {
           report_error(args_, kErrTimeoutPrepare, o, cb, block, 1);
           return;
         }
@@ -338,7 +340,7 @@ class CommBlock {
       const SubtileSpan s = span_of(l, owner);
       if (owner == me_) {
         for (int32_t src = 0; src < world_; ++src) {
-          if (load_flag(contrib_flag(me_, l, src)) != tag_) {
+          if (!flag_raised(contrib_flag(me_, l, src), tag_, tag_high_)) {
             report_error(args_, kErrTimeoutReduce, src, l, block, 1);
             return;
           }
@@ -358,6 +360,7 @@ class CommBlock {
   int32_t me_ = 0;
   int32_t world_ = 1;
   uint32_t tag_ = 0;
+  uint32_t tag_high_ = 0;
   int64_t list_len_ = 0;
   int64_t list_base_ = 0;
   uint64_t list_done_ = 0;                 // bit k: item list_base_ + k is finished

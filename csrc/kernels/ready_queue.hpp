@@ -1,12 +1,13 @@
 // The single-producer single-consumer ready queue between one compute block (cube core) and the comm block that
 // drains it (vector core), in the rank's scratch memory.
 //
-// Slot j = {tile id, tag}: the producer writes the id of its j-th finished tile, then (after a release fence that
-// pushed the tile itself to GM) the call's signal tag. The tag plays the role of the count: the consumer takes slot
-// j once it carries this call's tag, so slots never need resetting - slots of an earlier call (whatever its shape)
-// or garbage in reused memory hold another value. The producer's walk (its balanced range of linear indices,
-// zig-zag ordered) is known to the consumer too, which checks the id against it: a mismatch is reported, never
-// silently reduced.
+// Slot j = {tile id, ~id, 2 spare words, flag} (32 bytes, 2 slots per cache line): the producer writes the id of
+// its j-th finished tile and flushes it, then (after a release fence that pushed the tile itself to GM) raises the
+// slot's flag with the call's signal tag. The tag plays the role of the count: the consumer takes slot j once it
+// carries this call's tag, so slots never need resetting - slots of an earlier call (whatever its shape) or garbage
+// in reused memory hold another value. The producer's walk (its balanced range of linear indices, zig-zag ordered)
+// is known to the consumer too, which checks the id against it: a mismatch is re-read a few times, then reported,
+// never silently reduced.
 #pragma once
 #include "device_support.hpp"
 
@@ -24,20 +25,34 @@ AICORE inline int64_t queue_length(const TilePlan& plan, int64_t compute_blocks,
   return range.end - range.begin;
 }
 
-// Word 0 of the slot: the tile id; word 1: the tag.
+// Words 0-1 of the slot: the tile id and its complement; words 4-7: the flag.
 AICORE inline __gm__ uint32_t* queue_slot(const KernelArgs& args, int64_t block, int64_t j) {
   return gm_at<uint32_t>(args.scratch, queue_slot_offset(args.layout, block, j));
 }
 
-// Producer side: call after the tile's TSTORE was issued. The fence waits for the FIXPIPE store and pushes it to
-// GM before the slot can be seen by the vector cores; id and tag share one cache line, id stored first.
+// Producer side: call after the tile's TSTORE was issued. The first fence waits for the FIXPIPE store and pushes it
+// to GM. The id is flushed from its own address: the flag's flush starts 16 bytes higher and, dcci covering only up to
+// the next line boundary, would leave the id in this core's cache (issue 9, finding 1). The second fence orders the
+// id's write-back before the flag.
 AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t j, int64_t tile) {
   release_fence();
   __gm__ uint32_t* slot = queue_slot(args, block, j);
-  volatile __gm__ uint32_t* id = slot;
-  *id = static_cast<uint32_t>(tile);
-  store_flag(slot + 1, signal_tag(args.epoch));
+  flush_line(slot);  // no stale copy of the line may be written back over what follows
+  scalar_store<uint32_t>(slot, static_cast<uint32_t>(tile));
+  scalar_store<uint32_t>(slot + 1, ~static_cast<uint32_t>(tile));
+  if (negative_control() != kControlQueueFlush) flush_line(slot);
+  release_fence();
+  raise_flag(slot + 4, signal_tag(args.epoch), signal_tag_high(args.epoch));
 }
+
+// The id of a slot whose flag was seen; -1 when its two words disagree (not yet written back, or garbage).
+AICORE inline int64_t queue_read_id(__gm__ uint32_t* slot) {
+  flush_line(slot);
+  const uint32_t id = scalar_load<uint32_t>(slot);
+  return scalar_load<uint32_t>(slot + 1) == ~id ? static_cast<int64_t>(id) : -1;
+}
+
+constexpr int kQueueIdRereads = 4;  // a mismatching id is read again this often before it counts as corrupt
 
 // Consumer side: every queue {c, c + Q, ...} of one comm block, each drained in order.
 class QueueCursor {
@@ -55,14 +70,20 @@ class QueueCursor {
 
   // The next published tile of any of my queues (round robin), -1 when none is ready now, or -2 when a slot
   // carried an id the producer's walk does not have there (corrupt_item() says which).
-  AICORE inline int64_t poll(const KernelArgs& args, uint32_t tag) {
+  AICORE inline int64_t poll(const KernelArgs& args, uint32_t tag, uint32_t tag_high) {
     for (int32_t i = 0; i < count_; ++i) {
       const int32_t k = (next_ + i) % count_;
       if (head_[k] >= length_[k]) continue;
       __gm__ uint32_t* slot = queue_slot(args, queue_[k], head_[k]);
-      if (load_flag(slot + 1) != tag) continue;
+      if (!flag_raised(slot + 4, tag, tag_high)) continue;
+      acquire_fence();
       const int64_t expected = queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k]);
-      if (static_cast<int64_t>(load_flag(slot)) != expected) {
+      int64_t id = queue_read_id(slot);
+      for (int attempt = 1; id != expected && attempt < kQueueIdRereads; ++attempt) {
+        idle_pause();
+        id = queue_read_id(slot);
+      }
+      if (id != expected) {
         corrupt_ = (static_cast<int64_t>(queue_[k]) << 32) | head_[k];
         return -2;
       }

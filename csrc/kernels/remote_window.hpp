@@ -16,11 +16,14 @@ class RemoteWindows {
     invalidate_lines(ctx, static_cast<int64_t>(sizeof(CommContext)));
     me_ = args.rank;
     world_ = args.world;
-    if (static_cast<int32_t>(ctx->rank_id) != me_ || static_cast<int32_t>(ctx->rank_num) != world_) return false;
-    const uint64_t win_size = ctx->win_size;
+    if (static_cast<int32_t>(scalar_load(&ctx->rank_id)) != me_ ||
+        static_cast<int32_t>(scalar_load(&ctx->rank_num)) != world_) {
+      return false;
+    }
+    const uint64_t win_size = scalar_load(&ctx->win_size);
     if (win_size != 0 && args.window_offset + args.window_bytes > win_size) return false;
     for (int32_t r = 0; r < world_; ++r) {
-      const uint64_t base = ctx->windows_in[r];
+      const uint64_t base = scalar_load(&ctx->windows_in[r]);
       if (base == 0) return false;
       base_[r] = base + args.window_offset;
     }

@@ -6,7 +6,8 @@
 //
 //   gemm_ar_sim info        prints "bf16_native 0|1" (g++ < 13 simulates bfloat16_t with a 16-bit float)
 //   gemm_ar_sim run <dir>   runs <dir>/job.txt, writes c<call>_out<rank>.bin, prints one "result" line per call
-//                           and rank: call rank code peer item block (code 0 = success)
+//                           and rank: call rank code peer item block (code 0 = success), and a
+//                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp)
 //
 // job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us".
@@ -14,6 +15,8 @@
 // c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
 // starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
 // (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them).
+// clobber_after 1 overwrites windows and scratch with random bytes after the call, 2 with the next call's tag in
+// every 32-bit word (data that forges single-word flags).
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -33,6 +36,7 @@
 
 #include "gemm_ar/kernel_args.hpp"
 #include "kernel_entry.h"
+#include "sim_data_cache.hpp"
 
 namespace {
 
@@ -68,6 +72,11 @@ struct Aligned {
 void fill_random(void* p, size_t bytes, std::mt19937_64& rng) {
   auto* b = static_cast<unsigned char*>(p);
   for (size_t i = 0; i < bytes; ++i) b[i] = static_cast<unsigned char>(rng());
+}
+
+void fill_words(void* p, size_t bytes, uint32_t word) {
+  auto* w = static_cast<uint32_t*>(p);
+  for (size_t i = 0; i < bytes / sizeof(uint32_t); ++i) w[i] = word;
 }
 
 std::vector<unsigned char> read_file(const std::string& path, size_t bytes) {
@@ -252,8 +261,15 @@ int run(const std::string& dir) {
         }
         if (s.clobber_after) {
           meet.arrive_and_wait();
-          fill_random(windows[r]->ptr, windows[r]->bytes, garbage);
-          fill_random(scratch[r]->ptr, scratch[r]->bytes, garbage);
+          if (s.clobber_after == 2 && c + 1 < calls) {
+            // Forged flags: every 32-bit word holds the next call's tag, as data that happens to equal it would.
+            const uint32_t tag = gemm_ar::signal_tag(job.calls[c + 1].epoch);
+            fill_words(windows[r]->ptr, windows[r]->bytes, tag);
+            fill_words(scratch[r]->ptr, scratch[r]->bytes, tag);
+          } else {
+            fill_random(windows[r]->ptr, windows[r]->bytes, garbage);
+            fill_random(scratch[r]->ptr, scratch[r]->bytes, garbage);
+          }
           meet.arrive_and_wait();
         }
       }
@@ -267,6 +283,9 @@ int run(const std::string& dir) {
                  out[c][r].size());
     }
   }
+  // Scalar stores that no dcci ever wrote back (strict cache model): each is a flag or record nobody could see.
+  std::printf("lost_store_lines %llu\n",
+              static_cast<unsigned long long>(gemm_ar::device::sim_cache::lost_store_lines().load()));
   // Error records are per rank and tagged with the call that wrote them; report each call's own.
   for (size_t c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {

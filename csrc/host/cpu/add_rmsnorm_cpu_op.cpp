@@ -12,12 +12,16 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
-  return run_gemm_allreduce_add_rmsnorm(a, b, residual, norm_weight,
-                                        std::string_view(group_name.data(), group_name.size()), eps, bias,
-                                        std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
-                                        [](const CallArgs& call, c10d::ProcessGroup& group, const RowEpilogue& rows) {
-                                          return FusedEngine::of(group).run(call, rows);
-                                        });
+  const std::string_view name(group_name.data(), group_name.size());
+  std::tuple<at::Tensor, at::Tensor> result;
+  with_call_engine(name, [&] {
+    result = run_gemm_allreduce_add_rmsnorm(
+        a, b, residual, norm_weight, name, eps, bias, std::string_view(algorithm.data(), algorithm.size()),
+        cpu_backend(), [](const CallArgs& call, c10d::ProcessGroup& group, const RowEpilogue& rows) {
+          return engine_of_this_call(group).run(call, rows);
+        });
+  });
+  return result;
 }
 
 }  // namespace

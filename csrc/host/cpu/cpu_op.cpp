@@ -1,4 +1,5 @@
 // The CPU kernel of pto::gemm_allreduce: the shared op flow with the CPU fused engine and the CPU `auto` policy.
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include "common/op_flow.h"
@@ -9,17 +10,27 @@
 
 namespace gemm_ar::cpu {
 
+// The engine of the call running on this thread (set by gemm_allreduce_cpu for the whole call): every hook of one
+// call uses the same engine, even if the group is destroyed by another thread meanwhile.
+thread_local FusedEngine* current_engine = nullptr;
+
+FusedEngine& engine_of_this_call(c10d::ProcessGroup& group) {
+  TORCH_CHECK(current_engine != nullptr, "gemm_allreduce: internal error: no engine for group '",
+              group.getGroupName(), "' on this thread");
+  return *current_engine;
+}
+
 const BackendHooks& cpu_backend() {
   static const BackendHooks hooks{
       c10::DeviceType::CPU,
       {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble},
-      [](const CallArgs&, c10d::ProcessGroup& group) { return FusedEngine::of(group).unavailable_reason(); },
-      [](const CallArgs& call, c10d::ProcessGroup& group) { return FusedEngine::of(group).run(call); },
+      [](const CallArgs&, c10d::ProcessGroup& group) { return engine_of_this_call(group).unavailable_reason(); },
+      [](const CallArgs& call, c10d::ProcessGroup& group) { return engine_of_this_call(group).run(call); },
       [](const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
         return choose_cpu_algorithm(call, group.getSize(), fused_available);
       },
       [](const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
-        FusedEngine& engine = FusedEngine::of(group);
+        FusedEngine& engine = engine_of_this_call(group);
         if (engine.has_windows()) {
           engine.agree(call, chosen);
         } else {
@@ -30,12 +41,35 @@ const BackendHooks& cpu_backend() {
   return hooks;
 }
 
+void with_call_engine(std::string_view name, const std::function<void()>& body) {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    group = c10d::resolve_process_group(std::string(name));
+  } catch (const std::exception&) {
+    return body();  // raises the op's own error for an unknown group
+  }
+  if (group->getSize() == 1) return body();
+  // One call at a time per group (README, "Threads"); the engine is set up (collectively) before waiting here, as
+  // every rank's first call does.
+  std::shared_ptr<FusedEngine> engine = FusedEngine::of(*group);
+  std::lock_guard<std::mutex> one_call_at_a_time(engine->call_mutex());
+  struct CurrentEngine {
+    explicit CurrentEngine(FusedEngine* e) { current_engine = e; }
+    ~CurrentEngine() { current_engine = nullptr; }
+  } current(engine.get());
+  body();
+}
+
 namespace {
 
 at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
                               const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
-  return run_gemm_allreduce(a, b, std::string_view(group_name.data(), group_name.size()), bias,
-                            std::string_view(algorithm.data(), algorithm.size()), cpu_backend());
+  const std::string_view name(group_name.data(), group_name.size());
+  at::Tensor out;
+  with_call_engine(name, [&] {
+    out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend());
+  });
+  return out;
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 #include <c10/util/Exception.h>
 #include <gemm_ar/protocol.hpp>
 
+#include <pthread.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <unistd.h>
+
 #include <map>
 
 #include "common/settings.h"
@@ -24,14 +28,110 @@ constexpr size_t kGrowthQuantum = size_t{1} << 20;
 
 }  // namespace
 
-FusedEngine& FusedEngine::of(c10d::ProcessGroup& group) {
-  static std::mutex registry_mutex;
-  // Engines are never destroyed: their comm threads and windows live until the process exits.
-  static auto* registry = new std::map<std::string, std::pair<const c10d::ProcessGroup*, FusedEngine*>>();
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto& slot = (*registry)[group.getGroupName()];
-  if (slot.second == nullptr || slot.first != &group) slot = {&group, new FusedEngine(group)};
-  return *slot.second;
+namespace {
+
+// One group's place in the registry. The registry lock covers only finding or inserting a slot; the collective
+// setup runs under the slot's own mutex, so that groups set up from different threads never wait for each other.
+struct EngineSlot {
+  explicit EngineSlot(c10d::ProcessGroup& g)
+      : group(&g), alive(c10::intrusive_ptr<c10d::ProcessGroup>::unsafe_reclaim_from_nonowning(&g)) {}
+  const c10d::ProcessGroup* group;                     // identity only: never dereferenced
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> alive;   // expires when the group is garbage-collected
+  std::mutex setup_mutex;
+  std::shared_ptr<FusedEngine> engine;                 // guarded by setup_mutex
+};
+
+struct Registry {
+  std::mutex mutex;
+  std::map<std::string, std::shared_ptr<EngineSlot>> slots;
+  // In a forked child: the groups whose engine the parent set up (their windows and threads are the parent's).
+  std::map<std::string, const c10d::ProcessGroup*> inherited;
+  pid_t parent = 0;
+};
+
+Registry* registry = nullptr;  // never destroyed: engines may be in use during static destruction
+
+// Runs in the child right after fork(), while it has a single thread. The parent's registry is left untouched
+// (its mutex may have been held by another parent thread at fork time); the child starts a fresh one that only
+// remembers which groups it must refuse. (Reading the parent's map unlocked is safe unless another parent thread
+// was inserting into it at the very moment of fork.)
+void after_fork_in_child() {
+  Registry* parent = registry;
+  auto* fresh = new Registry();
+  fresh->parent = getppid();
+  for (const auto& [name, slot] : parent->slots) fresh->inherited[name] = slot->group;
+  for (const auto& [name, group] : parent->inherited) fresh->inherited[name] = group;
+  registry = fresh;
+}
+
+Registry& the_registry() {
+  static Registry* once = [] {
+    registry = new Registry();
+    pthread_atfork(nullptr, nullptr, after_fork_in_child);
+    return registry;
+  }();
+  (void)once;
+  return *registry;
+}
+
+// A group is gone once garbage-collected, or once its name no longer resolves to it (destroy_process_group
+// unregisters it, even while Python still holds a reference).
+bool group_is_gone(const std::string& name, const EngineSlot& slot) {
+  if (slot.alive.expired()) return true;
+  try {
+    return c10d::resolve_process_group(name).get() != slot.group;
+  } catch (const std::exception&) {
+    return true;
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
+  Registry& reg = the_registry();
+  const std::string name = group.getGroupName();
+  std::shared_ptr<EngineSlot> slot;
+  std::vector<std::shared_ptr<EngineSlot>> released;  // destroyed after the registry lock is dropped
+  {
+    std::lock_guard<std::mutex> lock(reg.mutex);
+    auto inherited = reg.inherited.find(name);
+    TORCH_CHECK(inherited == reg.inherited.end() || inherited->second != &group,
+                "gemm_allreduce: process group '", name, "' was set up for the CPU fused engine by process ",
+                reg.parent, " before it forked this process (pid ", getpid(),
+                "); its shared windows and comm threads belong to the parent. Create process groups in the child "
+                "(or start workers with the 'spawn' method) to call gemm_allreduce there.");
+    for (auto it = reg.slots.begin(); it != reg.slots.end();) {
+      if (it->second->group != &group && group_is_gone(it->first, *it->second)) {
+        released.push_back(std::move(it->second));
+        it = reg.slots.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto& entry = reg.slots[name];
+    if (entry == nullptr || entry->group != &group || entry->alive.expired()) {
+      if (entry != nullptr) released.push_back(std::move(entry));  // a new group under a reused name
+      entry = std::make_shared<EngineSlot>(group);
+    }
+    slot = entry;
+  }
+  if (!released.empty()) {
+    released.clear();  // the last reference to an idle engine: joins its comm threads, unmaps its windows
+    trim_output_pool();
+  }
+  std::lock_guard<std::mutex> setup(slot->setup_mutex);
+  // A setup that failed (a peer never came) left no engine: the next call tries again.
+  if (slot->engine == nullptr) slot->engine.reset(new FusedEngine(group));
+  return slot->engine;
+}
+
+FusedEngine::~FusedEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (auto& thread : threads_) thread.join();
 }
 
 FusedEngine::FusedEngine(c10d::ProcessGroup& group)
@@ -188,7 +288,8 @@ void FusedEngine::comm_thread_main(int64_t c) {
     CallJob* job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return job_generation_ != seen; });
+      wake_.wait(lock, [&] { return job_generation_ != seen || stopping_; });
+      if (stopping_) return;  // only set once no call runs (the engine is being destroyed)
       seen = job_generation_;
       // A thread beyond this call's comm blocks must not touch the job: it may already be gone.
       if (c >= running_blocks_) continue;

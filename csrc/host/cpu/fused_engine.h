@@ -1,5 +1,6 @@
 // The CPU fused engine of one process group: its shared windows, its comm threads and its call counter.
-// Created collectively on the group's first call on CPU; lives as long as the process.
+// Created collectively on the group's first call on CPU; released (comm threads joined, windows unmapped) once the
+// group is destroyed or garbage-collected, at the next call of the op in this process.
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -22,7 +23,16 @@ class FusedEngine {
  public:
   // The engine of `group`; the first call for a group is collective (all its ranks make it, as they do for the
   // op's first call on that group).
-  static FusedEngine& of(c10d::ProcessGroup& group);
+  // Only that group's own setup waits for peers: no process-wide lock is held meanwhile. Raises in a forked child
+  // for groups whose engine its parent set up.
+  static std::shared_ptr<FusedEngine> of(c10d::ProcessGroup& group);
+  ~FusedEngine();
+  FusedEngine(const FusedEngine&) = delete;
+  FusedEngine& operator=(const FusedEngine&) = delete;
+
+  // Held by the op across a whole call on this group (agreement and run): calls on one group from several threads
+  // run one after another, each paired across ranks by order of arrival and checked by the call agreement.
+  std::mutex& call_mutex() { return call_mutex_; }
 
   // "" when the fused path can run on this group; otherwise why not (ranks on several hosts, an earlier failure).
   std::string unavailable_reason() const;
@@ -50,6 +60,7 @@ class FusedEngine {
   void ring_peers() const;
   std::string where() const;
 
+  std::mutex call_mutex_;
   std::string group_name_;
   int rank_, world_;
   std::unique_ptr<WindowSet> windows_;
@@ -69,6 +80,7 @@ class FusedEngine {
   uint64_t job_generation_ = 0;
   int64_t running_ = 0;         // comm blocks of the current call still working
   int64_t running_blocks_ = 0;  // comm blocks of the current call
+  bool stopping_ = false;       // set by the destructor: comm threads return
 };
 
 }  // namespace gemm_ar::cpu

@@ -40,6 +40,21 @@ class OutputPool final : public c10::Allocator {
     return c10::DataPtr(block->data, block, &release, c10::Device(c10::kCPU));
   }
 
+  void trim() {
+    std::unordered_map<size_t, std::vector<Block*>> free;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      free.swap(free_);
+      cached_ = 0;
+    }
+    for (auto& [bytes, blocks] : free) {
+      for (Block* block : blocks) {
+        std::free(block->data);
+        delete block;
+      }
+    }
+  }
+
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
  private:
@@ -83,5 +98,11 @@ at::Tensor pooled_empty(int64_t rows, int64_t cols, at::ScalarType dtype) {
   return at::detail::empty_generic({rows, cols}, &OutputPool::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU),
                                    dtype, std::nullopt);
 }
+
+}  // namespace gemm_ar::cpu
+
+namespace gemm_ar::cpu {
+
+void trim_output_pool() { OutputPool::instance().trim(); }
 
 }  // namespace gemm_ar::cpu

@@ -11,4 +11,7 @@ namespace gemm_ar::cpu {
 // An uninitialised [rows, cols] tensor whose memory comes from the pool.
 at::Tensor pooled_empty(int64_t rows, int64_t cols, at::ScalarType dtype);
 
+// Frees every cached buffer (tensors still in use are unaffected): called when a group's engine is released.
+void trim_output_pool();
+
 }  // namespace gemm_ar::cpu

@@ -100,25 +100,18 @@ void assemble_ring_context(const uint8_t* block, CommContext* ctx) {
     layout::RankRelationResV2 relation{};
     copy_from_device(&relation, reinterpret_cast<const void*>(remote[peer].nextDevicePtr), sizeof(relation),
                      kStageContext, "aclrtMemcpy(rank relation)");
+    // The one field that says whether this record really is the peer's: a newer HCCL that moved localRes /
+    // remoteRes in OpResParam shows up here (as a wrong rank) instead of as writes to wrong addresses.
+    if (relation.remoteUsrRankId != peer || relation.windowsIn == 0) {
+      throw SetupError(kStageMismatch,
+                       "HCCL op-resource layout not understood (another HCCL version?): remoteRes[" +
+                           std::to_string(peer) + "] describes rank " + std::to_string(relation.remoteUsrRankId) +
+                           (relation.windowsIn == 0 ? " with no window" : "") +
+                           "; refusing the RING (A3) fused path, which would write to wrong addresses");
+    }
     ctx->windows_in[peer] = relation.windowsIn;
     ctx->windows_out[peer] = relation.windowsOut;
   }
-}
-
-layout::Mc2TilingV2 batch_write_tiling(const std::string& hcom_name) {
-  layout::Mc2TilingV2 tiling;
-  std::memset(&tiling, 0, sizeof(tiling));
-  tiling.init.version = layout::kInitTilingVersion;
-  tiling.init.mc2HcommCnt = 1;
-  tiling.init.offset[0] = static_cast<uint32_t>(offsetof(layout::Mc2TilingV2, cc));
-  tiling.init.commBlockNum = layout::kTilingCommBlockNum;
-  tiling.init.devType = layout::kTilingDevType;
-  tiling.cc.version = layout::kCcTilingVersion;
-  tiling.cc.commEngine = layout::kCommEngineAiv;
-  tiling.cc.opType = layout::kOpTypeBatchWrite;
-  std::strncpy(tiling.cc.groupName, hcom_name.c_str(), sizeof(tiling.cc.groupName) - 1);
-  std::strncpy(tiling.cc.algConfig, layout::kAlgConfigFullMesh, sizeof(tiling.cc.algConfig) - 1);
-  return tiling;
 }
 
 int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
@@ -126,6 +119,23 @@ int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
   check_acl(aclrtGetDeviceInfo(static_cast<uint32_t>(device), attribute, &value), kStageCores, name);
   if (value <= 0) throw SetupError(kStageCores, std::string(name) + " reported " + std::to_string(value));
   return value;
+}
+
+// comm_block_num: the vector cores HCCL may prepare AIV resources for, the device's count (not a constant).
+layout::Mc2TilingV2 batch_write_tiling(const std::string& hcom_name, int64_t comm_block_num) {
+  layout::Mc2TilingV2 tiling;
+  std::memset(&tiling, 0, sizeof(tiling));
+  tiling.init.version = layout::kInitTilingVersion;
+  tiling.init.mc2HcommCnt = 1;
+  tiling.init.offset[0] = static_cast<uint32_t>(offsetof(layout::Mc2TilingV2, cc));
+  tiling.init.commBlockNum = static_cast<uint16_t>(std::min<int64_t>(comm_block_num, UINT16_MAX));
+  tiling.init.devType = layout::kTilingDevType;
+  tiling.cc.version = layout::kCcTilingVersion;
+  tiling.cc.commEngine = layout::kCommEngineAiv;
+  tiling.cc.opType = layout::kOpTypeBatchWrite;
+  std::strncpy(tiling.cc.groupName, hcom_name.c_str(), sizeof(tiling.cc.groupName) - 1);
+  std::strncpy(tiling.cc.algConfig, layout::kAlgConfigFullMesh, sizeof(tiling.cc.algConfig) - 1);
+  return tiling;
 }
 
 // What one rank contributes to the agreement.
@@ -162,7 +172,10 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     // HCCL may keep using the stream it was given for the resources' lifetime, so it gets its own and keeps it.
     aclrtStream resource_stream = nullptr;
     check_acl(aclrtCreateStream(&resource_stream), kStageResources, "aclrtCreateStream");
-    layout::Mc2TilingV2 tiling = batch_write_tiling(state.hcom_name);
+    const int32_t device = state.device.index();
+    const int64_t cube = device_info(device, ACL_DEV_ATTR_CUBE_CORE_NUM, "aclrtGetDeviceInfo(CUBE_CORE_NUM)");
+    const int64_t vector = device_info(device, ACL_DEV_ATTR_VECTOR_CORE_NUM, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
+    layout::Mc2TilingV2 tiling = batch_write_tiling(state.hcom_name, vector);
     void* context = nullptr;
     result = api.alloc_com_resource_by_tiling(state.comm, resource_stream, &tiling, &context);
     if (result != HCCL_SUCCESS || context == nullptr) {
@@ -197,9 +210,6 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     }
     local.window_bytes = static_cast<int64_t>(ctx.win_size);
 
-    const int32_t device = state.device.index();
-    const int64_t cube = device_info(device, ACL_DEV_ATTR_CUBE_CORE_NUM, "aclrtGetDeviceInfo(CUBE_CORE_NUM)");
-    const int64_t vector = device_info(device, ACL_DEV_ATTR_VECTOR_CORE_NUM, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
     // One compute block per cube core. Half the vector cores drive the transfers by default (the seed's 24 of 48),
     // which leaves vector cores for other streams: every comm block must be resident at once.
     const int64_t max_compute = std::min(cube, kMaxComputeBlocks);

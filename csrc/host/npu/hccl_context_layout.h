@@ -52,7 +52,6 @@ static_assert(sizeof(Mc2CcTiling) == 280, "Mc2CcTiling must be 280 bytes");
 
 // Values of the tiling this backend requests (the seed's, design.md §7).
 constexpr uint32_t kInitTilingVersion = 100;
-constexpr uint16_t kTilingCommBlockNum = 48;
 constexpr uint8_t kTilingDevType = 4;
 constexpr uint8_t kCcTilingVersion = 1;
 constexpr uint8_t kCommEngineAiv = 3;          // commEngine 3: the AI vector cores drive the transfers

@@ -13,14 +13,16 @@
 //   4. after the comm kernel: `out` holds the result; read ErrorRecord lazily (see below).
 //
 // Per-call hygiene (why there is no memset and no barrier): every flag is written with the exact value
-// signal_tag(epoch) and waited for with "== tag". `epoch` is a per-communicator call counter, identical on every
-// rank, that changes every call. A flag left over from an earlier call (whatever its shape), or bytes HCCL's own
-// collectives left in the window between our calls, do not equal the current tag, so nothing is ever reset and
-// shapes may vary freely from call to call. Counters compared with epoch * world would break in both cases (a
-// subtile not used in one call falls behind; HCCL overwrites the window), which is why flags are per
-// (subtile, source) instead of one counter per subtile. The reduced buffer does need zeros before the atomic adds:
-// each owner zeroes its own subtiles at the start of its comm kernel and then announces it per (owner, comm block)
-// with a "prepared" flag in every rank's window; a source adds into an owner's subtile only after seeing it.
+// signal_tag(epoch) (and, on the NPU, a second 32-bit tag and the complements of both: 128 bits a data word
+// equal to the tag cannot forge; device_support.hpp raise_flag / flag_raised), and waited for with "== tag".
+// `epoch` is a per-communicator call counter, identical on every rank, that changes every call. A flag left over
+// from an earlier call (whatever its shape), or bytes HCCL's own collectives left in the window between our calls,
+// do not equal the current tag, so nothing is ever reset and shapes may vary freely from call to call. Counters
+// compared with epoch * world would break in both cases (a subtile not used in one call falls behind; HCCL
+// overwrites the window), which is why flags are per (subtile, source) instead of one counter per subtile. The
+// reduced buffer does need zeros before the atomic adds: each owner zeroes its own subtiles at the start of its
+// comm kernel and then announces it per (owner, comm block) with a "prepared" flag in every rank's window; a source
+// adds into an owner's subtile only after seeing it.
 // Shapes may differ between calls, so regions move; two rules keep one call's writes out of another call's data:
 //  - "prepared" flags are the only writes a rank can receive for call e+1 while it is still in call e (everything
 //    else needs its own participation in e+1 first). They live in a region whose place does not depend on the
@@ -44,7 +46,7 @@ constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: window
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
 constexpr int64_t kFlagStride = kCacheLine;         // one flag per cache line: AICore flushes whole lines
-constexpr int64_t kQueueSlotBytes = 8;              // ready-queue slot: uint32 tile id, then uint32 tag
+constexpr int64_t kQueueSlotBytes = 32;             // ready-queue slot: tile id, ~id, 2 spare words, then a flag
 
 // NPU tile sizes (design.md §5); the kernels are compiled for exactly these.
 constexpr int64_t kNpuBaseM = 128;
@@ -166,6 +168,10 @@ GEMM_AR_FN uint32_t signal_tag(uint32_t epoch) {
   if (t == 0u || t == 0xFFFFFFFFu) t ^= 0x00010001u;
   return t;
 }
+
+// The upper half of an NPU flag's 64-bit tag: another bijection of the epoch, so the pair differs from call to call
+// in both halves.
+GEMM_AR_FN uint32_t signal_tag_high(uint32_t epoch) { return (epoch * 0x85EBCA6Bu) ^ 0xC2B2AE35u; }
 
 GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
                                            int64_t compute_blocks, int64_t comm_blocks) {

@@ -1,0 +1,340 @@
+"""The CPU fused engine as services and frameworks use collectives: several threads, groups set up at the same time,
+groups destroyed and rebuilt, fork, a rank interrupted, and a long run whose memory must stop growing."""
+import gc
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_gemm_ar
+from inputs import TOLERANCE, bias_vector, reference, shard, weight
+from test_fused_engine import SMALL_TILES, _env, shm_entries
+
+
+def check(out, shards, b, bias=None):
+    dtype = shards[0].dtype
+    k, world = shards[0].shape[-1], len(shards)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), reference(shards, b, bias), rtol=tol, atol=tol * ((k * world) ** 0.5 + 1))
+
+
+def fused_checked(rank, world, seed, group=None, m=37, k=19, n=53, dtype=torch.float32, bias=False, algorithm="fused"):
+    shards = [shard(seed, r, m, k, dtype) for r in range(world)]
+    b = weight(seed, k, n, dtype, transposed=seed % 2 == 0)
+    bias_t = bias_vector(seed, n, dtype) if bias else None
+    out = torch_gemm_ar.gemm_allreduce(shards[rank], b, group, bias=bias_t, algorithm=algorithm)
+    check(out, shards, b, bias_t)
+
+
+def run_threads(targets, timeout_s):
+    """Runs each callable on its own thread; returns their exceptions (None for success). Bounded."""
+    errors = [None] * len(targets)
+
+    def wrap(i):
+        try:
+            targets[i]()
+        except BaseException as e:  # noqa: BLE001  (reported to the caller)
+            errors[i] = e
+
+    threads = [threading.Thread(target=wrap, args=(i,), daemon=True) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+        assert not t.is_alive(), f"a caller thread did not finish within {timeout_s}s"
+    return errors
+
+
+def shm_mappings():
+    """This process's mappings of engine windows (their names are unlinked once mapped: '(deleted)')."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/tgar-" in line for line in f)
+
+
+def thread_count():
+    return len(os.listdir("/proc/self/task"))
+
+
+# --- problem 1: two groups set up at the same time from two threads ------------------------------------------------
+
+
+def two_groups_first_calls_together(rank, world, seed, rounds):
+    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+        return _two_groups_first_calls_together(rank, world, seed, rounds)
+
+
+def _two_groups_first_calls_together(rank, world, seed, rounds):
+    ranks_list = list(range(world))
+    for r in range(rounds):
+        groups = [dist.group.WORLD if r == 0 else dist.new_group(ranks_list), dist.new_group(ranks_list)]
+        start = threading.Barrier(2)
+
+        def caller(i):
+            def body():
+                start.wait(10)
+                for step in range(3):  # the first call sets the group up; the later ones grow its windows
+                    fused_checked(rank, world, seed + 100 * r + 10 * i + step, groups[i], m=20 + 40 * step, n=31 + 7 * i)
+
+            return body
+
+        errors = run_threads([caller(0), caller(1)], timeout_s=60)
+        assert errors == [None, None], errors
+        for g in groups[1:] if r == 0 else groups:
+            dist.destroy_process_group(g)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_two_groups_set_up_concurrently_from_two_threads(ranks, world):
+    # Before the fix about one round in three deadlocked in setup: one process-wide lock held while waiting for peers.
+    result = ranks(world).run(two_groups_first_calls_together, random.randrange(1 << 20), 12, timeout_s=300)
+    assert result == [True] * world
+
+
+# --- problem 2: two threads, one group -----------------------------------------------------------------------------
+
+
+def two_threads_one_group(rank, world, seed, calls):
+    group = dist.new_group(list(range(world)))
+    outcomes = [[0, 0], [0, 0]]  # per thread: [correct results, disagreement errors]
+
+    def caller(i):
+        def body():
+            for step in range(calls):
+                # Each thread has its own N: a call paired with the other thread's call on a peer disagrees.
+                try:
+                    fused_checked(rank, world, seed + 1000 * i + step, group, m=5 + step % 40, n=40 + i)
+                    outcomes[i][0] += 1
+                except ValueError as e:
+                    assert "disagree" in str(e), e
+                    outcomes[i][1] += 1
+
+        return body
+
+    errors = run_threads([caller(0), caller(1)], timeout_s=240)
+    assert errors == [None, None], errors
+    fused_checked(rank, world, seed, group)  # still usable
+    dist.destroy_process_group(group)
+    return outcomes
+
+
+def test_two_threads_calling_one_group_never_crash(ranks):
+    outcomes = ranks(2).run(two_threads_one_group, random.randrange(1 << 20), 150, timeout_s=300)
+    for rank_outcomes in outcomes:
+        assert sum(sum(t) for t in rank_outcomes) == 2 * 150, outcomes
+
+
+def same_call_from_two_threads(rank, world, seed, calls):
+    """Every call is the same (same shape and inputs), so any pairing across ranks gives the right sum: every call
+    must succeed."""
+    group = dist.new_group(list(range(world)))
+    errors = run_threads([lambda: [fused_checked(rank, world, seed, group) for _ in range(calls)]] * 2, 240)
+    dist.destroy_process_group(group)
+    assert errors == [None, None], errors
+
+
+def test_two_threads_same_calls_one_group_all_succeed(ranks):
+    ranks(2).run(same_call_from_two_threads, random.randrange(1 << 20), 100, timeout_s=300)
+
+
+def fused_against_sequential_from_threads(rank, world):
+    groups = [dist.new_group(list(range(world))), dist.new_group(list(range(world)))]
+    messages = [None, None]
+
+    def caller(i):
+        def body():
+            algorithm = "fused" if (rank + i) % 2 == 0 else "sequential"
+            with pytest.raises(ValueError) as info:
+                fused_checked(rank, world, 5, groups[i], algorithm=algorithm)
+            messages[i] = str(info.value)
+            fused_checked(rank, world, 6, groups[i])  # the group stays usable
+
+        return body
+
+    errors = run_threads([caller(0), caller(1)], timeout_s=60)
+    assert errors == [None, None], errors
+    for g in groups:
+        dist.destroy_process_group(g)
+    return messages
+
+
+def test_fused_against_sequential_from_threads_disagree(ranks):
+    for messages in ranks(2).run(fused_against_sequential_from_threads, timeout_s=120):
+        for message in messages:
+            assert "disagree" in message and "algorithm" in message, message
+
+
+# --- problem 3: destroyed groups release their windows and threads -------------------------------------------------
+
+
+def groups_come_and_go(rank, world, seed, rounds):
+    fused_checked(rank, world, seed)  # the world group's engine exists throughout
+    counts = []
+    with _env(TORCH_GEMM_AR_COMM_THREADS="2"):
+        for r in range(rounds):
+            group = dist.new_group(list(range(world)))
+            fused_checked(rank, world, seed + r, group, m=64, n=200)
+            counts.append((shm_mappings(), thread_count()))
+            dist.destroy_process_group(group)  # unregistered: released even while `group` is still referenced
+            if r % 2 == 1:  # (torch keeps an undestroyed group alive itself: destroying comes first)
+                del group
+                gc.collect()
+        fused_checked(rank, world, seed)  # releases the last one
+        after = (shm_mappings(), thread_count())
+        group = dist.new_group(list(range(world)))  # same ranks again: a fresh engine
+        fused_checked(rank, world, seed + 999, group, m=70, n=90, bias=True)
+        dist.destroy_process_group(group)
+    return counts, after
+
+
+def test_destroyed_groups_release_windows_and_threads(ranks):
+    world, rounds = 2, 30
+    results = ranks(world).run(groups_come_and_go, random.randrange(1 << 20), rounds, timeout_s=300)
+    for counts, after in results:
+        maps = [c[0] for c in counts]
+        threads = [c[1] for c in counts]
+        # world group + the current group + at most one not yet released; never growing with the round count
+        assert max(maps) <= 3 * world, maps
+        assert maps[-1] <= maps[1], maps
+        assert max(threads) <= threads[1] + 2, threads
+        assert after[0] <= world, after  # only the world group's windows remain
+
+
+def default_group_destroyed_and_rebuilt(rank, world, path):
+    fused_checked(rank, world, 1)
+    before = shm_mappings()
+    assert before >= world
+    dist.destroy_process_group()
+    gc.collect()
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    fused_checked(rank, world, 2, m=90, n=33)
+    return before, shm_mappings()
+
+
+def test_default_group_destroyed_and_rebuilt(tmp_path):
+    from rank_pool import RankPool
+
+    pool = RankPool(2)
+    try:
+        results = pool.run(default_group_destroyed_and_rebuilt, str(tmp_path / "rendezvous"), timeout_s=120)
+    finally:
+        pool.close(force=True)
+    for before, after in results:
+        assert after <= before, (before, after)  # the old default group's windows were released
+
+
+# --- fork, interrupt -----------------------------------------------------------------------------------------------
+
+
+def fork_after_setup(rank, world):
+    fused_checked(rank, world, 3)
+    pid = os.fork()
+    if pid == 0:  # the child: must get a clear error, never touch the parent's windows
+        code = 3
+        try:
+            fused_checked(rank, world, 4)
+            code = 1
+        except RuntimeError as e:
+            code = 0 if "fork" in str(e) and "spawn" in str(e) else 2
+        except BaseException:  # noqa: BLE001
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    for seed in range(5, 10):  # the parent keeps working
+        fused_checked(rank, world, seed)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_fork_after_setup(ranks):
+    assert ranks(2).run(fork_after_setup, timeout_s=120) == [0, 0]
+
+
+def interrupted_then_exit(rank, world, victim, timeout_s):
+    fused_checked(rank, world, 1, m=300, n=200)
+    if rank == victim:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between calls
+            time.sleep(5)
+        except KeyboardInterrupt:
+            os._exit(130)  # the rank exits (as an uncaught KeyboardInterrupt would end it)
+        return "not interrupted"
+    start = time.monotonic()
+    with _env(TORCH_GEMM_AR_TIMEOUT_S=str(timeout_s)):
+        try:
+            for seed in range(2, 50):
+                fused_checked(rank, world, seed, m=300, n=200)
+        except (RuntimeError, ValueError) as e:  # ValueError: a peer gave up first ("rank 1 abandoned call ...")
+            return str(e), time.monotonic() - start
+    return None
+
+
+def test_keyboard_interrupt_then_exit(tmp_path):
+    from rank_pool import RankPool
+
+    pool = RankPool(3)
+    try:
+        pids = [p.pid for p in pool.procs]
+        results = pool.run(interrupted_then_exit, 2, 20.0, timeout_s=120, tolerate_deaths=True)
+    finally:
+        pool.close(force=True)
+    assert results[2] is None, results[2]
+    for rank in (0, 1):
+        assert results[rank] is not None, f"rank {rank} never noticed that rank 2 left"
+        message, elapsed = results[rank]
+        assert "rank 2" in message or "abandoned" in message, message
+        assert elapsed < 20.0 + 5.0, f"rank {rank} took {elapsed:.1f}s (timeout 20s)"
+    # The survivor that noticed first names the rank that left; the other may only name that survivor's abandon.
+    assert any("rank 2" in results[r][0] and "died" in results[r][0] for r in (0, 1)), results
+    assert shm_entries(pids) == [], "shared-memory names left behind"
+
+
+# --- long run ------------------------------------------------------------------------------------------------------
+
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def long_run(rank, world, seed, calls):
+    rng = random.Random(seed)
+    rss = []
+    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+        for step in range(calls):
+            m, k, n = rng.randint(1, 120), rng.randint(1, 48), rng.randint(1, 130)
+            dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+            algorithm = rng.choice(["fused", "fused", "auto", "sequential", "chunked"])
+            fused_checked(rank, world, seed + step, m=m, k=k, n=n, dtype=dtype, bias=rng.random() < 0.5,
+                          algorithm=algorithm)
+            if step % 500 == 499:
+                rss.append(rss_mib())
+    return rss
+
+
+@pytest.mark.slow
+def test_long_run_stays_correct_and_memory_stops_growing():
+    # Scaled from the issue's 40,000 calls to 12,000 (about two minutes here); RSS levels off after ~5,000 calls
+    # (measured: +900 MiB over the first 5,000, flat after), so the last 4,000 are checked. The output cache is capped at 16 MB
+    # in these ranks (own pool, the cap is read once per process): with the default 512 MB cap, the cache of
+    # exact-size buffers for ever new random shapes fills for longer than this run before it levels off.
+    from rank_pool import RankPool
+
+    calls = 12000
+    with _env(TORCH_GEMM_AR_OUTPUT_CACHE_MB="16"):
+        pool = RankPool(2)
+    try:
+        results = pool.run(long_run, random.randrange(1 << 20), calls, timeout_s=900)
+    finally:
+        pool.close()
+    for rss in results:
+        last = rss[-(4000 // 500) - 1:]
+        assert max(last) - last[0] < 8.0, f"RSS kept growing after warm-up (MiB every 500 calls): {rss}"
