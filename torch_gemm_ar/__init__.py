@@ -16,11 +16,14 @@ if hasattr(torch, "npu"):  # torch_npu is loaded: register the Ascend kernel too
         import warnings
 
         warnings.warn(f"torch-gemm-ar: the Ascend NPU backend is not built ({_error}); see docs/ascend.md")
-from ._ops import ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_reduce_scatter, group_name_of
+from ._ops import (
+    ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_reduce_scatter, group_name_of,
+)
 from .engine_mode import fused_engine_mode
 from . import nn
 
 __all__ = [
-    "ALGORITHMS", "allgather_gemm", "fused_engine_mode", "gemm_allreduce", "gemm_reduce_scatter", "group_name_of", "nn"
+    "ALGORITHMS", "allgather_gemm", "fused_engine_mode", "gemm_allreduce", "gemm_allreduce_add_rmsnorm",
+    "gemm_reduce_scatter", "group_name_of", "nn",
 ]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 """The Python entry point of the op: group resolution, then torch.ops.pto.gemm_allreduce."""
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -82,3 +82,25 @@ def allgather_gemm(
         algorithm=algorithm,
     )
     return (out, gathered) if return_gathered else out
+
+
+def gemm_allreduce_add_rmsnorm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    eps: float = 1e-6,
+    bias: Optional[torch.Tensor] = None,
+    algorithm: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """gemm_allreduce followed by the residual add and the next RMSNorm of a transformer block: returns
+    `(out, normed)` with `out = all_reduce_sum(a @ b) + bias + residual` (the new residual stream) and
+    `normed = out * rsqrt(mean(out**2, -1) + eps) * norm_weight` (the next block's input), both the same on every
+    rank. residual: a.shape[:-1] + [N]; norm_weight: [N]; both of a's dtype and device. The norm's statistics are
+    computed in fp32 (fp64 for float64). Backward needs no communication, as for gemm_allreduce.
+    """
+    return torch.ops.pto.gemm_allreduce_add_rmsnorm(
+        a, b, residual, norm_weight, group_name_of(group), eps=eps, bias=bias, algorithm=algorithm
+    )

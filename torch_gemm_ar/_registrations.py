@@ -53,3 +53,27 @@ def _allgather_gemm_fake(a, b, group_name, *, gather_dim=0, bias=None, return_ga
     gathered_shape[dim] *= world
     out = a.new_empty((*gathered_shape[:-1], b.shape[1]))
     return out, (a.new_empty(gathered_shape) if return_gathered else None)
+
+
+@torch.library.register_fake("pto::gemm_allreduce_add_rmsnorm")
+def _gemm_allreduce_add_rmsnorm_fake(a, b, residual, norm_weight, group_name, *, eps=1e-6, bias=None,
+                                     algorithm="auto"):
+    out = _gemm_allreduce_fake(a, b, group_name, bias=bias, algorithm=algorithm)
+    torch._check(
+        tuple(residual.shape) == tuple(out.shape),
+        lambda: f"gemm_allreduce_add_rmsnorm: residual must have shape {tuple(out.shape)}; got {tuple(residual.shape)}",
+    )
+    torch._check(
+        norm_weight.dim() == 1 and norm_weight.shape[0] == b.shape[1],
+        lambda: f"gemm_allreduce_add_rmsnorm: norm_weight must be 1-D [{b.shape[1]}]; got {tuple(norm_weight.shape)}",
+    )
+    torch._check(
+        residual.device == a.device and norm_weight.device == a.device,
+        lambda: f"gemm_allreduce_add_rmsnorm: residual and norm_weight must be on the device of a ({a.device}); "
+        f"got residual on {residual.device}, norm_weight on {norm_weight.device}",
+    )
+    torch._check(
+        residual.dtype == a.dtype and norm_weight.dtype == a.dtype,
+        lambda: "gemm_allreduce_add_rmsnorm: residual and norm_weight must have the dtype of a",
+    )
+    return out, out.new_empty(out.shape)

@@ -43,6 +43,8 @@ const char* error_code_summary(int64_t code) {
     case kBadShardDimError: return "invalid scatter_dim/gather_dim";
     case kNotDivisibleError: return "size along scatter_dim not divisible by the world size";
     case kAlgorithmUnavailableError: return "algorithm not implemented for this op";
+    case kBadResidualError: return "invalid `residual` (must have shape a.shape[:-1] + [N], a's dtype and device)";
+    case kBadNormWeightError: return "invalid `norm_weight` (must be 1-D [N], a's dtype and device)";
     default: return "invalid arguments";
   }
 }

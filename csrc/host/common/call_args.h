@@ -28,7 +28,12 @@ struct CallArgs {
 };
 
 // The ops sharing this flow (signature field `op`).
-enum OpKind : int64_t { kOpGemmAllreduce = 0, kOpGemmReduceScatter = 1, kOpAllgatherGemm = 2 };
+enum OpKind : int64_t {
+  kOpGemmAllreduce = 0,
+  kOpGemmReduceScatter = 1,
+  kOpAllgatherGemm = 2,
+  kOpGemmAllreduceAddRmsnorm = 3,
+};
 
 // Validates and normalises; never throws for bad user input (the message is carried in `error` so that every
 // rank can raise together after the agreement exchange).
@@ -43,6 +48,9 @@ constexpr int64_t kFusedUnavailableError = 8;
 constexpr int64_t kBadShardDimError = 9;
 constexpr int64_t kNotDivisibleError = 10;
 constexpr int64_t kAlgorithmUnavailableError = 11;  // an algorithm this op does not implement yet
+// Error codes of the add+RMSNorm epilogue's extra arguments (common/add_rmsnorm.cpp).
+constexpr int64_t kBadResidualError = 12;
+constexpr int64_t kBadNormWeightError = 13;
 
 // Short description of an error code, used when another rank reports it.
 const char* error_code_summary(int64_t code);

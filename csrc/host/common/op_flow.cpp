@@ -27,7 +27,7 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
       call.error_code = kFusedUnavailableError;
       call.error = call.op_name + ": algorithm='fused' is not available for this call: " + fused_reason +
-                   (call.op == kOpGemmAllreduce ? " (use algorithm='auto', 'chunked' or 'sequential')"
+                   (call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm ? " (use algorithm='auto', 'chunked' or 'sequential')"
                                                 : " (use algorithm='auto' or 'sequential')");
     }
   } else if (call.error.empty() && chosen == Algorithm::Auto) {
@@ -43,9 +43,11 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend) {
+                              const BackendHooks& backend,
+                              const std::function<void(CallArgs&)>& extra_checks) {
   auto group = resolve_group(group_name);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
+  if (extra_checks && call.error.empty()) extra_checks(call);
   if (group->getSize() == 1) {
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);

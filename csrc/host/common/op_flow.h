@@ -31,8 +31,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
                            const at::Device& device);
 
+// `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
+// are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend);
+                              const BackendHooks& backend,
+                              const std::function<void(CallArgs&)>& extra_checks = {});
 
 }  // namespace gemm_ar

@@ -20,6 +20,7 @@ const char* op_kind_name(int64_t op) {
     case kOpGemmAllreduce: return "gemm_allreduce";
     case kOpGemmReduceScatter: return "gemm_reduce_scatter";
     case kOpAllgatherGemm: return "allgather_gemm";
+    case kOpGemmAllreduceAddRmsnorm: return "gemm_allreduce_add_rmsnorm";
   }
   return "?";
 }

@@ -5,10 +5,10 @@
 #include "common/op_flow.h"
 #include "common/rank_agreement.h"
 #include "cpu/auto_policy.h"
+#include "cpu/cpu_backend.h"
 #include "cpu/fused_engine.h"
 
 namespace gemm_ar::cpu {
-namespace {
 
 // The engine of the call running on this thread (set by gemm_allreduce_cpu for the whole call): every hook of one
 // call uses the same engine, even if the group is destroyed by another thread meanwhile.
@@ -41,19 +41,14 @@ const BackendHooks& cpu_backend() {
   return hooks;
 }
 
-at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
-                              const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
-  const std::string_view name(group_name.data(), group_name.size());
-  auto run = [&] {
-    return run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend());
-  };
+void with_call_engine(std::string_view name, const std::function<void()>& body) {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   try {
     group = c10d::resolve_process_group(std::string(name));
   } catch (const std::exception&) {
-    return run();  // raises the op's own error for an unknown group
+    return body();  // raises the op's own error for an unknown group
   }
-  if (group->getSize() == 1) return run();
+  if (group->getSize() == 1) return body();
   // One call at a time per group (README, "Threads"); the engine is set up (collectively) before waiting here, as
   // every rank's first call does.
   std::shared_ptr<FusedEngine> engine = FusedEngine::of(*group);
@@ -62,7 +57,19 @@ at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::str
     explicit CurrentEngine(FusedEngine* e) { current_engine = e; }
     ~CurrentEngine() { current_engine = nullptr; }
   } current(engine.get());
-  return run();
+  body();
+}
+
+namespace {
+
+at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
+                              const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+  const std::string_view name(group_name.data(), group_name.size());
+  at::Tensor out;
+  with_call_engine(name, [&] {
+    out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend());
+  });
+  return out;
 }
 
 }  // namespace

@@ -159,6 +159,11 @@ void plan_work(CallJob& job) {
       job.items[ag_block_of(l, job.comm_blocks)].push_back(WorkItem{owner, l, t, stripe, linear - block_begin[block]});
     }
   }
+  if (job.row_epilogue) {
+    const int64_t row_blocks = p.m_tiles * stripes;
+    job.row_block_done.reset(new std::atomic<int64_t>[row_blocks]);
+    for (int64_t i = 0; i < row_blocks; ++i) job.row_block_done[i].store(0, std::memory_order_relaxed);
+  }
   // In the order tiles are produced (the same schedule on every rank); at equal times this rank's own reductions
   // first (peers wait on them), then the other owners in an order rotated by rank so that ranks do not all read
   // from the same owner at once.
@@ -347,14 +352,23 @@ class CommBlock {
     if (item.owner != me_) {
       copy_rows(job_.region(item.owner, bank_offset), p_.pad_n * job_.out_elem, out, p_.n * job_.out_elem, rows,
                 cols * job_.out_elem);
-      return;
+    } else {
+      for (int r = 0; r < world_; ++r)
+        sources_[r] = job_.region(r, partial_entry_offset(w_, row0, col0, p_.pad_n, job_.partial_elem));
+      reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype, job_.region(me_, bank_offset),
+                             p_.pad_n, out, p_.n, job_.out_dtype, rows, cols});
+      store_release(word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
+      for (int64_t i = 0; i + 1 < world_; ++i)
+        doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();
     }
-    for (int r = 0; r < world_; ++r)
-      sources_[r] = job_.region(r, partial_entry_offset(w_, row0, col0, p_.pad_n, job_.partial_elem));
-    reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype, job_.region(me_, bank_offset),
-                           p_.pad_n, out, p_.n, job_.out_dtype, rows, cols});
-    store_release(word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
-    for (int64_t i = 0; i + 1 < world_; ++i) doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();
+    if (job_.row_epilogue) subtile_final(mi, item.stripe, row0, rows);
+  }
+
+  // Counts a subtile of a row block as final in the output; the block that completes the row block runs the
+  // epilogue on it. acq_rel: the last one sees every other comm block's writes to those rows.
+  void subtile_final(int64_t mi, int64_t stripe, int64_t row0, int64_t rows) {
+    const int64_t done = job_.row_block_done[mi * p_.stripes + stripe].fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (done == p_.n_tiles) job_.row_epilogue(job_.out, row0, rows);
   }
 
   CallJob& job_;

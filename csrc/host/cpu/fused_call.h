@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,6 +54,11 @@ struct WorkItem {
   int64_t step;      // when the tile is computed: its position in its compute block's walk
 };
 
+// Optional epilogue of a fused op (e.g. add+RMSNorm): called once per finished row block, with the whole output's
+// base `out` and the block's rows [row0, row0 + rows), by the comm block that made the block's last subtile final
+// on this rank, so the rows are normalised while the copy-out has them in cache (no later pass over the output).
+using RowBlockEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
+
 struct CallJob {
   uint32_t epoch = 0;
   int64_t bank = 0;
@@ -73,6 +79,9 @@ struct CallJob {
   std::chrono::milliseconds timeout{0};
   bool overlap = true, ignore_epochs = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
+  RowBlockEpilogue row_epilogue;              // may be empty
+  // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.
+  std::unique_ptr<std::atomic<int64_t>[]> row_block_done;
 
   std::atomic<bool> abort{false};
   std::atomic<int> headers_checked{0};  // 0 pending, 1 valid

@@ -327,7 +327,7 @@ void FusedEngine::run_with_comm_threads(CallJob& job) {
   }
 }
 
-at::Tensor FusedEngine::run(const CallArgs& call) {
+at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_epilogue) {
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
   job.epoch = epoch_;
@@ -369,6 +369,7 @@ at::Tensor FusedEngine::run(const CallArgs& call) {
   job.timeout = wait_timeout();
   job.overlap = engine_switches().overlap.load();
   job.ignore_epochs = engine_switches().ignore_epochs.load();
+  job.row_epilogue = row_epilogue;
   plan_work(job);
   for (int64_t b = 0; b < job.compute_blocks; ++b) {
     store_release(reinterpret_cast<uint32_t*>(job.region(rank_, queue_count_offset(job.layout, b))), 0);

@@ -44,7 +44,8 @@ class FusedEngine {
   // it from the header). Unless a fused run follows (which checks the headers in its comm thread while the GEMM
   // already runs), waits for every rank's signature and raises the same diagnosis on every rank.
   void agree(const CallArgs& call, Algorithm chosen);
-  at::Tensor run(const CallArgs& call);
+  // `row_epilogue` (may be empty): run on every finished row block of the output during the copy-out.
+  at::Tensor run(const CallArgs& call, const RowBlockEpilogue& row_epilogue = {});
 
  private:
   FusedEngine(c10d::ProcessGroup& group);

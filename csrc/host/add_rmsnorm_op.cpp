@@ -1,0 +1,103 @@
+// pto::gemm_allreduce_add_rmsnorm (issue 13): gemm_allreduce followed by the residual add and the next block's
+// RMSNorm. Its schema and its autograd formula; the CPU kernel is cpu/add_rmsnorm_cpu_op.cpp, the fake kernel is in
+// torch_gemm_ar/_registrations.py. Like gemm_allreduce, backward is local: both outputs are replicated, so their
+// gradients are too, and every input gradient is a local product or a row-wise formula.
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+
+namespace gemm_ar {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using OpSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, c10::string_view, double,
+                                                       const std::optional<at::Tensor>&, c10::string_view);
+
+std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& a, const at::Tensor& b,
+                                                       const at::Tensor& residual, const at::Tensor& norm_weight,
+                                                       c10::string_view group_name, double eps,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       c10::string_view algorithm) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pto::gemm_allreduce_add_rmsnorm", "")
+                       .typed<OpSignature>();
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+}
+
+class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAllreduceAddRmsNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                               const at::Tensor& residual, const at::Tensor& norm_weight,
+                               c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias,
+                               c10::string_view algorithm) {
+    const bool has_bias = bias.has_value() && bias->defined();
+    auto [out, normed] = call_below_autograd(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+    // `out` is all the norm's backward needs (its statistics are recomputed from it, as in the forward).
+    ctx->save_for_backward({a, b, norm_weight, out});
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["eps"] = eps;
+    return {out, normed};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& a = saved[0];
+    const at::Tensor& b = saved[1];
+    const at::Tensor& weight = saved[2];
+    const at::Tensor& out = saved[3];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const int64_t n = out.size(-1);
+    const auto acc = at::toOpMathType(out.scalar_type());  // fp32 for bf16/fp16, as in the forward statistics
+    const at::Tensor x = out.reshape({-1, n}).to(acc);
+    at::Tensor grad_total;  // d loss / d out, including the path through the norm
+    at::Tensor grad_weight;
+    if (grads[0].defined()) grad_total = grads[0].reshape({-1, n}).to(acc);
+    if (grads[1].defined()) {
+      // y = x * r * w with r = (mean(x^2) + eps)^-1/2: dy/dx = r * g*w - x * r^3 * mean(g*w*x).
+      const at::Tensor g = grads[1].reshape({-1, n}).to(acc);
+      const at::Tensor rstd = at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+      const at::Tensor gw = g * weight.to(acc);
+      const at::Tensor through_norm = rstd * gw - x * rstd.pow(3) * (gw * x).mean(-1, /*keepdim=*/true);
+      grad_total = grad_total.defined() ? grad_total + through_norm : through_norm;
+      if (ctx->needs_input_grad(3)) grad_weight = (g * x * rstd).sum(0).to(weight.scalar_type());
+    }
+    at::Tensor grad_a, grad_b, grad_residual, grad_bias;
+    if (grad_total.defined()) {
+      const at::Tensor grad2d = grad_total.to(out.scalar_type());
+      if (ctx->needs_input_grad(0)) grad_a = at::matmul(grad2d, b.t()).reshape(a.sizes());
+      if (ctx->needs_input_grad(1)) grad_b = at::matmul(a.reshape({-1, a.size(-1)}).t(), grad2d);
+      if (ctx->needs_input_grad(2)) grad_residual = grad2d.reshape(out.sizes());
+      // needs_input_grad counts tensor inputs only: a, b, residual, norm_weight, then bias when given.
+      if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(4)) grad_bias = grad_total.sum(0).to(out.scalar_type());
+    }
+    return {grad_a, grad_b, grad_residual, grad_weight, at::Tensor(), at::Tensor(), grad_bias, at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_autograd(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+  auto outputs =
+      GemmAllreduceAddRmsNormFunction::apply(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+}  // namespace gemm_ar
+
+// A fragment, so that this op's schema lives with the rest of its code (ops.cpp holds gemm_allreduce's).
+TORCH_LIBRARY_FRAGMENT(pto, m) {
+  m.def(
+      "gemm_allreduce_add_rmsnorm(Tensor a, Tensor b, Tensor residual, Tensor norm_weight, str group_name, *, "
+      "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pto, Autograd, m) {
+  m.impl("gemm_allreduce_add_rmsnorm", &gemm_ar::gemm_allreduce_add_rmsnorm_autograd);
+}

@@ -1,0 +1,155 @@
+#include "common/add_rmsnorm.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace gemm_ar {
+namespace {
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << sizes;
+  return os.str();
+}
+
+// One row: 8 independent partial sums so the compiler can vectorise the square sum; their order is fixed.
+template <class T, class Acc>
+void add_rmsnorm_row(T* out, const T* residual, const T* weight, T* normed, int64_t n, Acc eps) {
+  constexpr int kLanes = 8;
+  Acc lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const T rounded = static_cast<T>(static_cast<Acc>(out[i + l]) + static_cast<Acc>(residual[i + l]));
+      out[i + l] = rounded;
+      const Acc x = static_cast<Acc>(rounded);
+      lanes[l] += x * x;
+    }
+  }
+  for (; i < n; ++i) {
+    const T rounded = static_cast<T>(static_cast<Acc>(out[i]) + static_cast<Acc>(residual[i]));
+    out[i] = rounded;
+    const Acc x = static_cast<Acc>(rounded);
+    lanes[0] += x * x;
+  }
+  Acc sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  const Acc rstd = Acc(1) / std::sqrt(sum / static_cast<Acc>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    normed[j] = static_cast<T>(static_cast<Acc>(out[j]) * rstd * static_cast<Acc>(weight[j]));
+  }
+}
+
+}  // namespace
+
+void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at::Tensor& norm_weight, double eps) {
+  // Ranks mixing this op with plain gemm_allreduce on one call would disagree on more than the epilogue.
+  call.op = kOpGemmAllreduceAddRmsnorm;
+  call.op_name = "gemm_allreduce_add_rmsnorm";
+  auto fail = [&](int64_t code, const std::string& message) {
+    call.error_code = code;
+    call.error = call.op_name + ": " + message;
+  };
+  const at::Tensor& a = call.a2d;
+  const std::string dtype = c10::toString(call.dtype);
+  if (!residual.defined()) return fail(kBadResidualError, "residual is undefined");
+  if (residual.sizes() != at::IntArrayRef(call.out_shape)) {
+    return fail(kBadResidualError, "residual must have shape a.shape[:-1] + [N] = " + shape_str(call.out_shape) +
+                                       "; got " + shape_str(residual.sizes()));
+  }
+  if (residual.scalar_type() != call.dtype) {
+    return fail(kBadResidualError, "residual must have the dtype of a (" + dtype + "); got " +
+                                       std::string(c10::toString(residual.scalar_type())));
+  }
+  if (residual.device() != a.device()) {
+    return fail(kBadResidualError,
+                "residual must be on the device of a (" + a.device().str() + "); got " + residual.device().str());
+  }
+  if (!norm_weight.defined()) return fail(kBadNormWeightError, "norm_weight is undefined");
+  if (norm_weight.dim() != 1 || norm_weight.size(0) != call.n) {
+    return fail(kBadNormWeightError, "norm_weight must be 1-D [N] with N=" + std::to_string(call.n) +
+                                         "; got shape " + shape_str(norm_weight.sizes()));
+  }
+  if (norm_weight.scalar_type() != call.dtype) {
+    return fail(kBadNormWeightError, "norm_weight must have the dtype of a (" + dtype + "); got " +
+                                         std::string(c10::toString(norm_weight.scalar_type())));
+  }
+  if (norm_weight.device() != a.device()) {
+    return fail(kBadNormWeightError, "norm_weight must be on the device of a (" + a.device().str() + "); got " +
+                                         norm_weight.device().str());
+  }
+  if (!(eps >= 0) || !std::isfinite(eps)) {
+    return fail(kBadNormWeightError, "eps must be finite and >= 0; got " + std::to_string(eps));
+  }
+}
+
+void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at::Tensor& weight, double eps,
+                      at::Tensor& normed2d, int64_t row0, int64_t rows, bool parallel) {
+  const int64_t n = out2d.size(1);
+  if (rows == 0 || n == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out2d.scalar_type(), "add_rmsnorm_rows", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    scalar_t* out = out2d.data_ptr<scalar_t>();
+    const scalar_t* residual = residual2d.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    scalar_t* normed = normed2d.data_ptr<scalar_t>();
+    auto run = [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        add_rmsnorm_row<scalar_t, Acc>(out + r * n, residual + r * n, w, normed + r * n, n, static_cast<Acc>(eps));
+      }
+    };
+    if (parallel) {
+      at::parallel_for(row0, row0 + rows, std::max<int64_t>(1, 32768 / n), run);  // ~32k elements per task
+    } else {
+      run(row0, row0 + rows);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue) {
+  at::Tensor residual2d, weight, normed2d;
+  auto prepare = [&](const CallArgs& call) {
+    residual2d = residual.reshape({call.m, call.n}).contiguous();
+    weight = norm_weight.contiguous();
+    normed2d = at::empty({call.m, call.n}, residual.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  bool applied = false;
+  BackendHooks hooks = backend;
+  if (fused_with_epilogue) {
+    hooks.run_fused = [&](const CallArgs& call, c10d::ProcessGroup& group) {
+      prepare(call);
+      const auto options = residual2d.options();
+      const RowEpilogue epilogue = [&](void* out, int64_t row0, int64_t rows) {
+        at::Tensor out2d = at::from_blob(out, {call.m, call.n}, options);
+        add_rmsnorm_rows(out2d, residual2d, weight, eps, normed2d, row0, rows, /*parallel=*/false);
+      };
+      at::Tensor out = fused_with_epilogue(call, group, epilogue);
+      applied = true;
+      return out;
+    };
+  }
+  at::Tensor out = run_gemm_allreduce(a, b, group_name, bias, algorithm, hooks,
+                                      [&](CallArgs& call) { check_add_rmsnorm_args(call, residual, norm_weight, eps); });
+  if (applied) return {out, normed2d.view(out.sizes())};
+  // Unfused: one pass over the reduction's output, which is this call's own tensor (fresh, or taken from the
+  // engine's pool for this call), so the new residual stream is written into it in place.
+  if (!out.is_contiguous()) out = out.contiguous();
+  const int64_t n = out.size(-1);
+  const int64_t m = n > 0 ? out.numel() / n : 0;
+  CallArgs shape;
+  shape.m = m;
+  shape.n = n;
+  prepare(shape);
+  at::Tensor out2d = out.view({m, n});
+  add_rmsnorm_rows(out2d, residual2d, weight, eps, normed2d, 0, m, /*parallel=*/true);
+  return {out, normed2d.view(out.sizes())};
+}
+
+}  // namespace gemm_ar

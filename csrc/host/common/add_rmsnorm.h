@@ -1,0 +1,37 @@
+// The add+RMSNorm epilogue of gemm_allreduce_add_rmsnorm (issue 13): the residual add and the next block's RMSNorm
+// right after the reduction. out = reduced + residual (the new residual stream, rounded to the call dtype);
+// normed = out * rsqrt(mean(out^2, -1) + eps) * weight, with the row statistics in fp32 (fp64 for double).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string_view>
+
+#include "common/op_flow.h"
+
+namespace gemm_ar {
+
+// Checks `residual` (shape a.shape[:-1] + [N], a's dtype and device) and `norm_weight` ([N], a's dtype and
+// device) of a call whose a/b/bias passed; records the first problem in call.error/error_code.
+void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at::Tensor& norm_weight, double eps);
+
+// Rows [row0, row0 + rows) of an [M, N] row-major `out`: out += residual (in place), normed = RMSNorm(out).
+// `residual` and `weight` are contiguous; deterministic (fixed summation order, the same whatever thread or
+// `parallel`), so equal inputs give bitwise equal outputs on every rank. `parallel`: spread rows over the intra-op
+// pool (only from the caller's thread).
+void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at::Tensor& weight, double eps,
+                      at::Tensor& normed2d, int64_t row0, int64_t rows, bool parallel);
+
+// A fused path that runs a per-row-block epilogue itself: it calls `epilogue(out, row0, rows)` exactly once for
+// every row of its [M, N] row-major output `out`, once those rows are final on this rank.
+using RowEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
+using FusedWithEpilogue = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&)>;
+
+// The whole op: the backend's gemm_allreduce (same checks, agreement and algorithm), then the epilogue: inside
+// the fused path when `fused_with_epilogue` is given and the call runs fused, otherwise as one pass afterwards.
+std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue);
+
+}  // namespace gemm_ar

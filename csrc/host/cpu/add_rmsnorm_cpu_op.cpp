@@ -1,0 +1,32 @@
+// The CPU kernel of pto::gemm_allreduce_add_rmsnorm: the CPU backend's gemm_allreduce with the add+RMSNorm
+// epilogue (common/add_rmsnorm.h), which the fused engine runs per row block during its copy-out.
+#include <torch/library.h>
+
+#include "common/add_rmsnorm.h"
+#include "cpu/cpu_backend.h"
+#include "cpu/fused_engine.h"
+
+namespace gemm_ar::cpu {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+  const std::string_view name(group_name.data(), group_name.size());
+  std::tuple<at::Tensor, at::Tensor> result;
+  with_call_engine(name, [&] {
+    result = run_gemm_allreduce_add_rmsnorm(
+        a, b, residual, norm_weight, name, eps, bias, std::string_view(algorithm.data(), algorithm.size()),
+        cpu_backend(), [](const CallArgs& call, c10d::ProcessGroup& group, const RowEpilogue& rows) {
+          return engine_of_this_call(group).run(call, rows);
+        });
+  });
+  return result;
+}
+
+}  // namespace
+}  // namespace gemm_ar::cpu
+
+TORCH_LIBRARY_IMPL(pto, CPU, m) {
+  m.impl("gemm_allreduce_add_rmsnorm", &gemm_ar::cpu::gemm_allreduce_add_rmsnorm_cpu);
+}
