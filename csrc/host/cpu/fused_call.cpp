@@ -136,7 +136,15 @@ std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& window
   all[rank] = mine;
   arrived[rank] = 1;
   const std::string context = "before call " + std::to_string(epoch);
-  bounded_wait([&] { return poll_signatures(windows, rank, epoch, all, arrived); }, no_progress,
+  auto poll = [&] {
+    try {
+      return poll_signatures(windows, rank, epoch, all, arrived);
+    } catch (const CallRejected&) {
+      window_set.check_peers_alive(context.c_str());  // a dead rank behind the abandon is named on every survivor
+      throw;
+    }
+  };
+  bounded_wait(poll, no_progress,
                [&] { window_set.check_peers_alive(context.c_str()); },
                [&] { return missing_ranks(arrived, epoch, timeout, rank); }, bell, timeout, stop);
   return all;
@@ -286,6 +294,8 @@ class CommBlock {
     job_.window_set->check_peers_alive(("during " + call_name_).c_str());
     for (int r = 0; r < world_; ++r) {
       if (r != me_ && abandoned(job_.windows[r], epoch_)) {
+        // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
+        job_.window_set->check_peers_alive(("during " + call_name_).c_str());
         throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name_ +
                                  " (see that rank's error) [rank " + std::to_string(me_) + "]");
       }
