@@ -297,7 +297,7 @@ def test_keyboard_interrupt_then_exit(tmp_path):
         assert results[rank] is not None, f"rank {rank} never noticed that rank 2 left"
         message, elapsed = results[rank]
         # Every survivor names the rank that left, also the one that learnt of it from the other's abandon.
-        assert "rank 2" in message and "died" in message, message
+        assert "rank 2" in message and "died" in message, results
         assert elapsed < 20.0 + 5.0, f"rank {rank} took {elapsed:.1f}s (timeout 20s)"
     assert shm_entries(pids) == [], "shared-memory names left behind"
 
