@@ -7,8 +7,8 @@ unconverted, converted eagerly by torch_gemm_ar.nn.replace_row_parallel, and com
 A small Llama config is made here and saved with random weights to a temporary directory (nothing is downloaded),
 then every rank loads it with `AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")` over gloo. The script
 prints each variant's largest logit difference from the unconverted TP model and from a float64 single-process
-reference, and the median time per forward (variants interleaved round-robin), and exits non-zero when a difference
-is beyond the tolerance. Needs `pip install transformers accelerate` (the project's test extra has them).
+reference, and the median time per forward (variants interleaved round-robin; with Inductor, the same model compiled
+without the rewrite as well), and exits non-zero when a difference is beyond the tolerance. Needs `pip install transformers accelerate` (the project's test extra has them).
 """
 import argparse
 import math
@@ -98,12 +98,18 @@ def main(argv=None) -> int:
             unconverted = load_tp(path, dtype)
             converted = load_tp(path, dtype)
             report = torch_gemm_ar.nn.replace_row_parallel(converted, algorithm=args.algorithm)
+            variants = {"unconverted TP": unconverted, "converted (eager)": converted}
+            if args.compile_inner == "inductor":
+                # Every graph compiled here, not taken from an earlier run's cache: the rewrite counts are this run's.
+                torch._inductor.config.force_disable_caches = True
+                # The same compiler without the rewrite, for a fair comparison.
+                variants["compiled, no rewrite (inductor)"] = torch.compile(load_tp(path, dtype))
+            logits = {name: model(ids).logits for name, model in variants.items()}  # compiles, first call
             torch_gemm_ar.compile.reset()
-            compiled = torch.compile(load_tp(path, dtype),
-                                     backend=torch_gemm_ar.compile.backend(inner=args.compile_inner))
-            variants = {"unconverted TP": unconverted, "converted (eager)": converted,
-                        f"compiled + rewrite ({args.compile_inner})": compiled}
-            logits = {name: model(ids).logits for name, model in variants.items()}  # compiles `compiled`
+            name = f"compiled + rewrite ({args.compile_inner})"
+            variants[name] = torch.compile(load_tp(path, dtype),
+                                           backend=torch_gemm_ar.compile.backend(inner=args.compile_inner))
+            logits[name] = variants[name](ids).logits
             rewrites = torch_gemm_ar.compile.report()
             times = _median_ms([lambda m=m: m(ids) for m in variants.values()], args.warmup, args.iters, None)
     finally:
