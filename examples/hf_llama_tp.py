@@ -8,7 +8,8 @@ A small Llama config is made here and saved with random weights to a temporary d
 then every rank loads it with `AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")` over gloo. The script
 prints each variant's largest logit difference from the unconverted TP model and from a float64 single-process
 reference, and the median time per forward (variants interleaved round-robin; with Inductor, the same model compiled
-without the rewrite as well), and exits non-zero when a difference is beyond the tolerance. Needs `pip install transformers accelerate` (the project's test extra has them).
+without the rewrite as well), and exits non-zero when a difference is beyond the tolerance. Needs
+`pip install transformers accelerate` (the project's test extra has them).
 """
 import argparse
 import math

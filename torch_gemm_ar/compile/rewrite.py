@@ -255,7 +255,8 @@ class _Rewriter:
             result = users[0]
         while len(result.users) == 1:
             user = next(iter(result.users))
-            if not (_is(user, *_RESHAPES) and _val(user) is not None and _val(user).shape[-1] == _val(result).shape[-1]):
+            keeps_rows = _val(user) is not None and _val(user).shape[-1] == _val(result).shape[-1]
+            if not (_is(user, *_RESHAPES) and keeps_rows):
                 break
             passed.append(result)
             result = user
@@ -353,7 +354,8 @@ class _Rewriter:
                 chain.insert(0, nxt)
                 nxt = after
             vw = _val(weight)
-            if (not isinstance(weight, fx.Node) or not isinstance(vw, torch.Tensor) or tuple(vw.shape) != (vo.shape[-1],)
+            if (not isinstance(weight, fx.Node) or not isinstance(vw, torch.Tensor)
+                    or tuple(vw.shape) != (vo.shape[-1],)
                     or vw.dtype != dtype or _val(nxt).dtype != dtype or tuple(_val(nxt).shape) != tuple(vo.shape)):
                 return None
         except _Skip:

@@ -13,4 +13,5 @@ from .dtensor_row_parallel import DTensorRowParallelLinear
 from .replace import ReplaceReport, replace_row_parallel
 from .row_parallel_linear import RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport", "RowParallelLinear", "replace_row_parallel"]
+__all__ = ["ColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport", "RowParallelLinear",
+           "replace_row_parallel"]
