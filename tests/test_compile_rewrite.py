@@ -64,8 +64,13 @@ def _check(out, ref, exact, dtype, what):
     assert err <= 2 * ref_err + TOL[dtype] * scale / 4, f"{what}: {err:.3g}, the uncompiled model {ref_err:.3g}"
 
 
-def dtensor_block_compiled(rank, world, seed, dtype_name, inner):
+def dtensor_block_compiled(rank, world, seed, dtype_name, inner, drop_bias=False):
     torch._dynamo.reset()
+    if drop_bias:  # negative control: a rewrite that loses the addmm's bias must fail the checks below
+        from torch_gemm_ar.compile import rewrite
+
+        original = rewrite._gemm
+        rewrite._gemm = lambda node: (*original(node)[:2], None, None)
     dtype = getattr(torch, dtype_name)
     hidden, ffn = 24, 10 * world
     full = _block(seed, hidden, ffn, dtype)
@@ -94,6 +99,8 @@ def dtensor_block_compiled(rank, world, seed, dtype_name, inner):
         if context is not None:
             torch_gemm_ar.compile.disable()
             context.__exit__(None, None, None)
+        if drop_bias:
+            rewrite._gemm = original
     return dict(torch_gemm_ar.compile.report().rewritten)
 
 
@@ -105,6 +112,13 @@ def test_dtensor_block_under_compile_is_rewritten(ranks, world, dtype, inner):
     # down + residual add + RMSNorm fuse into one op; down2 has no norm after it.
     assert counts[0].get("gemm_allreduce_add_rmsnorm", 0) >= 1, counts[0]
     assert counts[0].get("gemm_allreduce", 0) >= 1, counts[0]
+
+
+def test_negative_control_a_wrong_rewrite_fails(ranks):
+    from rank_pool import RankFailure
+
+    with pytest.raises(RankFailure, match="max error"):
+        ranks(2).run(dtensor_block_compiled, random.randrange(1 << 30), "float32", "eager", drop_bias=True)
 
 
 def _funcol_model(case, group_name, world):

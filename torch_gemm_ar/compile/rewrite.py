@@ -255,8 +255,8 @@ class _Rewriter:
             result = users[0]
         while len(result.users) == 1:
             user = next(iter(result.users))
-            keeps_rows = _val(user) is not None and _val(user).shape[-1] == _val(result).shape[-1]
-            if not (_is(user, *_RESHAPES) and keeps_rows):
+            if not (_is(user, *_RESHAPES) and isinstance(_val(user), torch.Tensor)
+                    and _val(user).shape[-1] == _val(result).shape[-1]):
                 break
             passed.append(result)
             result = user
