@@ -276,6 +276,8 @@ class _Rewriter:
         if bias is not None and divisor != world:
             raise _Skip(f"addmm bias divided by {divisor}, not by the group's size {world}")
         _check_operands(a, b)
+        if bias is not None and (_val(bias).dtype != _val(a).dtype or tuple(_val(bias).shape) != (_val(b).shape[1],)):
+            raise _Skip("a bias of another dtype or shape than the product's row")
         shape = _shape_arg(result)
         replaced = (result, *reversed(passed), ar, reshape, gemm, None if bias is None else gemm.args[0])
         wait = result  # from here on, the value the rest of the graph reads
@@ -329,7 +331,8 @@ class _Rewriter:
             if not _is(mean, aten.mean.dim) or not self._last_dim(mean, vo.dim()):
                 return None
             eps_add = _only_user(mean, "mean")
-            if not _is(eps_add, aten.add.Tensor, aten.add.Scalar) or not isinstance(eps_add.args[1], (int, float)):
+            if (not _is(eps_add, aten.add.Tensor, aten.add.Scalar) or eps_add.kwargs
+                    or not isinstance(eps_add.args[1], (int, float))):
                 return None
             rsqrt = _only_user(eps_add, "eps add")
             if not _is(rsqrt, aten.rsqrt.default):
