@@ -36,7 +36,7 @@ def save_tiny_llama(path, world, seed):
     model.save_pretrained(path)
 
 
-def _load(path, dtype=torch.float32):
+def _load(path, dtype=torch.float32, plan="auto"):
     """As under torchrun: transformers sizes the TP mesh from WORLD_SIZE (the rank pool's processes have no such
     variables; they are set for the call and restored)."""
     import torch.distributed as dist
@@ -46,7 +46,7 @@ def _load(path, dtype=torch.float32):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, tp_plan=plan, dtype=dtype)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -102,6 +102,21 @@ def hf_eager_conversion(rank, world, path, seed):
     assert torch_gemm_ar.nn.replace_row_parallel(by_name, patterns=["*.o_proj", "*.down_proj"]) == expected
     with torch.no_grad():
         _close(by_name(_ids(seed)).logits, unconverted(_ids(seed)).logits, exact_model(_ids(seed)).logits, "patterns")
+    # transformers' other all-reduce row style: "rowwise_split_input" (replicated input, sliced by the layer) after
+    # "colwise_rep" layers (gathered outputs).
+    plan = {f"model.layers.*.{k}": v for k, v in (
+        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+        ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise_rep"), ("mlp.up_proj", "colwise_rep"),
+        ("mlp.down_proj", "rowwise_split_input"))}
+    split_unconverted, split = _load(path, plan=plan), _load(path, plan=plan)
+    assert torch_gemm_ar.nn.replace_row_parallel(split) == expected
+    for module in (split.model.layers[0].mlp.down_proj, split.model.layers[0].self_attn.o_proj):
+        assert isinstance(module, torch_gemm_ar.nn.DTensorRowParallelLinear), type(module)
+    ids = _ids(seed + 3)
+    with torch.no_grad():
+        _close(split(ids).logits, split_unconverted(ids).logits, exact_model(ids).logits, "rowwise_split_input")
+    got, want = split(ids).logits, split_unconverted(ids).logits  # with grad: transformers' DTensor path
+    _close(got.detach(), want.detach(), exact_model(ids).logits.detach(), "rowwise_split_input with grad")
     return True
 
 

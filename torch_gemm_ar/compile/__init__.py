@@ -116,7 +116,8 @@ def backend(inner: Union[str, Callable] = "inductor"):
     inner="inductor": Inductor with the rewrite as its post-grad pass (for this backend only; enable() is not needed).
     inner="eager": AOT autograd's aten graphs, rewritten, run as they are (no code generation).
     inner=callable: an aten-graph compiler `(gm, example_inputs) -> callable`, called on every rewritten forward
-    and backward graph (e.g. torchair's `get_compiler(config)`, the compiler its npu backend hands AOT autograd).
+    and backward graph (e.g. torchair's `get_compiler(config)`, the compiler its npu backend hands AOT autograd; its
+    graph mode needs converters for the pto ops, which this project does not register yet: untested).
     """
     if inner == "inductor":
         def inductor_with_rewrite(gm, example_inputs):
