@@ -37,7 +37,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        # transformers/accelerate: tests/test_hf_tp.py and examples/hf_llama_tp.py (5.24 is the version verified).
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "transformers>=5.24", "accelerate>=1.15"],
         "bench": ["matplotlib"],
         "npu": ["torch_npu"],
     },

@@ -28,3 +28,12 @@ __all__ = [
     "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # torch_gemm_ar.compile (the torch.compile rewrite) imports Inductor pieces: loaded on first use only.
+    if name == "compile":
+        import importlib
+
+        return importlib.import_module(".compile", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
