@@ -23,7 +23,8 @@ cpu_extension = CppExtension(
     sources=_rel("csrc/host/*.cpp") + _rel("csrc/host/common/*.cpp") + _rel("csrc/host/cpu/*.cpp"),
     include_dirs=[os.path.join(ROOT, "csrc/include"), os.path.join(ROOT, "csrc/host")],
     # No -march=native: the wheel must run on any x86-64 with AVX2 (no AVX-512 SIGILL on older hosts).
-    extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    # -ffp-contract=off: no FMA contraction, so code compiled for several ISAs (target_clones) rounds alike.
+    extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-ffp-contract=off"],
     libraries=["rt"],
     define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"')],  # the auto tuner's cache is per library version
 )

@@ -5,6 +5,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <sstream>
 
 namespace gemm_ar {
@@ -16,31 +18,87 @@ std::string shape_str(at::IntArrayRef sizes) {
   return os.str();
 }
 
-// One row: 8 independent partial sums so the compiler can vectorise the square sum; their order is fixed.
+// Element conversions of the row loop: plain casts, or for bf16 the same round-to-nearest-even as c10::BFloat16
+// (NaN -> 0x7FC0) written without branches, so that the loop vectorises.
 template <class T, class Acc>
-void add_rmsnorm_row(T* out, const T* residual, const T* weight, T* normed, int64_t n, Acc eps) {
+struct Casts {
+  static Acc load(T v) { return static_cast<Acc>(v); }
+  static T store(Acc v) { return static_cast<T>(v); }
+};
+
+struct BFloat16Bits {
+  static float load(at::BFloat16 v) {
+    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  static at::BFloat16 store(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return at::BFloat16(static_cast<uint16_t>(f != f ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+  }
+};
+
+// One row: 8 independent partial sums so the compiler can vectorise the square sum; their order is fixed.
+template <class T, class Acc, class Cast = Casts<T, Acc>>
+inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, const T* __restrict__ residual,
+                                                           const T* __restrict__ weight, T* __restrict__ normed,
+                                                           int64_t n, Acc eps) {
   constexpr int kLanes = 8;
   Acc lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      const T rounded = static_cast<T>(static_cast<Acc>(out[i + l]) + static_cast<Acc>(residual[i + l]));
+      const T rounded = Cast::store(Cast::load(out[i + l]) + Cast::load(residual[i + l]));
       out[i + l] = rounded;
-      const Acc x = static_cast<Acc>(rounded);
+      const Acc x = Cast::load(rounded);
       lanes[l] += x * x;
     }
   }
   for (; i < n; ++i) {
-    const T rounded = static_cast<T>(static_cast<Acc>(out[i]) + static_cast<Acc>(residual[i]));
+    const T rounded = Cast::store(Cast::load(out[i]) + Cast::load(residual[i]));
     out[i] = rounded;
-    const Acc x = static_cast<Acc>(rounded);
+    const Acc x = Cast::load(rounded);
     lanes[0] += x * x;
   }
   Acc sum = 0;
   for (int l = 0; l < kLanes; ++l) sum += lanes[l];
   const Acc rstd = Acc(1) / std::sqrt(sum / static_cast<Acc>(n) + eps);
   for (int64_t j = 0; j < n; ++j) {
-    normed[j] = static_cast<T>(static_cast<Acc>(out[j]) * rstd * static_cast<Acc>(weight[j]));
+    normed[j] = Cast::store(Cast::load(out[j]) * rstd * Cast::load(weight[j]));
+  }
+}
+
+// The wheel is built for any x86-64, so the row loops are also compiled for AVX2 and AVX-512 and picked at run
+// time (GCC function multi-versioning). The build has -ffp-contract=off: no FMA contraction, so every version
+// rounds alike and ranks on different CPUs still agree bitwise.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define GEMM_AR_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define GEMM_AR_VECTOR_CLONES
+#endif
+
+GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_f32(float* out, const float* residual, const float* weight, float* normed,
+                                               int64_t n, float eps) {
+  add_rmsnorm_row<float, float>(out, residual, weight, normed, n, eps);
+}
+
+GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_bf16(at::BFloat16* out, const at::BFloat16* residual,
+                                                const at::BFloat16* weight, at::BFloat16* normed, int64_t n,
+                                                float eps) {
+  add_rmsnorm_row<at::BFloat16, float, BFloat16Bits>(out, residual, weight, normed, n, eps);
+}
+
+template <class T, class Acc>
+void add_rmsnorm_row_any(T* out, const T* residual, const T* weight, T* normed, int64_t n, Acc eps) {
+  if constexpr (std::is_same_v<T, float>) {
+    add_rmsnorm_row_f32(out, residual, weight, normed, n, eps);
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    add_rmsnorm_row_bf16(out, residual, weight, normed, n, eps);
+  } else {
+    add_rmsnorm_row<T, Acc>(out, residual, weight, normed, n, eps);
   }
 }
 
@@ -99,7 +157,7 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
     scalar_t* normed = normed2d.data_ptr<scalar_t>();
     auto run = [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        add_rmsnorm_row<scalar_t, Acc>(out + r * n, residual + r * n, w, normed + r * n, n, static_cast<Acc>(eps));
+        add_rmsnorm_row_any<scalar_t, Acc>(out + r * n, residual + r * n, w, normed + r * n, n, static_cast<Acc>(eps));
       }
     };
     if (parallel) {
