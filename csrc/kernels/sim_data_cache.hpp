@@ -44,7 +44,14 @@ struct CoreCache {
   std::unordered_map<uint64_t, Line> lines;
   ~CoreCache() {
     uint64_t lost = 0;
-    for (const auto& entry : lines) lost += entry.second.dirty != 0 ? 1 : 0;
+    for (const auto& entry : lines) {
+      if (entry.second.dirty == 0) continue;
+      ++lost;
+      if (std::getenv("GEMM_AR_SIM_REPORT_LOST") != nullptr) {
+        std::fprintf(stderr, "sim_data_cache: line %#llx lost stores (byte mask %#llx)\n",
+                     static_cast<unsigned long long>(entry.first), static_cast<unsigned long long>(entry.second.dirty));
+      }
+    }
     if (lost != 0) lost_store_lines().fetch_add(lost, std::memory_order_relaxed);
   }
 };
