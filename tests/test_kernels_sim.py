@@ -168,8 +168,8 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
     results = {}
     for line in proc.stdout.splitlines():
         fields = line.split()
-        if fields and fields[0] == "lost_store_lines":
-            results["lost_store_lines"] = int(fields[1])
+        if fields and fields[0] in ("lost_store_lines", "unfenced_flags"):
+            results[fields[0]] = int(fields[1])
         if fields and fields[0] == "result":
             call, rank, code, peer, item, block = map(int, fields[1:])
             results[(call, rank)] = dict(code=code, peer=peer, item=item, block=block)
@@ -184,6 +184,8 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
 def _check_call(sim, dtype, world, case, results, call):
     # A scalar store no dcci ever covered: a flag or record the other cores could never see.
     assert results["lost_store_lines"] == 0, f"{results['lost_store_lines']} cache lines of stores never written back"
+    # A flag raised after a payload store with no release fence in between: a peer could see the flag first.
+    assert results["unfenced_flags"] == 0, f"{results['unfenced_flags']} flags raised before their payload was fenced"
     for r in range(world):
         assert results[(call, r)]["code"] == 0, f"call {call} rank {r} failed: {results[(call, r)]}"
     m, n = case["m"], case["n"]
@@ -348,6 +350,8 @@ NEGATIVE_CONTROLS = {
     "single_word_flags": (4, None),
     # finding 4: the signature words stay in the writer's cache -> peers read a torn slot (or lines are lost)
     "signature_unflushed": (6, None),
+    # a contribution's flag raised with no fence after its atomic add -> the ordering model counts it
+    "payload_unfenced": (7, None),
 }
 
 
@@ -367,7 +371,7 @@ def test_negative_control_is_caught(simulator, tmp_path, control):
             failures.append(f"call {c}: {str(e).splitlines()[0]}")
     assert failures, f"negative control {control!r} went unnoticed: the strict simulator would not catch this bug"
     if expected_errors is not None:
-        reported = {res["code"] for key, res in results.items() if key != "lost_store_lines"}
+        reported = {res["code"] for key, res in results.items() if isinstance(key, tuple)}
         assert reported & expected_errors, (f"negative control {control!r}: expected one of error codes "
                                             f"{sorted(expected_errors)}, ranks reported {sorted(reported)}")
 
@@ -382,6 +386,7 @@ def _check_failed_call(sim, dtype, world, case, results, call, code, peer_of, ra
     """Every rank in `ranks` recorded `code` naming peer_of(rank), and its whole output is NaN (poison) while the
     ldo padding past column n is untouched (the call started from zeros: out_fill=0)."""
     assert results["lost_store_lines"] == 0, f"{results['lost_store_lines']} cache lines of stores never written back"
+    assert results["unfenced_flags"] == 0, f"{results['unfenced_flags']} flags raised before their payload was fenced"
     n = case["n"]
     for r in ranks:
         res = results[(call, r)]

@@ -40,6 +40,7 @@ enum NegativeControl : int {
   kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (finding 2)
   kControlSkipSignatureCheck = 5,   // peers' call signatures are waited for but not compared (finding 4)
   kControlSignatureUnflushed = 6,   // the signature words are not written back before their flag
+  kControlPayloadUnfenced = 7,      // a reduce-scatter contribution's flag is raised without the release fence
 };
 #if defined(__CPU_SIM)
 inline int negative_control() {
@@ -131,6 +132,14 @@ AICORE inline void idle_pause() {
 #endif
 }
 
+// Marks a DMA store (TSTORE, atomic add) whose data a flag will publish: the simulator then requires a
+// release_fence() before the next flag this core raises (sim_data_cache.hpp, ordering model). No-op on the device.
+AICORE inline void note_payload_store() {
+#if defined(__CPU_SIM)
+  sim_cache::payload_unfenced() = true;
+#endif
+}
+
 // Make every earlier store of this core (DMA pipes included) visible in GM before what follows: the release
 // half of "payload before flag".
 AICORE inline void release_fence() {
@@ -138,6 +147,7 @@ AICORE inline void release_fence() {
   dsb(DSB_DDR);
 #if defined(__CPU_SIM)
   __atomic_thread_fence(__ATOMIC_RELEASE);
+  sim_cache::payload_unfenced() = false;
 #endif
 }
 
@@ -157,6 +167,9 @@ AICORE inline void acquire_fence() {
 // Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
 // so a stale cached copy can never be written back over it, and written back after so the flag leaves this core.
 AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
+#if defined(__CPU_SIM)
+  if (sim_cache::payload_unfenced()) sim_cache::unfenced_flags().fetch_add(1, std::memory_order_relaxed);
+#endif
   flush_line(flag);
   scalar_store<uint32_t>(flag, tag);
   scalar_store<uint32_t>(flag + 1, tag_high);

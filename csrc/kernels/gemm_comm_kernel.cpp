@@ -161,6 +161,7 @@ class CommBlock {
       TASSIGN(view, kUbZeros);
       auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
       TSTORE(dst, view);
+      note_payload_store();
     }
     release_fence();
     for (int32_t i = 0; i < world_; ++i) {
@@ -272,9 +273,10 @@ class CommBlock {
       wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
       TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
+      note_payload_store();
       set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      release_fence();
+      if (negative_control() != kControlPayloadUnfenced) release_fence();
       raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
     }
     return true;
@@ -342,6 +344,7 @@ class CommBlock {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
       auto dst = nd_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
       TSTORE(dst, tile);
+      note_payload_store();
     }
     set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
     wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);

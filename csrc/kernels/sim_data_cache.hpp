@@ -56,6 +56,19 @@ struct CoreCache {
   }
 };
 
+// Ordering model: a DMA store whose data a flag publishes (tile, atomic add, zeroed subtile) must be followed by a
+// release fence (pipe_barrier + dsb on the device) before the flag is raised, or a peer may see the flag first.
+// The kernels mark such stores (note_payload_store); a flag raised while one is still unfenced on this core is
+// counted here, and the simulator test expects zero.
+inline std::atomic<uint64_t>& unfenced_flags() {
+  static std::atomic<uint64_t> count{0};
+  return count;
+}
+inline bool& payload_unfenced() {
+  thread_local bool pending = false;
+  return pending;
+}
+
 inline CoreCache& core() {
   thread_local CoreCache cache;
   return cache;

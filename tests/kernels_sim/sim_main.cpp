@@ -6,8 +6,9 @@
 //
 //   gemm_ar_sim info        prints "bf16_native 0|1" (g++ < 13 simulates bfloat16_t with a 16-bit float)
 //   gemm_ar_sim run <dir>   runs <dir>/job.txt, writes c<call>_out<rank>.bin, prints one "result" line per call
-//                           and rank: call rank code peer item block (code 0 = success), and a
-//                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp)
+//                           and rank: call rank code peer item block (code 0 = success), a
+//                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp) and an
+//                           "unfenced_flags N" line (flags raised after an unfenced payload store)
 //
 // job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
@@ -328,6 +329,9 @@ int run(const std::string& dir) {
   // Scalar stores that no dcci ever wrote back (strict cache model): each is a flag or record nobody could see.
   std::printf("lost_store_lines %llu\n",
               static_cast<unsigned long long>(gemm_ar::device::sim_cache::lost_store_lines().load()));
+  // Flags raised after a payload DMA store with no release fence in between (ordering model, sim_data_cache.hpp).
+  std::printf("unfenced_flags %llu\n",
+              static_cast<unsigned long long>(gemm_ar::device::sim_cache::unfenced_flags().load()));
   // Error records are per rank and tagged with the call that wrote them; report each call's own.
   for (size_t c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {
