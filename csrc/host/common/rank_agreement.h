@@ -21,6 +21,9 @@ enum SignatureField : int64_t {
 };
 using CallSignature = std::array<int64_t, kSignatureFields>;
 
+// The readable name of signature field `field` (kSigM: "M", ...); nullptr past the last field.
+const char* signature_field_name(int64_t field);
+
 // The signature of `call` on this rank; `chosen` is the algorithm it will run (auto already resolved).
 CallSignature call_signature(const CallArgs& call, Algorithm chosen);
 

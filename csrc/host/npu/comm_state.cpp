@@ -12,8 +12,10 @@
 #include <stdexcept>
 #include <vector>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
+#include "common/kernel_timeout.h"
 #include "common/settings.h"
 #include "npu/hccl_context_layout.h"
 #include "npu/hccl_symbols.h"
@@ -112,6 +114,16 @@ void assemble_ring_context(const uint8_t* block, CommContext* ctx) {
     ctx->windows_in[peer] = relation.windowsIn;
     ctx->windows_out[peer] = relation.windowsOut;
   }
+}
+
+// The runtime's AI Core op-execute timeout in ms. aclrtGetOpExecuteTimeout exists only in newer CANN, so it is
+// looked up at run time; without it, the documented default (common/kernel_timeout.h).
+int64_t aicore_timeout_ms() {
+  using GetTimeout = aclError (*)(uint32_t*);
+  auto get = reinterpret_cast<GetTimeout>(dlsym(RTLD_DEFAULT, "aclrtGetOpExecuteTimeout"));
+  uint32_t ms = 0;
+  if (get != nullptr && get(&ms) == ACL_SUCCESS && ms > 0) return static_cast<int64_t>(ms);
+  return kDocumentedAiCoreTimeoutMs;
 }
 
 int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
@@ -300,8 +312,10 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
   state.window_bytes = static_cast<uint64_t>(window);
   state.compute_blocks = static_cast<int32_t>(compute);
   state.comm_blocks = static_cast<int32_t>(comm);
-  state.first_epoch = static_cast<uint32_t>(rows[0][kFieldEpoch]);
-  state.next_epoch = state.first_epoch;
+  state.calls = KernelErrorWatch(static_cast<uint32_t>(rows[0][kFieldEpoch]));
+  state.epoch_device = at::full({1}, static_cast<int64_t>(static_cast<uint32_t>(rows[0][kFieldEpoch])),
+                                at::TensorOptions().dtype(at::kLong).device(state.device));
+  state.aicore_timeout_ms = aicore_timeout_ms();
   state.error_device = at::zeros({static_cast<int64_t>(sizeof(ErrorRecord))},
                                  at::TensorOptions().dtype(at::kByte).device(state.device));
   state.error_host = at::empty({static_cast<int64_t>(sizeof(ErrorRecord))},
@@ -328,14 +342,29 @@ void set_up(CommState& state, c10d::ProcessGroup& group) {
   agree(state, group, local);
 }
 
+// Held across the setup collective, so two threads never set up the same group twice. Never destroyed: device
+// memory and HCCL resources must not be released by static destructors after torch_npu has shut down.
+std::mutex& registry_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+std::map<std::string, std::unique_ptr<CommState>>& registry() {
+  static auto* states = new std::map<std::string, std::unique_ptr<CommState>>();
+  return *states;
+}
+
 }  // namespace
 
+std::vector<CommState*> all_comm_states() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<CommState*> out;
+  for (auto& entry : registry()) out.push_back(entry.second.get());
+  return out;
+}
+
 CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device) {
-  // Held across the setup collective, so two threads never set up the same group twice. Never destroyed: device
-  // memory and HCCL resources must not be released by static destructors after torch_npu has shut down.
-  static std::mutex registry_mutex;
-  static auto* registry = new std::map<std::string, std::unique_ptr<CommState>>();
-  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto* registry = &gemm_ar::npu::registry();
   const std::string key = group.getGroupName() + "@" + std::to_string(device.index());
   auto found = registry->find(key);
   if (found != registry->end()) return *found->second;

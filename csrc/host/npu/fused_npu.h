@@ -26,4 +26,11 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group);
 // TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 every call waits for its kernels and raises its own failure.
 at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group);
 
+// The NPU's rank agreement (BackendHooks::check_agreement; issue 9, finding 4). The group's first fused call, and
+// every call of another algorithm, exchange signatures over the process group (a host synchronisation). After that,
+// a fused call only puts its signature in the kernel arguments and the comm kernel compares the ranks' signatures
+// through the window before it moves data: no synchronisation, no copy to the host. A rank whose arguments are bad
+// (or whose M is 0) launches a signature-only comm kernel, so that its peers' kernels stop at once, and raises.
+void agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group);
+
 }  // namespace gemm_ar::npu
