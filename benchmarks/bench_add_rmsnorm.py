@@ -1,69 +1,155 @@
-"""The fused add+RMSNorm epilogue (gemm_allreduce_add_rmsnorm) against gemm_allreduce alone and against
-gemm_allreduce followed by torch's add and torch.nn.functional.rms_norm, interleaved round-robin on the same inputs.
+"""The fused add+RMSNorm epilogue (gemm_allreduce_add_rmsnorm) against gemm_allreduce alone and against what a user
+writes: gemm_allreduce, then torch's add and torch.nn.functional.rms_norm. Interleaved round-robin on rotated input
+sets, both outputs checked against float64 first.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_add_rmsnorm.py [--shapes 4096x256x2048,16x256x2048] [--dtype bf16]
+    torchrun --nproc-per-node 2 benchmarks/bench_add_rmsnorm.py [--shapes 4096x256x2048,64x256x2048] [--dtype fp32|bf16]
 
 Issue 13's target on the CPU engine: fused epilogue / gemm_allreduce alone <= 1.03 at M4096 K256 N2048.
 """
 import argparse
-import statistics
-import time
+import os
+import sys
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch_gemm_ar
+from benchkit import dist_env, metrics, report  # noqa: E402
+from benchkit.inputs import make_references, make_sets  # noqa: E402
+from benchkit.rows import PIPELINED, Row  # noqa: E402
+from benchkit.timing import time_rows  # noqa: E402
+from bench_cpu_fused import parse_shapes  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_SHAPES = "4096x256x2048,64x256x2048,1x256x2048"
+TARGET_RATIO = 1.03
+EPS = 1e-6
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="4096x256x2048,64x256x2048,1x256x2048")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--algorithm", default="fused")
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--algorithm", default="fused", help="the algorithm of every library row")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank, dtype = dist.get_rank(), DTYPES[args.dtype]
-    rows = []
-    for item in args.shapes.split(","):
-        m, k, n = (int(v) for v in item.split("x"))
-        g = torch.Generator().manual_seed(rank)
-        a = torch.randn(m, k, generator=g).to(dtype)
-        b = torch.randn(k, n, generator=torch.Generator().manual_seed(1)).to(dtype)
-        residual = torch.randn(m, n, generator=torch.Generator().manual_seed(2)).to(dtype)
-        w = torch.ones(n, dtype=dtype)
-        variants = {
-            "gemm_allreduce": lambda: torch_gemm_ar.gemm_allreduce(a, b, algorithm=args.algorithm),
-            "unfused": lambda: F.rms_norm(torch_gemm_ar.gemm_allreduce(a, b, algorithm=args.algorithm) + residual,
-                                          (n,), w, 1e-6),
-            "fused_epilogue": lambda: torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, residual, w, eps=1e-6,
-                                                                              algorithm=args.algorithm),
-        }
-        times = {name: [] for name in variants}
-        for it in range(args.warmup + args.iters):
-            for name, fn in variants.items():  # round-robin: load changes hit every variant alike
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - start
-                if it >= args.warmup:
-                    times[name].append(elapsed)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        rows.append((f"M{m} K{k} N{n} {args.dtype}", med))
-    if rank == 0:
-        print(f"world {dist.get_world_size()}, algorithm={args.algorithm}, median of {args.iters}")
-        print("| shape | gemm_allreduce ms | +add+rms_norm (torch) ms | fused epilogue ms | fused/alone | fused/unfused |")
-        print("|---|---|---|---|---|---|")
-        for shape, med in rows:
-            alone, unfused, fused = med["gemm_allreduce"], med["unfused"], med["fused_epilogue"]
-            print(f"| {shape} | {alone * 1e3:.2f} | {unfused * 1e3:.2f} | {fused * 1e3:.2f} | {fused / alone:.3f} | "
-                  f"{fused / unfused:.3f} |")
-    dist.destroy_process_group()
+    p.add_argument("--input-sets", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH")
+    dist_env.add_launch_arguments(p, with_device=False)
+    return p.parse_args(argv)
+
+
+def epilogue_inputs(seed, count, m, n, dtype):
+    """Residual and norm weight per input set: the same on every rank (the residual stream is replicated)."""
+    import torch
+
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 104729 * i + 17)
+        out.append((torch.randn(m, n, generator=g).to(dtype), (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)))
+    return out
+
+
+def build_rows(env, sets, extras, algorithm):
+    import torch
+    import torch.nn.functional as F
+
+    lib = env.library
+
+    def alone(i):
+        return lib.gemm_allreduce(sets[i].a, sets[i].b, env.group, algorithm=algorithm)
+
+    def unfused(i):
+        residual, weight = extras[i]
+        out = lib.gemm_allreduce(sets[i].a, sets[i].b, env.group, algorithm=algorithm) + residual
+        return out, F.rms_norm(out, (out.shape[-1],), weight, EPS)
+
+    def fused(i):
+        residual, weight = extras[i]
+        return lib.gemm_allreduce_add_rmsnorm(sets[i].a, sets[i].b, residual, weight, env.group, eps=EPS,
+                                              algorithm=algorithm)
+
+    element = torch.empty(0, dtype=sets[0].a.dtype).element_size()
+    return [Row("gemm_allreduce", "gemm_allreduce alone", PIPELINED, alone, "reduced", element),
+            Row("unfused", "gemm_allreduce + add + F.rms_norm", PIPELINED, unfused, "reduced", element),
+            Row("fused_epilogue", "gemm_allreduce_add_rmsnorm", PIPELINED, fused, "reduced", element)]
+
+
+def check(rows, reference, residual, weight):
+    """Max relative error of each row's outputs on input set 0 against float64."""
+    import torch
+
+    out_ref = reference + residual.double()
+    rms = torch.rsqrt(out_ref.pow(2).mean(-1, keepdim=True) + EPS)
+    normed_ref = out_ref * rms * weight.double()
+    errors = {}
+    for row in rows:
+        got = row.run(0)
+        pairs = [(got, reference)] if row.key == "gemm_allreduce" else [(got[0], out_ref), (got[1], normed_ref)]
+        errors[row.key] = max(metrics.relative_error(float((g.double() - w).abs().max()), float(w.abs().max()))
+                              for g, w in pairs)
+    return errors
+
+
+def measure(env, shape, dtype, args):
+    import torch.distributed as dist
+
+    m, k, n = shape
+    sets = make_sets(args.seed, args.input_sets, env.rank, m, k, n, dtype, False, env.device)
+    extras = epilogue_inputs(args.seed, args.input_sets, m, n, dtype)
+    rows = build_rows(env, sets, extras, args.algorithm)
+    reference = make_references(args.seed, env.world, env.rank, m, k, n, dtype, False).reduced
+    errors = check(rows, reference, *extras[0])
+    local = time_rows(env, rows, args.input_sets, max(args.warmup - 1, 0), args.iters)
+    every_rank = [None] * env.world
+    dist.all_gather_object(every_rank, (local, errors), group=env.group)
+    result = {"shape": {"m": m, "k": k, "n": n, "dtype": args.dtype}, "rows": {}}
+    for row in rows:
+        timings = [times[row.key] for times, _ in every_rank]
+        result["rows"][row.key] = {"label": row.label, "timings_s": timings, **metrics.rank_stats(timings),
+                                   "max_rel_error": max(errs[row.key] for _, errs in every_rank)}
+    med = {key: entry["median_s"] for key, entry in result["rows"].items()}
+    result["ratios"] = {"fused_over_alone": med["fused_epilogue"] / med["gemm_allreduce"],
+                        "fused_over_unfused": med["fused_epilogue"] / med["unfused"]}
+    return result
+
+
+def summary_table(results) -> str:
+    headers = ["shape", "alone us", "unfused us", "fused us", "fused/alone", "fused/unfused", "rel err (fused)"]
+    body = []
+    for r in results:
+        s, rows, ratios = r["shape"], r["rows"], r["ratios"]
+        ratio = ratios["fused_over_alone"]
+        body.append([f"M{s['m']} K{s['k']} N{s['n']} {s['dtype']}",
+                     *(f"{rows[key]['median_s'] * 1e6:,.1f}" for key in ("gemm_allreduce", "unfused", "fused_epilogue")),
+                     f"{ratio:.3f}" + (" ok" if ratio <= TARGET_RATIO else " MISS"),
+                     f"{ratios['fused_over_unfused']:.3f}", f"{rows['fused_epilogue']['max_rel_error']:.1e}"])
+    return report.format_table(headers, body)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not dist_env.under_torchrun():
+        return dist_env.relaunch_under_torchrun(args.nproc, args.timeout_s)
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    env = dist_env.start("cpu", args.threads, args.timeout_s)
+    try:
+        results = [measure(env, shape, dtype, args) for shape in parse_shapes(args.shapes)]
+        if env.rank == 0:
+            print(report.header("torch-gemm-ar: fused add+RMSNorm epilogue", "cpu", env.world, env.threads))
+            print(f"algorithm={args.algorithm}; median over ranks' medians of {args.iters} interleaved calls; "
+                  f"target fused/alone <= {TARGET_RATIO}")
+            print(summary_table(results))
+            report.write_json(args.json, {"run": report.header_fields("cpu", env.world, env.threads),
+                                          "algorithm": args.algorithm, "target_fused_over_alone": TARGET_RATIO,
+                                          "shapes": results})
+            if args.json:
+                print(f"\nJSON: {args.json}")
+    finally:
+        dist_env.stop()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

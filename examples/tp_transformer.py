@@ -9,6 +9,8 @@ Two ways of writing the unfused TP model, both converted in place:
   RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model).
 - plain: Megatron-style layers written by hand (ColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
   all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]).
+Converted, the block fuses o_proj's all-reduce with the residual add and post_attention_layernorm
+(RowParallelLinear.forward(x, residual, norm) -> torch_gemm_ar.gemm_allreduce_add_rmsnorm).
 For each style the script checks that the outputs agree, runs a few training steps (forward + backward + SGD) on
 both models and checks that the weights agree, then prints forward and training-step times side by side.
 The model classes are importable (tests/test_nn_*.py use them); nothing runs on import.
@@ -47,17 +49,6 @@ class BlockConfig:
             raise ValueError(f"heads={self.heads} and ffn={self.ffn} must be divisible by the world size {world}")
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.float() * scale).to(x.dtype) * self.weight
-
-
 def apply_rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding on [B, heads, S, head_dim] (rotate-half form)."""
     seq, dim = x.shape[-2], x.shape[-1]
@@ -80,6 +71,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
 
     def forward(self, x):
+        return self.o_proj(self.heads_output(x))
+
+    def heads_output(self, x):
+        """The attention's output before o_proj: [B, S, this rank's heads * head_dim]."""
         batch, seq, _ = x.shape
 
         def heads(t):  # the head count comes from the shape: all heads, or this rank's heads under TP
@@ -89,7 +84,7 @@ class Attention(nn.Module):
         k = apply_rotary(heads(self.k_proj(x)), self.rope_theta)
         v = heads(self.v_proj(x))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class MLP(nn.Module):
@@ -106,14 +101,22 @@ class MLP(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: BlockConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden, eps=cfg.eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        heads = self.self_attn.heads_output(self.input_layernorm(x))
+        o_proj = self.self_attn.o_proj
+        if getattr(o_proj, "fuses_add_rmsnorm", False):
+            # Converted: o_proj's all-reduce, the residual add and the next RMSNorm in one op
+            # (torch_gemm_ar.gemm_allreduce_add_rmsnorm).
+            x, normed = o_proj(heads, x, self.post_attention_layernorm)
+        else:
+            x = x + o_proj(heads)
+            normed = self.post_attention_layernorm(x)
+        return x + self.mlp(normed)
 
 
 def make_block(cfg: BlockConfig, seed: int, dtype=torch.float32) -> DecoderBlock:

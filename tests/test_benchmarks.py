@@ -292,6 +292,7 @@ TINY_ARGS = {
     "bench_gemm_allreduce.py": ["--M", "37", "--K", "19", "--N", "23", "--iters", "1", "--warmup", "0",
                                 "--input-sets", "1"],
     "bench_cpu_fused.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
+    "bench_add_rmsnorm.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
     "sweep.py": ["--models", "Llama-3.2-1B", "--tp", "2", "--m-list", "1,5", "--scale", "256", "--k-scale", "256",
                  "--max-iters", "1", "--min-iters", "1", "--warmup", "0", "--budget-s", "0.01"],
 }
@@ -385,4 +386,6 @@ def test_documented_torchrun_command_runs(doc, words, tmp_path):
         assert os.path.exists(tmp_path / "out" / "sweep.json")
     else:
         with open(tmp_path / "out.json") as f:
-            assert json.load(f)["shape"]["m"] == 37
+            result = json.load(f)
+        first_shape = result["shapes"][0] if "shapes" in result else result  # multi-shape scripts keep a list
+        assert first_shape["shape"]["m"] == 37

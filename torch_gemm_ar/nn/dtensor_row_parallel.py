@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._ops import gemm_allreduce
+from ._add_norm import add_rmsnorm_after_reduction, check_norm
 from .row_parallel_linear import check_algorithm
 
 
@@ -162,7 +163,15 @@ class DTensorRowParallelLinear(nn.Module):
         x = DTensor.from_local(x, self.device_mesh, self.input_layouts, run_check=False)
         return x.redistribute(self.device_mesh, (Shard(last),)).to_local()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fuses_add_rmsnorm = True  # forward(x, residual, norm) is available
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, norm: Optional[nn.Module] = None):
+        """`forward(x)`: as the parallelized nn.Linear. `forward(x, residual, norm)` with `norm` an nn.RMSNorm over
+        out_features and `residual` a replicated tensor (local values): `(out, normed)` = (layer(x) + residual,
+        norm(out)) through one gemm_allreduce_add_rmsnorm; plain tensors, or Replicate DTensors when the layer's
+        output is a DTensor (use_local_output=False)."""
+        if residual is not None or norm is not None:
+            return self._forward_add_norm(x, residual, norm)
         local = self._local_shard(x)
         weight = self.weight.to_local()  # [out, in/world]; its gradient comes back as a Shard(1) DTensor
         bias = None if self.bias is None else self.bias.to_local()
@@ -179,6 +188,23 @@ class DTensorRowParallelLinear(nn.Module):
         from torch.distributed.tensor import DTensor, Replicate
 
         return DTensor.from_local(out, self.device_mesh, (Replicate(),), run_check=False)
+
+    def _forward_add_norm(self, x, residual, norm):
+        check_norm("DTensorRowParallelLinear", norm, residual, self.out_features)
+        local = self._local_shard(x)
+        weight = self.weight.to_local()
+        if local.shape[-1] != weight.shape[1]:
+            raise ValueError(f"DTensorRowParallelLinear: the local input shard has {local.shape[-1]} features, the "
+                             f"weight shard {weight.shape[1]}; input shape {tuple(local.shape)}")
+        residual = residual.to_local() if hasattr(residual, "to_local") else residual  # replicated: local = whole
+        bias = None if self.bias is None else self.bias.to_local()
+        out, normed = add_rmsnorm_after_reduction(local, weight.t(), bias, residual, norm, self.group_name,
+                                                  self.algorithm, self.out_features)
+        if self.use_local_output:
+            return out, normed
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return tuple(DTensor.from_local(t, self.device_mesh, (Replicate(),), run_check=False) for t in (out, normed))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

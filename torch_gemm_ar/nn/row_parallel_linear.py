@@ -5,7 +5,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._ops import ALGORITHMS, GroupLike, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_reduce_scatter
+from .._ops import ALGORITHMS, GroupLike, gemm_allreduce, gemm_reduce_scatter
+from ._add_norm import add_rmsnorm_after_reduction, check_norm
 from ._groups import GroupInfo, resolve_group
 
 
@@ -172,32 +173,23 @@ class RowParallelLinear(nn.Module):
         out = gemm_allreduce(flat, weight_t, self.group_name, bias=self.bias, algorithm=self.algorithm)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def fuses_add_rmsnorm(self) -> bool:
+        """True when forward(x, residual, norm) is available (it follows an all-reduce, not a reduce-scatter)."""
+        return not self.sequence_parallel
+
     def _forward_add_norm(self, x, residual, norm):
-        if residual is None or norm is None:
-            raise ValueError("RowParallelLinear: residual and norm must be given together (forward(x, residual, norm))")
+        check_norm("RowParallelLinear", norm, residual, self.out_features)
         if self.sequence_parallel:
             raise ValueError("RowParallelLinear(sequence_parallel=True): forward(x, residual, norm) is not available; "
                              "the fused add+RMSNorm follows an all-reduce, not a reduce-scatter")
-        if not isinstance(norm, nn.RMSNorm) or norm.weight is None or tuple(norm.normalized_shape) != (self.out_features,):
-            raise ValueError(
-                f"RowParallelLinear: norm must be an nn.RMSNorm({self.out_features}) with elementwise_affine=True; "
-                f"got {norm!r}"
-            )
         if x.shape[-1] != self.in_features_per_rank:
             raise ValueError(
                 f"RowParallelLinear: the input must be this rank's shard of the hidden dimension, last dim "
                 f"{self.in_features_per_rank}; got shape {tuple(x.shape)}"
             )
-        eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default
-        flat = x.dim() not in (2, 3)
-        xs = x.reshape(-1, x.shape[-1]) if flat else x
-        res = residual.reshape(-1, residual.shape[-1]) if flat and residual.dim() == x.dim() else residual
-        out, normed = gemm_allreduce_add_rmsnorm(xs, self.weight.t(), res, norm.weight, self.group_name, eps=eps,
-                                                 bias=self.bias, algorithm=self.algorithm)
-        if flat:
-            shape = (*x.shape[:-1], self.out_features)
-            out, normed = out.reshape(shape), normed.reshape(shape)
-        return out, normed
+        return add_rmsnorm_after_reduction(x, self.weight.t(), self.bias, residual, norm, self.group_name,
+                                           self.algorithm, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -98,8 +98,8 @@ void CallJob::fail(const std::string& message, bool disagreement) {
 namespace {
 
 // Reads every peer's header for `epoch` without waiting; true once all have arrived (signatures in `all`).
-bool poll_signatures(const std::vector<uint8_t*>& windows, int rank, uint32_t epoch, std::vector<CallSignature>& all,
-                     std::vector<char>& arrived) {
+bool poll_signatures(const std::vector<uint8_t*>& windows, const WindowSet& window_set, int rank, uint32_t epoch,
+                     std::vector<CallSignature>& all, std::vector<char>& arrived) {
   bool done = true;
   for (size_t r = 0; r < windows.size(); ++r) {
     if (arrived[r]) continue;
@@ -107,6 +107,8 @@ bool poll_signatures(const std::vector<uint8_t*>& windows, int rank, uint32_t ep
       case PeerCallState::kArrived: arrived[r] = 1; break;
       case PeerCallState::kNotYet: done = false; break;
       case PeerCallState::kAbandoned:
+        // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
+        window_set.check_peers_alive(("before call " + std::to_string(epoch)).c_str());
         throw CallRejected("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch) +
                            " before it started (see that rank's error) [rank " + std::to_string(rank) + "]");
     }
@@ -136,7 +138,7 @@ std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& window
   all[rank] = mine;
   arrived[rank] = 1;
   const std::string context = "before call " + std::to_string(epoch);
-  bounded_wait([&] { return poll_signatures(windows, rank, epoch, all, arrived); }, no_progress,
+  bounded_wait([&] { return poll_signatures(windows, window_set, rank, epoch, all, arrived); }, no_progress,
                [&] { window_set.check_peers_alive(context.c_str()); },
                [&] { return missing_ranks(arrived, epoch, timeout, rank); }, bell, timeout, stop);
   return all;
@@ -274,7 +276,7 @@ class CommBlock {
   // Agree on the call before touching any peer's data: block 0 checks every header, the others wait for it.
   bool try_validate() {
     if (c_ != 0) return validated_ = job_.headers_checked.load(std::memory_order_acquire) == 1;
-    if (!poll_signatures(job_.windows, me_, epoch_, all_, arrived_)) return false;
+    if (!poll_signatures(job_.windows, *job_.window_set, me_, epoch_, all_, arrived_)) return false;
     std::string problem = diagnose_signatures(all_, me_, *job_.call, job_.group_name);
     if (!problem.empty()) throw CallRejected(problem);
     job_.headers_checked.store(1, std::memory_order_release);
@@ -286,6 +288,8 @@ class CommBlock {
     job_.window_set->check_peers_alive(("during " + call_name_).c_str());
     for (int r = 0; r < world_; ++r) {
       if (r != me_ && abandoned(job_.windows[r], epoch_)) {
+        // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
+        job_.window_set->check_peers_alive(("during " + call_name_).c_str());
         throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name_ +
                                  " (see that rank's error) [rank " + std::to_string(me_) + "]");
       }

@@ -7,7 +7,10 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <unistd.h>
 
+#include <condition_variable>
+#include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "common/settings.h"
 #include "cpu/call_header.h"
@@ -85,6 +88,78 @@ bool group_is_gone(const std::string& name, const EngineSlot& slot) {
   }
 }
 
+// Takes out of the registry the slots of groups that are gone (except `keep`). Caller holds reg.mutex; the slots
+// are destroyed by the caller after dropping it (that joins comm threads and unmaps windows).
+std::vector<std::shared_ptr<EngineSlot>> take_gone_slots(Registry& reg, const c10d::ProcessGroup* keep) {
+  std::vector<std::shared_ptr<EngineSlot>> released;
+  for (auto it = reg.slots.begin(); it != reg.slots.end();) {
+    if (it->second->group != keep && group_is_gone(it->first, *it->second)) {
+      released.push_back(std::move(it->second));
+      it = reg.slots.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return released;
+}
+
+void release(std::vector<std::shared_ptr<EngineSlot>>& released) {
+  if (released.empty()) return;
+  released.clear();  // the last reference to an idle engine: joins its comm threads, unmaps its windows
+  trim_output_pool();
+}
+
+// Releases the engines of destroyed or collected groups within about a second, without waiting for another call
+// (a process may destroy its groups and never call again). One thread per process, stopped at exit before the
+// statics it uses (c10d's group registry) are destroyed: std::atexit runs in reverse order of registration.
+class GroupReaper {
+ public:
+  // Also in a forked child that sets up groups of its own (threads are not copied by fork).
+  static void start() {
+    static std::mutex start_mutex;
+    std::lock_guard<std::mutex> lock(start_mutex);
+    if (instance_ != nullptr && instance_->owner_ == getpid()) return;
+    const bool first = instance_ == nullptr;
+    instance_ = new GroupReaper();  // never freed: it outlives every engine; a child's copy of the parent's leaks
+    instance_->thread_ = std::thread([r = instance_] { r->loop(); });
+    if (first) std::atexit([] { instance_->stop(); });  // atexit handlers are inherited across fork
+  }
+
+ private:
+  static inline GroupReaper* instance_ = nullptr;
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stopping_) {
+      wake_.wait_for(lock, std::chrono::seconds(1));
+      if (stopping_ || registry == nullptr || getpid() != owner_) break;
+      lock.unlock();
+      std::vector<std::shared_ptr<EngineSlot>> released;
+      {
+        std::lock_guard<std::mutex> reg_lock(registry->mutex);
+        released = take_gone_slots(*registry, nullptr);
+      }
+      release(released);
+      lock.lock();
+    }
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable() && getpid() == owner_) thread_.join();
+  }
+
+  const pid_t owner_ = getpid();  // a forked child has no copy of this thread
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
@@ -100,14 +175,7 @@ std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
                 reg.parent, " before it forked this process (pid ", getpid(),
                 "); its shared windows and comm threads belong to the parent. Create process groups in the child "
                 "(or start workers with the 'spawn' method) to call gemm_allreduce there.");
-    for (auto it = reg.slots.begin(); it != reg.slots.end();) {
-      if (it->second->group != &group && group_is_gone(it->first, *it->second)) {
-        released.push_back(std::move(it->second));
-        it = reg.slots.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    released = take_gone_slots(reg, &group);
     auto& entry = reg.slots[name];
     if (entry == nullptr || entry->group != &group || entry->alive.expired()) {
       if (entry != nullptr) released.push_back(std::move(entry));  // a new group under a reused name
@@ -115,10 +183,8 @@ std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
     }
     slot = entry;
   }
-  if (!released.empty()) {
-    released.clear();  // the last reference to an idle engine: joins its comm threads, unmaps its windows
-    trim_output_pool();
-  }
+  release(released);
+  GroupReaper::start();
   std::lock_guard<std::mutex> setup(slot->setup_mutex);
   // A setup that failed (a peer never came) left no engine: the next call tries again.
   if (slot->engine == nullptr) slot->engine.reset(new FusedEngine(group));
@@ -261,6 +327,7 @@ void FusedEngine::grow(const LayoutParams& need) {
     windows_->check_peers_alive("while growing the shared windows");
     for (int r = 0; r < world_; ++r) {
       if (r != rank_ && abandoned(old[r], epoch_)) {
+        windows_->check_peers_alive("while growing the shared windows");  // name a dead rank behind the abandon
         raise("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch_) +
                   " (see that rank's error)" + where(),
               true);
