@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 FP16, BF16 = 1, 2  # gemm_ar::DTypeCode
 B_ROW_MAJOR, B_TRANSPOSED = 0, 1  # gemm_ar::BLayoutCode
 ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced the call
+MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank's CommContext is built
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word
 
@@ -52,7 +53,8 @@ def _compile_flags(tmp):
     flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
              "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
              "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
-             "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels")]
+             "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels"),
+             "-I" + os.path.join(ROOT, "csrc", "host")]
     # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
     extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
     return cxx, flags + extra, extra
@@ -64,7 +66,8 @@ def _build(tmp):
     jobs, objects = [], []
     for src in (os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
                 os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
-                os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")):
+                os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp"),
+                os.path.join(ROOT, "csrc", "host", "npu", "ring_context.cpp")):
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
         jobs.append(subprocess.Popen([cxx] + flags + ["-c", src, "-o", obj]))
         objects.append(obj)
@@ -114,13 +117,14 @@ def _unit_roundoff(dtype, bf16_native):
 
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
-             process_timeout_s=900, negative_control=0):
+             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
     clobber_after, late_rank, late_us, sig_rank/sig_word/sig_value, bad_rank/bad_code, out_fill, via_counter
     (sim_main.cpp). Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     rng = np.random.default_rng(seed)
     job_dir = str(tmp_path)
-    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed}", f"calls {len(calls)}"]
+    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology}",
+             f"calls {len(calls)}"]
     cases = []
     for c, spec in enumerate(calls):
         m, n, k = spec["m"], spec["n"], spec["k"]
@@ -162,7 +166,9 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
     env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0", GEMM_AR_SIM_NEGATIVE_CONTROL=str(negative_control))
     proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=process_timeout_s,
                           env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == expect_exit, proc.stderr + proc.stdout
+    if expect_exit != 0:
+        return proc.stdout, None
     if os.environ.get("GEMM_AR_SIM_REPORT_LOST"):  # debugging aid: which lines lost stores (sim_data_cache.hpp)
         print(proc.stderr)
     results = {}
@@ -466,3 +472,24 @@ def test_epoch_from_the_device_counter_overrides_replayed_arguments(simulator, t
                               calls=calls, seed=900, timeout_us=3_000_000)
     for c, case in enumerate(cases):
         _check_call(simulator, FP16, 3, case, results, c)
+
+
+def test_ring_context_assembled_by_the_host_code(simulator, tmp_path):
+    # RING (A3): each rank's CommContext comes from a fake HCCL op-resource block through the host's own
+    # assemble_ring_context (csrc/host/npu/ring_context.cpp), then the kernels run on it (MESH: every other test).
+    calls = [dict(m=140, n=300, k=90, b_layout=B_TRANSPOSED, bias=True, epoch=950),
+             dict(m=260, n=130, k=40, b_layout=B_ROW_MAJOR, bias=False, epoch=951, clobber_after=CLOBBER_RANDOM),
+             dict(m=70, n=520, k=60, b_layout=B_TRANSPOSED, bias=False, epoch=952)]
+    cases, results = _run_job(simulator, tmp_path, world=4, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=950, topology=RING)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 4, case, results, c)
+
+
+def test_ring_context_with_a_moved_layout_is_refused(simulator, tmp_path):
+    # Rank 1's record for rank 0 names rank 2 (what a newer HCCL with moved fields would look like): refused with a
+    # message naming the record, before any kernel runs.
+    stdout, _ = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                         calls=[dict(m=64, n=64, k=64, b_layout=B_ROW_MAJOR, bias=False, epoch=960)], seed=960,
+                         topology=RING_MOVED_LAYOUT, expect_exit=3)
+    assert "ring_context_error" in stdout and "remoteRes[0] describes rank 2" in stdout, stdout

@@ -10,7 +10,7 @@
 //                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp) and an
 //                           "unfenced_flags N" line (flags raised after an unfenced payload store)
 //
-// job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
+// job.txt: "world P Q dtype timeout_us window_offset seed topology", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
 //          sig_value bad_rank bad_code out_fill via_counter".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
@@ -23,7 +23,10 @@
 // N, dtype, bias, algorithm (3 = fused). sig_rank >= 0 sets word sig_word of that rank's signature to sig_value (a
 // rank that called with another shape, dtype or algorithm); bad_rank >= 0 makes that rank a rank that rejected its
 // arguments: a signature-only launch of the comm kernel with word 0 = bad_code, no plan, no output, no compute
-// kernel, as the host does. out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
+// kernel, as the host does. topology 0 (MESH): every rank's CommContext is built directly, as HCCL returns it on A2;
+// 1 (RING): from a fake HCCL op-resource block per rank by the host's own assemble_ring_context
+// (csrc/host/npu/ring_context.cpp), as on A3; 2: RING with rank 1's record for rank 0 naming rank 2 (a layout HCCL
+// moved), which the assembly must refuse ("ring_context_error", exit code 3). out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
 // via_counter 1: the epoch reaches the kernels through KernelArgs::epoch_counter (as on the NPU host, where a graph
 // replay repeats the KernelArgs bytes) while KernelArgs::epoch holds a different wrong value on every rank.
 #include <pto/pto-inst.hpp>
@@ -45,6 +48,8 @@
 
 #include "gemm_ar/kernel_args.hpp"
 #include "kernel_entry.h"
+#include "npu/hccl_context_layout.h"
+#include "npu/ring_context.h"
 #include "sim_data_cache.hpp"
 
 namespace {
@@ -68,7 +73,7 @@ struct CallSpec {
 };
 
 struct Job {
-  int world = 0, compute_blocks = 0, comm_blocks = 0;
+  int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
   uint32_t dtype = 0, timeout_us = 0;
   uint64_t window_offset = 0, seed = 0;
   std::vector<CallSpec> calls;
@@ -115,7 +120,7 @@ Job read_job(const std::string& dir) {
   std::string word;
   int calls = 0;
   f >> job.world >> job.compute_blocks >> job.comm_blocks >> job.dtype >> job.timeout_us >> job.window_offset >>
-      job.seed >> word >> calls;
+      job.seed >> job.topology >> word >> calls;
   if (!f || word != "calls") {
     std::fprintf(stderr, "bad job.txt\n");
     std::exit(2);
@@ -210,13 +215,43 @@ int run(const std::string& dir) {
     fill_random(scratch[r]->ptr, scratch[r]->bytes, rng);
     fill_random(records[r]->ptr, records[r]->bytes, rng);
   }
+  namespace hccl = gemm_ar::npu::hccl_layout;
+  std::vector<std::vector<unsigned char>> ring_blocks(world);
+  std::vector<std::vector<hccl::RankRelationResV2>> relations(world, std::vector<hccl::RankRelationResV2>(world));
   for (int r = 0; r < world; ++r) {
     gemm_ar::CommContext& ctx = contexts[r];
     std::memset(&ctx, 0, sizeof(ctx));
-    ctx.rank_id = static_cast<uint32_t>(r);
-    ctx.rank_num = static_cast<uint32_t>(world);
-    ctx.win_size = windows[r]->bytes;
-    for (int p = 0; p < world; ++p) ctx.windows_in[p] = windows[p]->addr();
+    if (job.topology == 0) {
+      ctx.rank_id = static_cast<uint32_t>(r);
+      ctx.rank_num = static_cast<uint32_t>(world);
+      ctx.win_size = windows[r]->bytes;
+      for (int p = 0; p < world; ++p) ctx.windows_in[p] = windows[p]->addr();
+      continue;
+    }
+    // What HCCL hands out on RING: OpResParam with this rank's windows, and per peer a rank-relation record.
+    std::vector<unsigned char>& block = ring_blocks[r];
+    block.assign(sizeof(hccl::OpResParam) + static_cast<size_t>(world) * sizeof(hccl::RemoteResPtr), 0);
+    auto* param = reinterpret_cast<hccl::OpResParam*>(block.data());
+    param->localUsrRankId = static_cast<uint32_t>(r);
+    param->rankSize = static_cast<uint32_t>(world);
+    param->winSize = windows[r]->bytes;
+    param->localWindowsIn = windows[r]->addr();
+    auto* remote = reinterpret_cast<hccl::RemoteResPtr*>(block.data() + offsetof(hccl::OpResParam, remoteRes));
+    for (int p = 0; p < world; ++p) {
+      if (p == r) continue;
+      relations[r][p].remoteUsrRankId = static_cast<uint32_t>(job.topology == 2 && r == 1 && p == 0 ? 2 : p);
+      relations[r][p].windowsIn = windows[p]->addr();
+      remote[p].nextDevicePtr = reinterpret_cast<uint64_t>(&relations[r][p]);
+    }
+    try {
+      gemm_ar::npu::assemble_ring_context(
+          block.data(), &ctx, [](void* host, const void* device, size_t bytes, const char*) {
+            std::memcpy(host, device, bytes);
+          });
+    } catch (const gemm_ar::npu::RingContextError& e) {
+      std::printf("ring_context_error %s\n", e.what());
+      return 3;
+    }
   }
 
   // Inputs and outputs of every call, loaded up front so the ranks run without pauses between calls.

@@ -19,6 +19,7 @@
 #include "common/settings.h"
 #include "npu/hccl_context_layout.h"
 #include "npu/hccl_symbols.h"
+#include "npu/ring_context.h"
 
 namespace gemm_ar::npu {
 namespace {
@@ -68,51 +69,16 @@ void copy_from_device(void* host, const void* device, size_t bytes, SetupStage s
   check_acl(aclrtMemcpy(host, bytes, device, bytes, ACL_MEMCPY_DEVICE_TO_HOST), stage, what);
 }
 
-// Reads what RING topologies (A3) return, HCCL's op-resource block, and builds the CommContext the kernels expect:
-// this rank's windows from the block's head, every peer's from the rank-relation record its remoteRes[] entry
-// points to.
+void read_device_for_setup(void* host, const void* device, size_t bytes, const char* what) {
+  copy_from_device(host, device, bytes, kStageContext, what);
+}
+
+// RING topologies (A3): the context is assembled from HCCL's op-resource block (ring_context.cpp).
 void assemble_ring_context(const uint8_t* block, CommContext* ctx) {
-  layout::Mc2Workspace workspace{};
-  copy_from_device(&workspace, block, sizeof(workspace), kStageContext, "aclrtMemcpy(workspace)");
-  layout::OpResParamHead head{};
-  copy_from_device(&head, block + offsetof(layout::OpResParam, localUsrRankId), sizeof(head), kStageContext,
-                   "aclrtMemcpy(op resource head)");
-  if (head.rankSize == 0 || head.rankSize > kMaxWorld || head.localUsrRankId >= head.rankSize) {
-    throw SetupError(kStageContext, "HCCL op resources report rank " + std::to_string(head.localUsrRankId) + " of " +
-                                        std::to_string(head.rankSize));
-  }
-  std::vector<layout::RemoteResPtr> remote(head.rankSize);
-  copy_from_device(remote.data(), block + offsetof(layout::OpResParam, remoteRes),
-                   remote.size() * sizeof(layout::RemoteResPtr), kStageContext, "aclrtMemcpy(remoteRes)");
-  *ctx = CommContext{};
-  ctx->work_space = workspace.workspace;
-  ctx->work_space_size = workspace.workspaceSize;
-  ctx->rank_id = head.localUsrRankId;
-  ctx->rank_num = head.rankSize;
-  ctx->win_size = head.winSize;
-  for (uint32_t peer = 0; peer < head.rankSize; ++peer) {
-    if (peer == head.localUsrRankId) {
-      ctx->windows_in[peer] = head.localWindowsIn;
-      ctx->windows_out[peer] = head.localWindowsOut;
-      continue;
-    }
-    if (remote[peer].nextDevicePtr == 0) {
-      throw SetupError(kStageMismatch, "HCCL has no remote resources for rank " + std::to_string(peer));
-    }
-    layout::RankRelationResV2 relation{};
-    copy_from_device(&relation, reinterpret_cast<const void*>(remote[peer].nextDevicePtr), sizeof(relation),
-                     kStageContext, "aclrtMemcpy(rank relation)");
-    // The one field that says whether this record really is the peer's: a newer HCCL that moved localRes /
-    // remoteRes in OpResParam shows up here (as a wrong rank) instead of as writes to wrong addresses.
-    if (relation.remoteUsrRankId != peer || relation.windowsIn == 0) {
-      throw SetupError(kStageMismatch,
-                       "HCCL op-resource layout not understood (another HCCL version?): remoteRes[" +
-                           std::to_string(peer) + "] describes rank " + std::to_string(relation.remoteUsrRankId) +
-                           (relation.windowsIn == 0 ? " with no window" : "") +
-                           "; refusing the RING (A3) fused path, which would write to wrong addresses");
-    }
-    ctx->windows_in[peer] = relation.windowsIn;
-    ctx->windows_out[peer] = relation.windowsOut;
+  try {
+    gemm_ar::npu::assemble_ring_context(block, ctx, &read_device_for_setup);
+  } catch (const RingContextError& e) {
+    throw SetupError(e.mismatch ? kStageMismatch : kStageContext, e.what());
   }
 }
 

@@ -68,6 +68,7 @@ struct CommState {
   at::Tensor error_device;        // ErrorRecord the kernels write (plain device memory, zeroed once)
   at::Tensor error_host;          // pinned copy, refreshed asynchronously after every call
   std::shared_ptr<c10_npu::NPUEvent> error_copied;  // recorded after the refresh
+  std::vector<at::Tensor> captured_args;            // pinned KernelArgs copies graph replays read again
 };
 
 // The state of `group`'s HCCL communicator on `device`, set up on first use. Collective over `group`: every rank

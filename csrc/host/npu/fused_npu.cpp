@@ -167,11 +167,13 @@ void fill_call_header(KernelArgs* args, const CommState& state, uint32_t epoch, 
 }
 
 // The kernels take the struct through device memory; a pinned staging copy (caching host allocator) keeps the
-// upload asynchronous.
-at::Tensor upload_args(const KernelArgs& args, const at::Device& device) {
+// upload asynchronous. A captured graph replays the copy from the same host address, so while capturing the
+// staging buffer is kept for good instead of going back to the pool (a few hundred bytes per captured call).
+at::Tensor upload_args(const KernelArgs& args, const at::Device& device, CommState& state) {
   auto args_host = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(args_host.data_ptr(), &args, sizeof(args));
+  if (capturing()) state.captured_args.push_back(args_host);
   auto args_device = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
                                at::TensorOptions().dtype(at::kByte).device(device));
   args_device.copy_(args_host, /*non_blocking=*/true);
@@ -179,9 +181,10 @@ at::Tensor upload_args(const KernelArgs& args, const at::Device& device) {
 }
 
 // Raises the failure of an earlier call that the last refreshed error record shows, once, without waiting: if the
-// asynchronous refresh has not landed yet, the next call looks again. Needs state.mutex.
+// asynchronous refresh has not landed yet, the next call looks again. Not while capturing (an event query is not
+// allowed then; check_errors() reports). Needs state.mutex.
 void raise_recorded_error(CommState& state) {
-  if (!state.error_copied || !state.error_copied->query()) return;
+  if (capturing() || !state.error_copied || !state.error_copied->query()) return;
   ErrorRecord record;
   std::memcpy(&record, state.error_host.data_ptr(), sizeof(record));
   const std::string failure =
@@ -271,7 +274,7 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   args.scratch = reinterpret_cast<uint64_t>(scratch.data_ptr());
   args.bias_rank = 0;
 
-  at::Tensor args_device = upload_args(args, device);
+  at::Tensor args_device = upload_args(args, device, state);
   void* args_ptr = args_device.data_ptr();
 
   // Fork: the comm kernel starts after everything queued so far on the caller's stream (args, scratch, inputs).
@@ -335,7 +338,7 @@ void agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& gro
   fill_call_header(&args, state, epoch, fused_signature(call, chosen, state));
   args.dtype = kDTypeFloat16;  // read by nobody: a signature-only call moves no data
   args.signature_only = 1;
-  at::Tensor args_device = upload_args(args, device);
+  at::Tensor args_device = upload_args(args, device, state);
   const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
   const c10_npu::NPUStream comm_stream = c10_npu::getNPUStreamFromPool(device.index());
   c10_npu::NPUEvent forked;
