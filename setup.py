@@ -8,6 +8,7 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
 sys.path.insert(0, ROOT)  # PEP 517 builds do not put the project directory on sys.path
 
 import build_npu  # noqa: E402
@@ -24,18 +25,20 @@ cpu_extension = CppExtension(
     # No -march=native: the wheel must run on any x86-64 with AVX2 (no AVX-512 SIGILL on older hosts).
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter"],
     libraries=["rt"],
+    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"')],  # the auto tuner's cache is per library version
 )
 
 setup(
     name="torch-gemm-ar",
-    version="0.1.0",
+    version=VERSION,
     description="Fused GEMM + AllReduce for tensor-parallel PyTorch (Ascend NPU and CPU)",
     packages=find_packages(include=["torch_gemm_ar", "torch_gemm_ar.*"]),
     package_data={"torch_gemm_ar": ["libgemm_ar_*.so"]},  # the Ascend kernels, where they were built
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib"],
+        # transformers/accelerate: tests/test_hf_tp.py and examples/hf_llama_tp.py (5.24 is the version verified).
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "transformers>=5.24", "accelerate>=1.15"],
         "bench": ["matplotlib"],
         "npu": ["torch_npu"],
     },

@@ -1,11 +1,20 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rank_pool import RankPool  # noqa: E402
+
+# The `auto` tuner's decisions of a test run stay in the run (rank processes inherit this), not in ~/.cache.
+if "TORCH_GEMM_AR_TUNE_CACHE" not in os.environ:
+    _tune_dir = tempfile.mkdtemp(prefix="tgar-tune-")
+    atexit.register(shutil.rmtree, _tune_dir, True)
+    os.environ["TORCH_GEMM_AR_TUNE_CACHE"] = os.path.join(_tune_dir, "autotune.json")
 
 
 class _Pools:

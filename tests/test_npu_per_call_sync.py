@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 # What a fused call runs on the host, call after call (op flow -> NPU hooks -> fused path).
 PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
     "npu/fused_npu.cpp", "npu/npu_op.cpp", "common/op_flow.cpp", "common/call_args.cpp", "common/settings.cpp",
-    "common/algorithm.cpp", "common/kernel_error_watch.cpp",
+    "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp",
 )]
 
 # Demangled undefined symbols that synchronise, copy synchronously, allocate outside the caching allocators or run a

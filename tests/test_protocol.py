@@ -347,7 +347,7 @@ def layout_regions(w, compute_blocks):
 def test_window_layout_regions_aligned_disjoint_and_sized():
     rng = random.Random(61)
     align, line = P.kWindowAlign, P.kCacheLine
-    assert (align, line, P.kHeaderBytes) == (512, 64, 256)
+    assert (align, line, P.kHeaderBytes) == (512, 64, 512)
     for _ in range(CONFIGS):
         plan, world, compute_blocks, comm_blocks, elem_bytes, partial_elem_bytes = random_layout_params(rng)
         params = P.make_layout_params(plan, elem_bytes, partial_elem_bytes, world, compute_blocks, comm_blocks)
@@ -359,7 +359,7 @@ def test_window_layout_regions_aligned_disjoint_and_sized():
         w = P.make_window_layout(params)
 
         elems = plan.pad_m * plan.pad_n
-        assert w.header_bytes == 256
+        assert w.header_bytes == 512
         assert w.partial_bytes == elems * partial_elem_bytes
         assert w.reduced_bytes == elems * elem_bytes
         assert w.tile_flag_bytes == 4 * plan.tiles

@@ -23,11 +23,20 @@ from ._ops import (
     ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_reduce_scatter, group_name_of,
 )
 from .engine_mode import fused_engine_mode
-from . import nn
+from . import nn, tuning
+from .tuning import tune
 
 __all__ = [
     "ALGORITHMS", "allgather_gemm", "check_errors", "fused_engine_mode", "gemm_allreduce",
-    "gemm_allreduce_add_rmsnorm",
-    "gemm_reduce_scatter", "group_name_of", "nn",
+    "gemm_allreduce_add_rmsnorm", "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # torch_gemm_ar.compile (the torch.compile rewrite) imports Inductor pieces: loaded on first use only.
+    if name == "compile":
+        import importlib
+
+        return importlib.import_module(".compile", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

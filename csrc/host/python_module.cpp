@@ -1,6 +1,7 @@
 // torch_gemm_ar._C: loading it registers the op (static initialisers of ops.cpp and the device kernels).
 #include <torch/extension.h>
 
+#include "common/auto_tuner.h"
 #include "cpu/fused_call.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
@@ -13,4 +14,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: False runs communication only after the whole GEMM (benchmarks); returns the old value");
   m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
+  auto& tuner = gemm_ar::AutoTuner::instance();
+  m.def("_tuner_decisions", [&tuner] {
+    pybind11::list out;
+    for (const auto& d : tuner.decisions()) {
+      pybind11::dict medians;
+      for (const auto& [name, us] : d.slowest_rank_median_us) medians[pybind11::str(name)] = us;
+      out.append(pybind11::dict(pybind11::arg("group") = d.group, pybind11::arg("bucket") = d.bucket,
+                                pybind11::arg("algorithm") = d.algorithm, pybind11::arg("source") = d.source,
+                                pybind11::arg("slowest_rank_median_us") = medians));
+    }
+    return out;
+  }, "auto tuner: every decision of this process, in order");
+  m.def("_tuner_cache_path", [&tuner] { return tuner.cache_path(); });
+  m.def("_tuner_clear_memory", [&tuner] { tuner.clear_memory(); }, "tests: forget in-memory decisions");
+  m.def("_set_tuner_logger", [&tuner](pybind11::object fn) {
+    // Kept alive for the process (never released: decisions may be logged during interpreter shutdown).
+    auto* callback = new pybind11::object(std::move(fn));
+    tuner.set_logger([callback](const std::string& message) {
+      pybind11::gil_scoped_acquire gil;
+      try {
+        (*callback)(message);
+      } catch (const pybind11::error_already_set&) {
+        // A failing logger must not fail the collective call.
+      }
+    });
+  }, "auto tuner: fn(message) is called with each decision (torch_gemm_ar logs it)");
 }

@@ -1,4 +1,5 @@
-"""Taking over an nn.Linear that torch.distributed.tensor.parallel.RowwiseParallel parallelized (DTensor).
+"""Taking over an nn.Linear that torch.distributed.tensor.parallel.RowwiseParallel, or transformers' own
+RowwiseParallel (`tp_plan`), parallelized (DTensor).
 
 RowwiseParallel stores nothing on the module: `distribute_module` turns weight into a Shard(1) DTensor and bias into
 a Replicate DTensor, and installs a forward pre-hook and a forward hook, lambdas over `functools.partial`s of
@@ -6,6 +7,11 @@ a Replicate DTensor, and installs a forward pre-hook and a forward hook, lambdas
 `RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, ...)` plus the device mesh. The layouts are
 read back from those closures. torch.distributed.tensor takes seconds to import, so it is never imported here
 just to look: if the user has not imported it, no module can hold a DTensor or RowwiseParallel's hooks.
+
+transformers (5.x, `transformers.distributed.tensor_parallel`) installs no hooks: `TensorParallelLayer.install_forward`
+replaces the instance's `forward` by a closure `tp_forward` over the style object (`self`), the `mesh`, the `module`
+and its `original_forward`. Its RowwiseParallel keeps `input_layouts`, `output_layouts` and `use_local_output` on the
+style object, with the meaning of torch's (its Replicate output is an all_reduce, the bias added once after it).
 """
 import functools
 import sys
@@ -52,9 +58,42 @@ def _rowwise_partial(hook, fn) -> Optional[Tuple[functools.partial, Any]]:
     return partial, mesh
 
 
+def read_transformers_style(module: nn.Module) -> Optional[Tuple[Any, Any]]:
+    """(style, mesh) if transformers' TensorParallelLayer.install_forward replaced `module.forward`, else None."""
+    forward = module.__dict__.get("forward")
+    code, closure = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    tp = sys.modules.get("transformers.distributed.tensor_parallel")
+    if tp is None or code is None or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, closure))
+    try:
+        style, mesh, target = (cells[name].cell_contents for name in ("self", "mesh", "module"))
+    except (KeyError, ValueError):  # another closure, or an empty cell
+        return None
+    if not isinstance(style, tp.TensorParallelLayer) or target is not module:
+        return None
+    return style, mesh
+
+
+def _transformers_rowwise(module: nn.Module, others: List[str]) -> Optional[RowwiseLayouts]:
+    """The layouts of transformers' RowwiseParallel on `module`, if that is its style; a forward that was wrapped
+    again on top of transformers' own (the replacement would drop it) goes into `others`."""
+    found = read_transformers_style(module)
+    tp = sys.modules.get("transformers.distributed.tensor_parallel")
+    if found is None or not isinstance(found[0], tp.RowwiseParallel):
+        return None
+    style, mesh = found
+    original = dict(zip(module.forward.__code__.co_freevars, module.forward.__closure__))["original_forward"]
+    original = original.cell_contents
+    if getattr(original, "__func__", None) is not type(module).forward or original.__self__ is not module:
+        others.append(f"a forward wrapper {getattr(original, '__qualname__', original)!r} under transformers' own")
+    return RowwiseLayouts(mesh, (style.input_layouts,), (style.output_layouts,), bool(style.use_local_output))
+
+
 def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], List[str]]:
-    """(layouts, other_hooks): the layouts if RowwiseParallel's two hooks are on `module`, else None; other_hooks
-    describes every forward hook that is not RowwiseParallel's (they would be lost by a replacement)."""
+    """(layouts, other_hooks): the layouts if RowwiseParallel's two hooks (torch) or transformers' RowwiseParallel
+    forward are on `module`, else None; other_hooks describes every forward hook that is not RowwiseParallel's
+    (they would be lost by a replacement)."""
     style = sys.modules.get("torch.distributed.tensor.parallel.style")
     input_fn = style.RowwiseParallel._prepare_input_fn if style is not None else None
     output_fn = style.RowwiseParallel._prepare_output_fn if style is not None else None
@@ -72,7 +111,8 @@ def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], Lis
         else:
             others.append(f"forward hook {getattr(hook, '__qualname__', hook)!r}")
     if pre is None or post is None:
-        return None, others
+        layouts = _transformers_rowwise(module, others) if pre is None and post is None else None
+        return layouts, others
     (pre_partial, mesh), (post_partial, _) = pre, post
     input_layouts, _desired = pre_partial.args
     output_layouts, use_local_output = post_partial.args
@@ -101,8 +141,9 @@ def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other
         return [f"its weight is {placements}, not sharded along the input dimension (Shard(1)): not row-parallel"
                 + (" (ColwiseParallel shards the output dimension, Shard(0))" if placements == (Shard(0),) else "")]
     if layouts is None:
-        return ["its weight is a Shard(1) DTensor but RowwiseParallel's forward hooks are not on it (parallelized "
-                "by another style or by hand), so its input and output handling is unknown"]
+        return ["its weight is a Shard(1) DTensor but neither torch's RowwiseParallel hooks nor transformers' "
+                "RowwiseParallel forward are on it (parallelized by another style or by hand), so its input and "
+                "output handling is unknown"]
     problems = []
     if other_hooks:
         problems.append("it has other hooks that a replacement would drop: " + ", ".join(other_hooks))

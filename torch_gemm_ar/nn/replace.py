@@ -3,9 +3,11 @@
 Two kinds of modules are taken over, always by a module that adopts the *same Parameter objects* under the same
 names (`weight`, `bias`), so optimizers built before the conversion, gradient hooks and state_dicts keep working:
 
-(a) an nn.Linear parallelized by torch.distributed.tensor.parallel.RowwiseParallel (DTensor): becomes a
-    DTensorRowParallelLinear that takes and returns exactly what the module took and returned (input_layouts,
-    use_local_output honoured). Found automatically (patterns=None) or by pattern. The group is the mesh's.
+(a) an nn.Linear parallelized by torch.distributed.tensor.parallel.RowwiseParallel (DTensor), or by
+    transformers' RowwiseParallel through a model's `tp_plan` ("rowwise", "rowwise_split_input", "rowwise_rep"):
+    becomes a DTensorRowParallelLinear that takes and returns exactly what the module took and returned
+    (input_layouts, use_local_output honoured). Found automatically (patterns=None) or by pattern. The group is the
+    mesh's. The other parallelized modules are listed in the report's `skipped`, each with the reason.
 
 (b) a plain (non-DTensor) row-parallel layer selected by a name pattern: a module holding this rank's
     `[out, in/world]` weight shard (and optionally the full `[out]` bias) whose forward returns the all-reduced
@@ -20,6 +22,8 @@ names (`weight`, `bias`), so optimizers built before the conversion, gradient ho
       computes anything else.
 """
 import fnmatch
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
@@ -30,11 +34,36 @@ from torch import nn
 
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
-from .dtensor_row_parallel import DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, rowwise_problems
+from .dtensor_row_parallel import (
+    DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_transformers_style, rowwise_problems,
+)
 from .row_parallel_linear import RowParallelLinear, check_algorithm
 
 PROBE_ROWS = 5
 PROBE_SEED = 0x5EED
+logger = logging.getLogger("torch_gemm_ar.nn")
+
+
+class ReplaceReport(list):
+    """What replace_row_parallel did: the list of the names it replaced (compares equal to a plain list) and
+    `skipped`, the (name, reason) of every other tensor-parallel module it saw. `str(report)` explains both."""
+
+    def __init__(self, replaced: Iterable[str] = (), skipped: Iterable = ()):
+        super().__init__(replaced)
+        self.skipped = list(skipped)
+
+    def __str__(self) -> str:
+        lines = [f"replace_row_parallel: replaced {len(self)} module(s) with gemm_allreduce"
+                 + (": " + ", ".join(self) if self else "")]
+        by_reason: Dict[str, List[str]] = {}
+        for name, reason in self.skipped:
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+            lines.append(f"  skipped {shown}: {reason}")
+        return "\n".join(lines)
+
+    __repr__ = list.__repr__
 
 
 @dataclass
@@ -52,10 +81,12 @@ def replace_row_parallel(
     group: GroupLike = None,
     patterns: Union[None, str, Sequence[str]] = None,
     algorithm: str = "auto",
-) -> List[str]:
-    """Replace the row-parallel layers of `model` in place; returns the names replaced.
+) -> ReplaceReport:
+    """Replace the row-parallel layers of `model` in place; returns the names replaced (a ReplaceReport: a list
+    with `.skipped`, what was left alone and why; also logged on the "torch_gemm_ar.nn" logger).
 
-    patterns=None: every nn.Linear parallelized with RowwiseParallel (DTensor). With patterns (fnmatch on the
+    patterns=None: every nn.Linear parallelized with RowwiseParallel (DTensor: torch's parallelize_module, or
+    transformers' tp_plan styles "rowwise", "rowwise_split_input", "rowwise_rep"). With patterns (fnmatch on the
     qualified module name, e.g. "*.o_proj", "layers.*.mlp.down_proj"): exactly the modules they match, DTensor or
     plain; a pattern that matches nothing is an error. `group`: for plain layers the group whose all_reduce they
     replace (None: the default group); for DTensor layers it may be left None (the mesh's group is used) and
@@ -66,8 +97,10 @@ def replace_row_parallel(
     if isinstance(patterns, str):
         patterns = [patterns]
     candidates = _select(model, patterns)
+    taken = {id(c.module) for c in candidates}
+    skipped = [] if patterns is not None else _skipped(model, taken)
     if not candidates:
-        return []
+        return _reported(ReplaceReport([], skipped))
     plain = [c for c in candidates if not c.dtensor]
     # Plain layers need the group (None: the default one); DTensor layers only check a group that was given.
     info = resolve_group(group, "replace_row_parallel") if plain or group is not None else None
@@ -98,7 +131,75 @@ def replace_row_parallel(
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
             replaced.append(name)
-    return replaced
+    return _reported(ReplaceReport(replaced, skipped))
+
+
+def _reported(report: ReplaceReport) -> ReplaceReport:
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("%s", report)
+    return report
+
+
+# Why a module parallelized with another style is not a GEMM followed by an all_reduce (style class names of
+# torch.distributed.tensor.parallel and transformers.distributed.tensor_parallel).
+_STYLE_REASONS = {
+    "ColwiseParallel": "column-parallel: its GEMM is followed by no reduction",
+    "PackedColwiseParallel": "column-parallel (packed weights): its GEMM is followed by no reduction",
+    "PackedRowwiseParallel": "packed row-parallel parameters without a forward of their own to fuse",
+    "SequenceParallel": "a sequence-parallel module (a norm or dropout): no GEMM to fuse",
+    "PrepareModuleInput": "only rearranges its inputs: no GEMM to fuse",
+    "PrepareModuleOutput": "only rearranges its outputs: no GEMM to fuse",
+    "AllReduceParallel": "its all_reduce follows the whole module's forward, not one linear layer's GEMM",
+    "MoeExpertsParallel": "expert MLPs: the all_reduce follows several expert GEMMs and the routing, not one GEMM",
+    "MoeIdentityParallel": "an identity expert: no GEMM to fuse",
+    "ReplicatedWithGradAllReduce": "replicated parameters whose gradients are all-reduced: no GEMM + all_reduce "
+                                   "in forward",
+    "MlaKvAProjParallel": "a replicated projection (its all-reduce is in backward only)",
+    "LocalParamsParallel": "runs on local parameters without a collective",
+}
+
+
+def _style_of(module: nn.Module) -> Optional[str]:
+    """The class name of the tensor-parallel style applied to `module` (transformers' or torch's), else None."""
+    found = read_transformers_style(module)
+    if found is not None:
+        return type(found[0]).__name__
+    for hook in list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values()):
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            func = getattr(value, "func", None)  # distribute_module's hooks close over partials of style methods
+            qualname = getattr(func, "__qualname__", "")
+            if "." in qualname and getattr(func, "__module__", "").startswith("torch.distributed.tensor"):
+                return qualname.split(".")[0]
+    return None
+
+
+def _skipped(model: nn.Module, taken) -> List:
+    """(name, reason) of every tensor-parallel module that is not a row-parallel candidate."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return []  # nothing can be parallelized without it (see dtensor_row_parallel)
+    converted = (RowParallelLinear, DTensorRowParallelLinear)
+    skipped = []
+    for name, module in model.named_modules():
+        if id(module) in taken or isinstance(module, converted):
+            continue
+        style = _style_of(module)
+        if style is not None:
+            reason = _STYLE_REASONS.get(style, f"its style {style} does not end a GEMM with an all_reduce")
+            found = read_transformers_style(module)
+            if style == "ColwiseParallel" and found is not None and found[0].output_layouts.is_replicate():
+                reason = "column-parallel with a gathered output: an all-gather follows its GEMM, not an all_reduce"
+            if style == "EmbeddingParallel" and found is not None:
+                reason = ("a vocabulary-parallel embedding: its all_reduce follows a lookup, not a GEMM"
+                          if found[0].shard_dim == 0 else "a hidden-parallel embedding: an all-gather, no GEMM")
+            skipped.append((name, f"{style}: {reason}"))
+        elif any(is_dtensor(p) for p in module.parameters(recurse=False)):
+            placements = sorted({str(tuple(p.placements)) for p in module.parameters(recurse=False) if is_dtensor(p)})
+            skipped.append((name, f"DTensor parameters {', '.join(placements)} without a row-parallel style"))
+    return skipped
 
 
 def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candidate]:
@@ -115,7 +216,8 @@ def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candid
             if any(isinstance(m, converted) for m in modules.values()):
                 return []  # converted by an earlier call
             raise ValueError(
-                "replace_row_parallel: found no module parallelized with RowwiseParallel (DTensor); for a plain "
+                "replace_row_parallel: found no module parallelized with RowwiseParallel (DTensor: torch's "
+                "parallelize_module or transformers' tp_plan); for a plain "
                 "tensor-parallel model pass patterns=[...] naming its row-parallel layers, e.g. ['*.o_proj', "
                 "'*.down_proj']"
             )

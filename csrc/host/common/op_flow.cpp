@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "common/auto_tuner.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
@@ -32,14 +33,37 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     }
   } else if (call.error.empty() && chosen == Algorithm::Auto) {
     chosen = backend.choose_auto(call, group, fused_reason.empty());
+    if (backend.measured_auto && AutoTuner::enabled()) {
+      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen);
+    }
   }
-  if (backend.check_agreement) {
-    backend.check_agreement(call, chosen, group);
-  } else {
-    check_ranks_agree(group, call, chosen, device);
+  std::vector<CallSignature> all;
+  try {
+    all = backend.check_agreement ? backend.check_agreement(call, chosen, group)
+                                  : check_ranks_agree(group, call, chosen, device);
+  } catch (const c10::ValueError& e) {
+    // Ranks that met this bucket a different number of times start tuning it again, together.
+    if (call.tune_step >= 0 && std::string(e.what()).find(kTuneStepFieldName) != std::string::npos) {
+      AutoTuner::instance().reset(call, group);
+    }
+    throw;
   }
+  if (chosen == Algorithm::Auto) chosen = AutoTuner::instance().after_agreement(call, group, all);
   return chosen;
 }
+
+namespace {
+
+// Runs `body`; a tuning call's time on this rank goes to the tuner (the next call tells the other ranks).
+at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const std::function<at::Tensor()>& body) {
+  if (call.tune_step < 0) return body();
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor out = body();
+  AutoTuner::instance().record(call, group, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  return out;
+}
+
+}  // namespace
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
@@ -54,12 +78,15 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
   if (call.m == 0) return at::empty(call.out_shape, b.options());
-  switch (chosen) {
-    case Algorithm::Sequential: return run_sequential(call, *group);
-    case Algorithm::Chunked: return run_chunked(call, *group, chunk_count());
-    case Algorithm::Fused: return backend.run_fused(call, *group);
-    case Algorithm::Auto: break;
-  }
+  return timed_for_tuner(call, *group, [&]() -> at::Tensor {
+    switch (chosen) {
+      case Algorithm::Sequential: return run_sequential(call, *group);
+      case Algorithm::Chunked: return run_chunked(call, *group, chunk_count());
+      case Algorithm::Fused: return backend.run_fused(call, *group);
+      case Algorithm::Auto: break;
+    }
+    TORCH_CHECK(false, "gemm_allreduce: internal error: no algorithm chosen");
+  });
   TORCH_CHECK(false, "gemm_allreduce: internal error: no algorithm chosen");
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/call_args.h"
+#include "common/rank_agreement.h"
 
 namespace gemm_ar {
 
@@ -18,9 +19,13 @@ struct BackendHooks {
   std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&)> run_fused;
   // Picks sequential, chunked or fused for `algorithm="auto"`; must give the same answer on every rank.
   std::function<Algorithm(const CallArgs&, c10d::ProcessGroup&, bool fused_available)> choose_auto;
-  // Makes every rank raise the same error when any rank's arguments are bad or the ranks disagree. Empty: the
-  // signature exchange over the process group (check_ranks_agree).
-  std::function<void(const CallArgs&, Algorithm chosen, c10d::ProcessGroup&)> check_agreement;
+  // Makes every rank raise the same error when any rank's arguments are bad or the ranks disagree, and returns
+  // every rank's signature (empty when a fused run checks them itself, later). Empty: the signature exchange over
+  // the process group (check_ranks_agree).
+  std::function<std::vector<CallSignature>(const CallArgs&, Algorithm chosen, c10d::ProcessGroup&)> check_agreement;
+  // `auto` decided by measurement (common/auto_tuner.h) where TORCH_GEMM_AR_AUTOTUNE allows; choose_auto then
+  // only gives the choice while tracing-free fallbacks apply.
+  bool measured_auto = false;
 };
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name,

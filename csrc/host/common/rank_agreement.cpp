@@ -5,15 +5,20 @@
 #include "common/settings.h"
 
 namespace gemm_ar {
+
+const char* const kTuneStepFieldName =
+    "the `auto` tuning step (ranks met this shape a different number of times; tuning restarts with the next call)";
+
 namespace {
 
-const char* const kFieldNames[kSignatureFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm",
+const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm",
                                                    "tile rows (TORCH_GEMM_AR_CPU_TILE)",
                                                    "tile columns (TORCH_GEMM_AR_CPU_TILE)",
                                                    "subtile rows (TORCH_GEMM_AR_CPU_TILE)",
                                                    "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
                                                    "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
-                                                   "op", "scatter_dim/gather_dim"};
+                                                   "op", "scatter_dim/gather_dim",
+                                                   kTuneStepFieldName};
 
 const char* op_kind_name(int64_t op) {
   switch (op) {
@@ -36,7 +41,7 @@ std::string field_value(int64_t field, int64_t value) {
 }  // namespace
 
 const char* signature_field_name(int64_t field) {
-  return field >= 0 && field < kSignatureFields ? kFieldNames[field] : nullptr;
+  return field >= 0 && field < kSigComparedFields ? kFieldNames[field] : nullptr;
 }
 
 CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
@@ -50,6 +55,9 @@ CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
   s[kSigAlgorithm] = static_cast<int64_t>(chosen);
   s[kSigOp] = call.op;
   s[kSigShardDim] = call.shard_dim;
+  s[kSigTuneStep] = call.tune_step;
+  s[kSigTuneCached] = call.tune_cached;
+  s[kSigTuneLastUs] = call.tune_last_us;
   return s;
 }
 
@@ -71,7 +79,7 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
     return mine.op_name + ": another rank rejected its arguments (" + others.str() +
            "); this rank's arguments were valid" + where.str();
   }
-  for (int64_t f = kSigM; f < kSignatureFields; ++f) {
+  for (int64_t f = kSigM; f < kSigComparedFields; ++f) {
     bool same = true;
     for (int r = 1; r < world; ++r) same = same && all[r][f] == all[0][f];
     if (same) continue;
@@ -83,7 +91,7 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
   return "";
 }
 
-void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
+std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
   const int world = group.getSize();
   const int rank = group.getRank();
   // One row per rank; each rank fills only its own, so a SUM all_reduce is an all-gather.
@@ -102,6 +110,7 @@ void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorith
   std::string problem = diagnose_signatures(all, rank, call, group.getGroupName());
   if (call.error_code == kFusedUnavailableError) TORCH_CHECK(problem.empty(), problem);
   TORCH_CHECK_VALUE(problem.empty(), problem);
+  return all;
 }
 
 }  // namespace gemm_ar

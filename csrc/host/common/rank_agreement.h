@@ -17,12 +17,20 @@ enum SignatureField : int64_t {
   kSigM, kSigK, kSigN, kSigDtype, kSigBias, kSigAlgorithm,
   kSigTileM, kSigTileN, kSigSubM, kSigComputeBlocks, kSigCommBlocks,  // fused-engine configuration (0 otherwise)
   kSigOp, kSigShardDim,  // which op (OpKind) and its scatter/gather dim
+  kSigTuneStep,          // `auto` tuning step of the call's bucket (-1: not tuning): ranks must be at the same one
+  kSigComparedFields,
+  // Carried, not compared: what each rank tells the others for `auto` tuning (common/auto_tuner.h).
+  kSigTuneCached = kSigComparedFields,  // this rank's cached decision for the bucket (-1: none)
+  kSigTuneLastUs,                       // this rank's time of the previous tuning step, microseconds
   kSignatureFields
 };
 using CallSignature = std::array<int64_t, kSignatureFields>;
 
 // The readable name of signature field `field` (kSigM: "M", ...); nullptr past the last field.
 const char* signature_field_name(int64_t field);
+
+// The name of the tuning-step field in disagreement messages (the op flow restarts tuning on it).
+extern const char* const kTuneStepFieldName;
 
 // The signature of `call` on this rank; `chosen` is the algorithm it will run (auto already resolved).
 CallSignature call_signature(const CallArgs& call, Algorithm chosen);
@@ -33,7 +41,7 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
                                 const std::string& group_name);
 
 // Exchanges signatures with one small all_reduce on `group` (bounded by TORCH_GEMM_AR_TIMEOUT_S) and throws the
-// diagnosis, if any, on every rank.
-void check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device);
+// diagnosis, if any, on every rank. Returns every rank's signature.
+std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device);
 
 }  // namespace gemm_ar

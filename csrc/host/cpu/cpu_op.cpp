@@ -31,12 +31,10 @@ const BackendHooks& cpu_backend() {
       },
       [](const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
         FusedEngine& engine = engine_of_this_call(group);
-        if (engine.has_windows()) {
-          engine.agree(call, chosen);
-        } else {
-          check_ranks_agree(group, call, chosen, call.b.defined() ? call.b.device() : at::Device(at::kCPU));
-        }
+        if (engine.has_windows()) return engine.agree(call, chosen);
+        return check_ranks_agree(group, call, chosen, call.b.defined() ? call.b.device() : at::Device(at::kCPU));
       },
+      /*measured_auto=*/true,
   };
   return hooks;
 }

@@ -25,7 +25,7 @@ namespace gemm_ar::cpu {
 // Fixed area at the start of every window, before the call's layout: the call header and the doorbells, at
 // offsets that do not depend on the call's shapes (so a peer can be woken whatever call it is in).
 constexpr int64_t kMainDoorbell = 64;  // doorbell of the caller's thread; comm block c uses doorbell c < 64
-constexpr int64_t kDoorbellsOffset = 256;
+constexpr int64_t kDoorbellsOffset = kHeaderBytes;  // right after the call header (cpu/call_header.h)
 constexpr int64_t kControlBytes = 8192;
 static_assert(kDoorbellsOffset + (kMainDoorbell + 1) * kCacheLine <= kControlBytes, "control area too small");
 

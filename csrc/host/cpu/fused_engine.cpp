@@ -247,11 +247,12 @@ void FusedEngine::ring_peers() const {
   }
 }
 
-void FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
+std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   config_ = engine_config(world_);
   ++epoch_;
   signature_ = call_signature(call, chosen);
-  if (chosen == Algorithm::Fused) {
+  // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too.
+  if (chosen == Algorithm::Fused || chosen == Algorithm::Auto) {
     signature_[kSigTileM] = config_.base_m;
     signature_[kSigTileN] = config_.base_n;
     signature_[kSigSubM] = config_.sub_m;
@@ -261,11 +262,11 @@ void FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   publish_header(windows_->base(rank_), epoch_, signature_);
   ring_peers();
   if (!call.error.empty()) raise(call.error + where(), call.error_code != kFusedUnavailableError);
-  if (chosen == Algorithm::Fused && call.m > 0) return;
-  check_every_signature(call);
+  if (chosen == Algorithm::Fused && call.m > 0) return {};
+  return check_every_signature(call);
 }
 
-void FusedEngine::check_every_signature(const CallArgs& call) {
+std::vector<CallSignature> FusedEngine::check_every_signature(const CallArgs& call) {
   std::vector<CallSignature> all;
   try {
     all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
@@ -277,6 +278,7 @@ void FusedEngine::check_every_signature(const CallArgs& call) {
   }
   const std::string problem = diagnose_signatures(all, rank_, call, group_name_);
   if (!problem.empty()) raise(problem, true);
+  return all;
 }
 
 namespace {

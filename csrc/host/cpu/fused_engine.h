@@ -43,7 +43,7 @@ class FusedEngine {
   // Starts the next call on this rank: publishes its signature; raises this rank's own argument error (peers read
   // it from the header). Unless a fused run follows (which checks the headers in its comm thread while the GEMM
   // already runs), waits for every rank's signature and raises the same diagnosis on every rank.
-  void agree(const CallArgs& call, Algorithm chosen);
+  std::vector<CallSignature> agree(const CallArgs& call, Algorithm chosen);
   // `row_epilogue` (may be empty): run on every finished row block of the output during the copy-out.
   at::Tensor run(const CallArgs& call, const RowBlockEpilogue& row_epilogue = {});
 
@@ -52,7 +52,7 @@ class FusedEngine {
   // Grows the windows (collectively) so that the fixed region layout holds `need`.
   void grow(const LayoutParams& need);
   // Waits for every rank's header of the current call and raises the diagnosis, if any, on every rank.
-  void check_every_signature(const CallArgs& call);
+  std::vector<CallSignature> check_every_signature(const CallArgs& call);
   void start_comm_threads(int64_t count);
   void run_with_comm_threads(CallJob& job);
   void comm_thread_main(int64_t c);

@@ -25,7 +25,8 @@ namespace {
 constexpr int64_t kMiB = int64_t{1} << 20;
 // The kernels' DMA takes 16-bit row strides (in elements) on A2/A3.
 constexpr int64_t kMaxRowStride = 65535;
-static_assert(kSignatureFields <= kSignatureWords, "the kernels compare kSignatureWords words of the signature");
+// The kernels compare the fields every rank must agree on; the carried-only ones (auto tuning times) stay zero.
+static_assert(kSigComparedFields <= kSignatureWords, "the kernels compare kSignatureWords words of the signature");
 
 uint32_t dtype_code(at::ScalarType dtype) {
   if (dtype == at::kHalf) return kDTypeFloat16;
@@ -163,7 +164,7 @@ void fill_call_header(KernelArgs* args, const CommState& state, uint32_t epoch, 
     });
   }
   args->wait_timeout_us = static_cast<uint32_t>(std::min<int64_t>(bound.wait_ms * 1000, UINT32_MAX));
-  for (int64_t w = 0; w < kSignatureWords; ++w) args->signature[w] = w < kSignatureFields ? signature[w] : 0;
+  for (int64_t w = 0; w < kSignatureWords; ++w) args->signature[w] = w < kSigComparedFields ? signature[w] : 0;
 }
 
 // The kernels take the struct through device memory; a pinned staging copy (caching host allocator) keeps the
@@ -305,7 +306,7 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   return out.view(call.out_shape);
 }
 
-void agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
+std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
   const at::Device device(c10::DeviceType::PrivateUse1, c10_npu::current_device());
   CommState& state = comm_state(group, device);  // set up already (check_fused runs first on every call)
   bool agreed = false;
@@ -320,14 +321,14 @@ void agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& gro
   if (!agreed || !runs_kernels) {
     // Setup (the group's first fused call) and the algorithms that do not run the kernels: the exchange over the
     // process group, which synchronises (rank_agreement.cpp). Its first success on a usable communicator ends it.
-    check_ranks_agree(group, call, chosen, device);
+    std::vector<CallSignature> all = check_ranks_agree(group, call, chosen, device);
     if (chosen == Algorithm::Fused && state.unavailable.empty()) {
       std::lock_guard<std::mutex> lock(state.mutex);
       state.agreed = true;
     }
-    return;
+    return all;
   }
-  if (chosen == Algorithm::Fused && call.error.empty() && call.m > 0) return;  // run_fused: the kernels compare
+  if (chosen == Algorithm::Fused && call.error.empty() && call.m > 0) return {};  // run_fused: the kernels compare
   // A rank that rejected its arguments (or has M = 0) still takes part in the call through the window, so that
   // peers running the kernels stop at once with the reason instead of waiting out the timeout.
   c10_npu::NPUGuard device_guard(device);
@@ -355,7 +356,7 @@ void agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& gro
   joined.block(caller);
   state.epoch_device.add_(1);
   refresh_error_record(state, caller);
-  if (call.error.empty()) return;  // M = 0 on every rank: nothing to compute; a peer with M > 0 gets the mismatch
+  if (call.error.empty()) return {};  // M = 0: nothing to compute; a peer with M > 0 gets the mismatch
   state.calls.mark_reported(epoch);  // raised right here; the kernel's record of it is not raised again
   if (call.error_code == kFusedUnavailableError) TORCH_CHECK(false, call.error);
   TORCH_CHECK_VALUE(false, call.error);

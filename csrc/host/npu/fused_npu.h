@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/call_args.h"
+#include "common/rank_agreement.h"
 #include "npu/comm_state.h"
 
 namespace gemm_ar::npu {
@@ -31,6 +32,7 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group);
 // a fused call only puts its signature in the kernel arguments and the comm kernel compares the ranks' signatures
 // through the window before it moves data: no synchronisation, no copy to the host. A rank whose arguments are bad
 // (or whose M is 0) launches a signature-only comm kernel, so that its peers' kernels stop at once, and raises.
-void agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group);
+// Returns every rank's signature when the exchange ran, nothing when the kernels compare.
+std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group);
 
 }  // namespace gemm_ar::npu

@@ -12,7 +12,7 @@ namespace gemm_ar {
 
 constexpr int64_t kWindowAlign = 512;  // start of every region (DMA-friendly, keeps regions on separate lines)
 constexpr int64_t kCacheLine = 64;     // one doorbell per line, queue strides a multiple of it
-constexpr int64_t kHeaderBytes = 256;  // reserved for the engine's own bookkeeping (epochs, sanity tags)
+constexpr int64_t kHeaderBytes = 512;  // the engine's own bookkeeping: epochs, two call signatures, abort record
 constexpr int64_t kCounterBytes = 4;   // every flag, counter, doorbell and queue entry is a uint32
 
 // Rounds x >= 0 up to a multiple of a > 0.

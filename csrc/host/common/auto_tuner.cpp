@@ -1,0 +1,312 @@
+#include "common/auto_tuner.h"
+
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "common/settings.h"
+
+#ifndef TORCH_GEMM_AR_VERSION
+#define TORCH_GEMM_AR_VERSION "unknown"
+#endif
+
+namespace gemm_ar {
+namespace {
+
+// Strings written into the JSON cache: no quotes, backslashes or control characters (the reader is line-based).
+std::string sanitized(std::string s) {
+  for (char& c : s) {
+    if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) c = '_';
+  }
+  return s;
+}
+
+std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  }
+  return "unknown cpu";
+}
+
+// Decisions are valid for one machine and one build: the CPU, its core count, this library and torch.
+std::string host_fingerprint() {
+  std::ostringstream os;
+  os << cpu_model() << " | " << std::thread::hardware_concurrency() << " cores | torch_gemm_ar "
+     << TORCH_GEMM_AR_VERSION << " | torch " << TORCH_VERSION;
+  return sanitized(os.str());
+}
+
+int64_t next_power_of_two(int64_t m) {
+  int64_t p = 1;
+  while (p < m) p <<= 1;
+  return p;
+}
+
+// The line after `"key": ` up to the closing quote, or "" when the line does not have that form.
+bool parse_entry(const std::string& line, std::string* key, std::string* value) {
+  const auto k0 = line.find('"');
+  const auto k1 = k0 == std::string::npos ? k0 : line.find('"', k0 + 1);
+  if (k1 == std::string::npos) return false;
+  *key = line.substr(k0 + 1, k1 - k0 - 1);
+  const auto colon = line.find(':', k1);
+  if (colon == std::string::npos) return false;
+  const auto v0 = line.find('"', colon);
+  if (v0 == std::string::npos) {
+    value->clear();  // an object opens: `"fingerprint": {`
+    return line.find('{', colon) != std::string::npos;
+  }
+  const auto v1 = line.find('"', v0 + 1);
+  if (v1 == std::string::npos) return false;
+  *value = line.substr(v0 + 1, v1 - v0 - 1);
+  return true;
+}
+
+}  // namespace
+
+struct TuneBucket {
+  std::string key;                      // persisted key: op, world, M bucket, K, N, dtype, bias, device, fused
+  std::vector<Algorithm> candidates;
+  int64_t step = 0;                     // next tuning step (0: the bucket is met by its next call)
+  std::vector<std::vector<double>> samples;  // per candidate: the slowest rank's seconds of each run
+  double last_seconds = 0;              // this rank's time of the previous step
+  bool decided = false;
+  Algorithm decision = Algorithm::Sequential;
+};
+
+struct AutoTuner::State {
+  mutable std::mutex mutex;
+  std::map<std::string, TuneBucket> buckets;  // group name + "|" + bucket key
+  std::map<std::string, std::map<std::string, std::string>> file;  // fingerprint -> bucket key -> algorithm
+  bool file_loaded = false;
+  std::string fingerprint = host_fingerprint();
+  std::vector<TunerDecision> decisions;
+  std::function<void(const std::string&)> logger;
+};
+
+AutoTuner::AutoTuner() : state_(new State()) {}
+
+AutoTuner& AutoTuner::instance() {
+  static AutoTuner* tuner = new AutoTuner();
+  return *tuner;
+}
+
+bool AutoTuner::enabled() { return env_int("TORCH_GEMM_AR_AUTOTUNE", 1, 0, 1) == 1; }
+
+std::string AutoTuner::cache_path() const {
+  if (const char* path = std::getenv("TORCH_GEMM_AR_TUNE_CACHE"); path != nullptr && *path) return path;
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  const std::string base = xdg != nullptr && *xdg ? xdg : std::string(home != nullptr ? home : "/tmp") + "/.cache";
+  return base + "/torch_gemm_ar/autotune.json";
+}
+
+namespace {
+
+void load_cache(const std::string& path, std::map<std::string, std::map<std::string, std::string>>& file) {
+  std::ifstream in(path);
+  std::string line, key, value, section;
+  while (std::getline(in, line)) {
+    if (!parse_entry(line, &key, &value)) continue;
+    if (value.empty()) {
+      section = key;
+    } else if (!section.empty() && parse_algorithm(value).has_value()) {
+      file[section][key] = value;
+    }
+  }
+}
+
+// Written whole to a private temporary file, then renamed over the cache: readers never see half a file, and
+// ranks of one host writing at once leave one complete version (they hold the same decisions).
+void save_cache(const std::string& path, const std::map<std::string, std::map<std::string, std::string>>& file) {
+  std::error_code ignored;  // an unwritable cache only costs re-tuning in the next process
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
+  const std::string tmp = path + ".tmp." + std::to_string(getpid());
+  {
+    std::ofstream out(tmp);
+    if (!out) return;
+    out << "{\n";
+    size_t s = 0;
+    for (const auto& [fingerprint, entries] : file) {
+      out << " \"" << fingerprint << "\": {\n";
+      size_t e = 0;
+      for (const auto& [key, algorithm] : entries) {
+        out << "  \"" << key << "\": \"" << algorithm << "\"" << (++e < entries.size() ? "," : "") << "\n";
+      }
+      out << " }" << (++s < file.size() ? "," : "") << "\n";
+    }
+    out << "}\n";
+  }
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available) {
+  std::vector<Algorithm> out;
+  if (fused_available) out.push_back(Algorithm::Fused);
+  out.push_back(Algorithm::Sequential);
+  // Chunked differs from sequential only when every chunk has rows, and only gemm_allreduce-shaped ops have it.
+  if ((call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm) && call.m >= 2 * chunk_count()) {
+    out.push_back(Algorithm::Chunked);
+  }
+  return out;
+}
+
+std::string bucket_key(const CallArgs& call, int world, const at::Device& device, bool fused_available) {
+  std::ostringstream os;
+  os << "op=" << call.op << ";world=" << world << ";m<=" << next_power_of_two(call.m) << ";k=" << call.k
+     << ";n=" << call.n << ";dtype=" << c10::toString(call.dtype) << ";bias=" << (call.bias.has_value() ? 1 : 0)
+     << ";device=" << c10::DeviceTypeName(device.type(), /*lower_case=*/true) << ";fused=" << fused_available;
+  return sanitized(os.str());
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
+}
+
+// Runs per candidate while tuning (TORCH_GEMM_AR_AUTOTUNE_REPS, default 3): the median of them counts.
+int64_t reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
+
+}  // namespace
+
+Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
+                                      Algorithm static_choice) {
+  if (call.m == 0 || !call.error.empty()) return static_choice;  // nothing to measure
+  State& st = *state_;
+  std::lock_guard<std::mutex> lock(st.mutex);
+  const at::Device device = call.b.defined() ? call.b.device() : at::Device(at::kCPU);
+  const std::string key = bucket_key(call, group.getSize(), device, fused_available);
+  call.tune_bucket = group.getGroupName() + "|" + key;
+  TuneBucket& bucket = st.buckets[call.tune_bucket];
+  if (bucket.decided) return bucket.decision;
+  if (bucket.step == 0) {
+    bucket.key = key;
+    bucket.candidates = candidates_for(call, fused_available);
+    if (bucket.candidates.size() == 1) {  // nothing to choose between
+      st.buckets.erase(call.tune_bucket);
+      return static_choice;
+    }
+    bucket.samples.assign(bucket.candidates.size(), {});
+    if (!st.file_loaded) {
+      load_cache(cache_path(), st.file);
+      st.file_loaded = true;
+    }
+    auto section = st.file.find(st.fingerprint);
+    if (section != st.file.end()) {
+      auto hit = section->second.find(key);
+      if (hit != section->second.end()) call.tune_cached = static_cast<int64_t>(*parse_algorithm(hit->second));
+    }
+  }
+  call.tune_step = bucket.step;
+  call.tune_last_us = static_cast<int64_t>(bucket.last_seconds * 1e6);
+  return Algorithm::Auto;
+}
+
+Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& group,
+                                     const std::vector<CallSignature>& all) {
+  State& st = *state_;
+  std::string message;
+  Algorithm run;
+  {
+    std::lock_guard<std::mutex> lock(st.mutex);
+    TuneBucket& bucket = st.buckets[call.tune_bucket];
+    const int64_t step = bucket.step;
+    const int64_t c = static_cast<int64_t>(bucket.candidates.size());
+    const int64_t total = c * reps();
+    if (step == 0) {
+      // A cached decision counts only when every rank has the same one (ranks on other hosts may not).
+      bool same = call.tune_cached >= 0;
+      for (const auto& s : all) same = same && s[kSigTuneCached] == call.tune_cached;
+      const auto cached = static_cast<Algorithm>(call.tune_cached);
+      if (same && std::find(bucket.candidates.begin(), bucket.candidates.end(), cached) != bucket.candidates.end()) {
+        bucket.decided = true;
+        bucket.decision = cached;
+        st.decisions.push_back({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}});
+        message = "torch_gemm_ar auto: group '" + group.getGroupName() + "' " + bucket.key + " -> " +
+                  algorithm_name(cached) + " (from the tune cache, every rank agreeing)";
+      }
+    } else {
+      // The previous step's time on the slowest rank: what a tensor-parallel step waits for.
+      int64_t slowest = 0;
+      for (const auto& s : all) slowest = std::max(slowest, s[kSigTuneLastUs]);
+      bucket.samples[(step - 1) % c].push_back(static_cast<double>(slowest) * 1e-6);
+    }
+    if (!bucket.decided && step == total) {
+      std::vector<std::pair<std::string, double>> medians;
+      size_t best = 0;
+      for (size_t i = 0; i < bucket.candidates.size(); ++i) {
+        medians.emplace_back(algorithm_name(bucket.candidates[i]), median(bucket.samples[i]) * 1e6);
+        if (medians[i].second < medians[best].second) best = i;
+      }
+      bucket.decided = true;
+      bucket.decision = bucket.candidates[best];
+      st.decisions.push_back({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", medians});
+      std::ostringstream os;
+      os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
+         << algorithm_name(bucket.decision) << " (slowest-rank median of " << reps() << " runs:";
+      for (const auto& [alg, us] : medians) os << " " << alg << " " << us << " us";
+      os << ")";
+      message = os.str();
+      st.file[st.fingerprint][bucket.key] = algorithm_name(bucket.decision);
+      save_cache(cache_path(), st.file);
+    }
+    if (bucket.decided) {
+      run = bucket.decision;
+    } else {
+      run = bucket.candidates[step % c];
+      bucket.step = step + 1;
+    }
+  }
+  if (!message.empty() && st.logger) st.logger(message);
+  return run;
+}
+
+void AutoTuner::record(const CallArgs& call, c10d::ProcessGroup& group, double seconds) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  auto it = state_->buckets.find(call.tune_bucket);
+  if (it != state_->buckets.end() && !it->second.decided) it->second.last_seconds = seconds;
+}
+
+void AutoTuner::reset(const CallArgs& call, c10d::ProcessGroup& group) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->buckets.erase(call.tune_bucket);
+}
+
+std::vector<TunerDecision> AutoTuner::decisions() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->decisions;
+}
+
+void AutoTuner::set_logger(std::function<void(const std::string&)> logger) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->logger = std::move(logger);
+}
+
+void AutoTuner::clear_memory() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->buckets.clear();
+  state_->decisions.clear();
+  state_->file.clear();
+  state_->file_loaded = false;
+}
+
+}  // namespace gemm_ar

@@ -1,0 +1,53 @@
+// `algorithm="auto"` by measurement (README, "auto"): the first calls of a group on a shape bucket run each
+// candidate algorithm a few times, round-robin; every rank times its own calls and tells the others through the
+// call signature of the next call (carried fields, never an extra collective); the slowest rank's time counts, so
+// every rank decides alike. Decisions are kept per group in memory and per host fingerprint in a JSON file
+// (TORCH_GEMM_AR_TUNE_CACHE); a cached decision is used only when every rank has the same one.
+// TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy.
+#pragma once
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/algorithm.h"
+#include "common/call_args.h"
+#include "common/rank_agreement.h"
+
+namespace gemm_ar {
+
+struct TunerDecision {
+  std::string group, bucket, algorithm, source;  // source: measured | cache
+  std::vector<std::pair<std::string, double>> slowest_rank_median_us;  // per candidate (measured only)
+};
+
+class AutoTuner {
+ public:
+  static AutoTuner& instance();
+  static bool enabled();  // TORCH_GEMM_AR_AUTOTUNE (default 1)
+
+  // Asked before the agreement of an auto call: the decided algorithm, or Auto while the bucket is still being
+  // met or tuned (then the call's tune_* fields are set, and after_agreement chooses from every rank's signature).
+  Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
+                             Algorithm static_choice);
+  // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
+  // what this call runs (the next candidate, or the decision once every sample is in).
+  Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);
+  // This rank's time of the tuning call that just ran.
+  void record(const CallArgs& call, c10d::ProcessGroup& group, double seconds);
+  // Forgets the tuning state of the call's bucket (the ranks disagreed about it: start again, together).
+  void reset(const CallArgs& call, c10d::ProcessGroup& group);
+
+  std::vector<TunerDecision> decisions() const;
+  void set_logger(std::function<void(const std::string&)> logger);
+  std::string cache_path() const;
+  void clear_memory();  // tests: forget every in-memory decision (the file stays)
+
+ private:
+  struct State;
+  AutoTuner();
+  State* state_;  // never freed: calls may run during static destruction
+};
+
+}  // namespace gemm_ar

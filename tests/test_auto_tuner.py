@@ -1,0 +1,175 @@
+"""`algorithm="auto"` by measurement (torch_gemm_ar.tuning): every tuning call is correct, every rank takes the same
+decision, decisions are logged and cached per host, a cache is trusted only when every rank has the same entry,
+tune() decides ahead of time, ranks whose tuning states drift apart get a clear error and start again together."""
+import json
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+import torch_gemm_ar
+from expect import raises
+from inputs import TOLERANCE, reference, shard, weight
+from torch_gemm_ar import _C, tuning
+
+
+def fresh_tuner(cache_path):
+    os.environ["TORCH_GEMM_AR_TUNE_CACHE"] = cache_path
+    os.environ.pop("TORCH_GEMM_AR_AUTOTUNE", None)
+    _C._tuner_clear_memory()
+
+
+def checked_auto_call(rank, world, seed, m, k, n, dtype=torch.float32):
+    shards = [shard(seed, r, m, k, dtype) for r in range(world)]
+    b = weight(seed, k, n, dtype, transposed=True)
+    out = torch_gemm_ar.gemm_allreduce(shards[rank], b, algorithm="auto")
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), reference(shards, b), rtol=tol, atol=tol * ((k * world) ** 0.5 + 1))
+    return out
+
+
+class Captured(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def tune_by_calls(rank, world, seed, cache_path, calls):
+    fresh_tuner(cache_path)
+    handler = Captured()
+    tuning.logger.addHandler(handler)
+    tuning.logger.setLevel(logging.INFO)
+    try:
+        for i in range(calls):  # random M inside one bucket (65..128): every call checked against float64
+            checked_auto_call(rank, world, seed + i, random.Random(seed + i).randint(65, 128), 40, 90)
+    finally:
+        tuning.logger.removeHandler(handler)
+    return tuning.decisions(), handler.messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_first_calls_tune_then_every_rank_decides_alike(ranks, world, tmp_path):
+    reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
+    calls = 3 * reps + 4  # fused, sequential, chunked x reps, the deciding call, then decided calls
+    results = ranks(world).run(tune_by_calls, random.randrange(1 << 20), str(tmp_path / "tune.json"), calls)
+    decisions = [d for d, _ in results]
+    assert all(len(d) == 1 for d in decisions), decisions
+    assert len({d[0]["algorithm"] for d in decisions}) == 1, decisions  # the same on every rank
+    first = decisions[0][0]
+    assert first["source"] == "measured"
+    assert set(first["slowest_rank_median_us"]) == {"fused", "sequential", "chunked"}, first
+    assert first["algorithm"] == min(first["slowest_rank_median_us"], key=first["slowest_rank_median_us"].get)
+    assert "m<=128" in first["bucket"] and f"world={world}" in first["bucket"]
+    for _, messages in results:
+        assert any(first["algorithm"] in m and "slowest-rank median" in m for m in messages), messages
+    with open(tmp_path / "tune.json") as f:
+        cached = json.load(f)
+    (entries,) = cached.values()
+    assert entries[first["bucket"]] == first["algorithm"]
+
+
+def use_cache(rank, world, seed, cache_path):
+    fresh_tuner(cache_path)
+    checked_auto_call(rank, world, seed, 100, 40, 90)
+    return tuning.decisions()
+
+
+def test_a_cached_decision_is_used_when_every_rank_has_it(ranks, tmp_path):
+    path = str(tmp_path / "tune.json")
+    ranks(2).run(tune_by_calls, 11, path, 3 * 3 + 1)
+    with open(path) as f:
+        (entries,) = json.load(f).values()
+    results = ranks(2).run(use_cache, 12, path)
+    for decisions in results:
+        assert len(decisions) == 1 and decisions[0]["source"] == "cache", decisions
+        assert decisions[0]["algorithm"] == entries[decisions[0]["bucket"]]
+
+
+def rank_own_cache(rank, world, seed, directory, reps):
+    """Each rank has its own cache file that says a different algorithm for the bucket (as ranks on different
+    hosts may): no rank may trust its own, so they tune together."""
+    path = os.path.join(directory, f"rank{rank}.json")
+    fresh_tuner(path)
+    checked_auto_call(rank, world, seed, 100, 40, 90)  # learn the bucket's key from the decision after tuning
+    for i in range(3 * reps):
+        checked_auto_call(rank, world, seed + i, 100, 40, 90)
+    (decision,) = tuning.decisions()
+    with open(path) as f:
+        data = json.load(f)
+    (fingerprint,) = data
+    data[fingerprint][decision["bucket"]] = ["fused", "sequential"][rank % 2]
+    with open(path, "w") as f:
+        json.dump(data, f)
+    _C._tuner_clear_memory()
+    for i in range(3 * reps + 1):
+        checked_auto_call(rank, world, seed + 100 + i, 100, 40, 90)
+    return tuning.decisions()
+
+
+def test_caches_that_differ_between_ranks_are_not_trusted(ranks, tmp_path):
+    os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS", None)
+    results = ranks(2).run(rank_own_cache, 21, str(tmp_path), 3)
+    for decisions in results:
+        assert [d["source"] for d in decisions] == ["measured"], decisions
+    assert results[0][0]["algorithm"] == results[1][0]["algorithm"]
+
+
+def tune_ahead(rank, world, cache_path):
+    fresh_tuner(cache_path)
+    taken = torch_gemm_ar.tune([(1, 64, 96), (300, 64, 96)], dtype=torch.float32)
+    count = len(tuning.decisions())
+    for seed in range(5):  # decided buckets: no more tuning, results still exact
+        checked_auto_call(rank, world, seed, 1, 64, 96)
+        checked_auto_call(rank, world, seed, 300, 64, 96)
+    return taken, count, len(tuning.decisions())
+
+
+def test_tune_decides_ahead_of_serving(ranks, tmp_path):
+    results = ranks(2).run(tune_ahead, str(tmp_path / "tune.json"))
+    for taken, count, after in results:
+        assert [d["source"] for d in taken] == ["measured", "measured"], taken
+        assert after == count == 2
+    assert [d["algorithm"] for d in results[0][0]] == [d["algorithm"] for d in results[1][0]]
+
+
+def static_when_disabled(rank, world, cache_path):
+    fresh_tuner(cache_path)
+    os.environ["TORCH_GEMM_AR_AUTOTUNE"] = "0"
+    try:
+        for seed in range(4):
+            checked_auto_call(rank, world, seed, 100, 40, 90)
+        raises(lambda: torch_gemm_ar.tune([(4, 4, 4)]), "TORCH_GEMM_AR_AUTOTUNE=0", exc=RuntimeError)
+        return tuning.decisions(), os.path.exists(cache_path)
+    finally:
+        os.environ.pop("TORCH_GEMM_AR_AUTOTUNE")
+
+
+def test_autotune_0_keeps_the_static_policy(ranks, tmp_path):
+    for decisions, written in ranks(2).run(static_when_disabled, str(tmp_path / "tune.json")):
+        assert decisions == [] and not written
+
+
+def drift_apart(rank, world, cache_path):
+    """Rank 1 forgets its tuning state halfway (a negative control for the lockstep the tuner relies on): both
+    ranks must raise the tuning-step disagreement, then tune again together and decide alike."""
+    fresh_tuner(cache_path)
+    for seed in range(3):
+        checked_auto_call(rank, world, seed, 100, 40, 90)
+    if rank == 1:
+        _C._tuner_clear_memory()
+    raises(lambda: checked_auto_call(rank, world, 3, 100, 40, 90), "auto` tuning step", exc=ValueError)
+    for seed in range(4, 4 + 3 * 3 + 1):
+        checked_auto_call(rank, world, seed, 100, 40, 90)
+    return tuning.decisions()
+
+
+def test_ranks_whose_tuning_drifts_apart_raise_then_retune_together(ranks, tmp_path):
+    os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS", None)
+    results = ranks(2).run(drift_apart, str(tmp_path / "tune.json"))
+    assert [len(d) for d in results] == [1, 1], results
+    assert results[0][0]["algorithm"] == results[1][0]["algorithm"]
