@@ -56,6 +56,7 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::run_local": "one-rank groups: a plain local GEMM",
     "gemm_ar::call_signature": "pure: fills an array (rank_agreement.cpp)",
     "gemm_ar::signature_field_name": "pure: a table lookup (rank_agreement.cpp)",
+    "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
     "gemm_ar::launch_gemm_compute": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_gemm_comm": "the bisheng launch shim: queues the kernel on the stream",
 }

@@ -360,6 +360,7 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
   state.calls.mark_reported(epoch);  // raised right here; the kernel's record of it is not raised again
   if (call.error_code == kFusedUnavailableError) TORCH_CHECK(false, call.error);
   TORCH_CHECK_VALUE(false, call.error);
+  return {};  // not reached
 }
 
 }  // namespace gemm_ar::npu
