@@ -296,7 +296,9 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
         opt.step()
 
     pairs = ((unfused, opt_unfused), (converted, opt_converted))
-    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], args.warmup, args.iters, group)
+    # Warm-up long enough for `auto` to finish tuning every layer shape (its tuning calls time each algorithm).
+    warmup = max(args.warmup, torch_gemm_ar.tuning.calls_to_decide())
+    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], warmup, args.iters, group)
     step_ms = _median_ms([lambda m=m, o=o: train_step(m, o) for m, o in pairs], args.warmup, args.iters, group)
     timing = {"unfused": (forward_ms[0], step_ms[0]), "converted": (forward_ms[1], step_ms[1])}
     return {"replaced": replaced, "forward_diff": forward_diff, "weight_diff": weight_diff, "timing": timing}

@@ -45,6 +45,12 @@ def _reps() -> int:
         raise ValueError(f"TORCH_GEMM_AR_AUTOTUNE_REPS must be an integer; got {value!r}") from None
 
 
+def calls_to_decide() -> int:
+    """How many calls on one shape bucket `auto` may spend tuning before it has decided: warm a model up with this
+    many calls before timing it."""
+    return _MAX_CANDIDATES * _reps() + 1
+
+
 def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.dtype = torch.float32, *,
          bias: bool = False) -> List[dict]:
     """Decides `auto` for each (M, K, N) on `group` now, with random inputs: M rows, this rank's K (the shard),
@@ -57,7 +63,7 @@ def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.
     if os.environ.get("TORCH_GEMM_AR_AUTOTUNE", "1") == "0":
         raise RuntimeError("tune: TORCH_GEMM_AR_AUTOTUNE=0 disables measured auto (the static policy applies)")
     before = len(decisions())
-    calls = _MAX_CANDIDATES * _reps() + 1  # every sample, then the deciding call; the same count on every rank
+    calls = calls_to_decide()  # every sample, then the deciding call; the same count on every rank
     generator = torch.Generator().manual_seed(0)
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=generator).to(dtype)
@@ -68,4 +74,4 @@ def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.
     return decisions()[before:]
 
 
-__all__ = ["cache_path", "decisions", "tune"]
+__all__ = ["cache_path", "calls_to_decide", "decisions", "tune"]

@@ -2,6 +2,7 @@
 reference, time them all on the same inputs, and summarise with the seed's formulas. Every rank returns the same
 summary (raw timings of every rank included)."""
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -89,6 +90,10 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
     references = (make_references(settings.seed, env.world, env.rank, shape.m, shape.k, shape.n, shape.dtype,
                                   shape.bias) if settings.check else None)
     rows = build_rows(env, sets, shape.dtype, row_keys)
+    tune = getattr(env.library, "tune", None)
+    if "auto" in rows and tune is not None and os.environ.get("TORCH_GEMM_AR_AUTOTUNE", "1") != "0":
+        # auto's first calls on a shape time every candidate: decide before timing, as a server would with tune().
+        tune([(shape.m, sets[0].a.shape[-1], shape.n)], env.group, shape.dtype, bias=shape.bias)
     status = _probe_and_check(env, rows, references)
     for key, entry in status.items():
         if not entry["available"]:

@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: False runs communication only after the whole GEMM (benchmarks); returns the old value");
   m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
+  m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },
+        "CPU fused engine: a deliberate bug for negative-control tests (one setup at a time in the process)");
   auto& tuner = gemm_ar::AutoTuner::instance();
   m.def("_tuner_decisions", [&tuner] {
     pybind11::list out;

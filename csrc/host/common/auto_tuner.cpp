@@ -14,6 +14,8 @@
 #include <sstream>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
 #include "common/settings.h"
 
 #ifndef TORCH_GEMM_AR_VERSION
@@ -86,11 +88,73 @@ struct TuneBucket {
   double last_seconds = 0;              // this rank's time of the previous step
   bool decided = false;
   Algorithm decision = Algorithm::Sequential;
+  uint64_t last_used = 0;               // the group's call clock: least recently used buckets go first
+};
+
+// Bounds that keep a process whose shapes never repeat from growing: per group (evicted least recently used first,
+// by the group's own call order, which is the same on every rank, so ranks evict alike), decisions remembered
+// for decisions(), and entries per fingerprint in the cache file.
+constexpr size_t kMaxBucketsPerGroup = 512;
+constexpr size_t kMaxDecisionsKept = 1024;
+constexpr size_t kMaxCachedPerHost = 4096;
+
+struct GroupTuning {
+  const c10d::ProcessGroup* identity = nullptr;  // a new group under a reused name starts afresh
+  uint64_t clock = 0;
+  std::map<std::string, TuneBucket> buckets;  // by bucket key
 };
 
 struct AutoTuner::State {
   mutable std::mutex mutex;
-  std::map<std::string, TuneBucket> buckets;  // group name + "|" + bucket key
+  std::map<std::string, GroupTuning> groups;  // by group name
+
+  // The bucket `key` of `group`, created (and the least recently used one evicted) when new.
+  TuneBucket& bucket(c10d::ProcessGroup& group, const std::string& key) {
+    const std::string name = group.getGroupName();
+    auto found = groups.find(name);
+    if (found == groups.end()) {
+      forget_gone_groups();
+      found = groups.emplace(name, GroupTuning{}).first;
+    }
+    GroupTuning& g = found->second;
+    if (g.identity != &group) {
+      g = GroupTuning{};
+      g.identity = &group;
+    }
+    TuneBucket& b = g.buckets[key];
+    b.last_used = ++g.clock;
+    if (g.buckets.size() > kMaxBucketsPerGroup) {
+      auto oldest = g.buckets.begin();
+      for (auto it = g.buckets.begin(); it != g.buckets.end(); ++it) {
+        if (it->second.last_used < oldest->second.last_used) oldest = it;
+      }
+      g.buckets.erase(oldest);  // never `b`: it was used last
+    }
+    return b;
+  }
+
+  TuneBucket* find(c10d::ProcessGroup& group, const std::string& key) {
+    auto g = groups.find(group.getGroupName());
+    if (g == groups.end() || g->second.identity != &group) return nullptr;
+    auto b = g->second.buckets.find(key);
+    return b == g->second.buckets.end() ? nullptr : &b->second;
+  }
+
+  void forget_gone_groups() {
+    for (auto it = groups.begin(); it != groups.end();) {
+      bool gone = true;
+      try {
+        gone = c10d::resolve_process_group(it->first).get() != it->second.identity;
+      } catch (const std::exception&) {
+      }
+      it = gone ? groups.erase(it) : std::next(it);
+    }
+  }
+
+  void remember(TunerDecision decision) {
+    if (decisions.size() >= kMaxDecisionsKept) decisions.erase(decisions.begin());
+    decisions.push_back(std::move(decision));
+  }
   std::map<std::string, std::map<std::string, std::string>> file;  // fingerprint -> bucket key -> algorithm
   bool file_loaded = false;
   std::string fingerprint = host_fingerprint();
@@ -195,14 +259,14 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
   std::lock_guard<std::mutex> lock(st.mutex);
   const at::Device device = call.b.defined() ? call.b.device() : at::Device(at::kCPU);
   const std::string key = bucket_key(call, group.getSize(), device, fused_available);
-  call.tune_bucket = group.getGroupName() + "|" + key;
-  TuneBucket& bucket = st.buckets[call.tune_bucket];
+  call.tune_bucket = key;
+  TuneBucket& bucket = st.bucket(group, key);
   if (bucket.decided) return bucket.decision;
   if (bucket.step == 0) {
     bucket.key = key;
     bucket.candidates = candidates_for(call, fused_available);
     if (bucket.candidates.size() == 1) {  // nothing to choose between
-      st.buckets.erase(call.tune_bucket);
+      st.groups[group.getGroupName()].buckets.erase(key);
       return static_choice;
     }
     bucket.samples.assign(bucket.candidates.size(), {});
@@ -228,7 +292,7 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
   Algorithm run;
   {
     std::lock_guard<std::mutex> lock(st.mutex);
-    TuneBucket& bucket = st.buckets[call.tune_bucket];
+    TuneBucket& bucket = st.bucket(group, call.tune_bucket);
     const int64_t step = bucket.step;
     const int64_t c = static_cast<int64_t>(bucket.candidates.size());
     const int64_t total = c * reps();
@@ -240,7 +304,7 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       if (same && std::find(bucket.candidates.begin(), bucket.candidates.end(), cached) != bucket.candidates.end()) {
         bucket.decided = true;
         bucket.decision = cached;
-        st.decisions.push_back({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}});
+        st.remember({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}});
         message = "torch_gemm_ar auto: group '" + group.getGroupName() + "' " + bucket.key + " -> " +
                   algorithm_name(cached) + " (from the tune cache, every rank agreeing)";
       }
@@ -259,14 +323,16 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       }
       bucket.decided = true;
       bucket.decision = bucket.candidates[best];
-      st.decisions.push_back({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", medians});
+      st.remember({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", medians});
       std::ostringstream os;
       os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
          << algorithm_name(bucket.decision) << " (slowest-rank median of " << reps() << " runs:";
       for (const auto& [alg, us] : medians) os << " " << alg << " " << us << " us";
       os << ")";
       message = os.str();
-      st.file[st.fingerprint][bucket.key] = algorithm_name(bucket.decision);
+      auto& cached = st.file[st.fingerprint];
+      if (cached.size() >= kMaxCachedPerHost && cached.count(bucket.key) == 0) cached.erase(cached.begin());
+      cached[bucket.key] = algorithm_name(bucket.decision);
       save_cache(cache_path(), st.file);
     }
     if (bucket.decided) {
@@ -282,13 +348,14 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
 
 void AutoTuner::record(const CallArgs& call, c10d::ProcessGroup& group, double seconds) {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  auto it = state_->buckets.find(call.tune_bucket);
-  if (it != state_->buckets.end() && !it->second.decided) it->second.last_seconds = seconds;
+  TuneBucket* bucket = state_->find(group, call.tune_bucket);
+  if (bucket != nullptr && !bucket->decided) bucket->last_seconds = seconds;
 }
 
 void AutoTuner::reset(const CallArgs& call, c10d::ProcessGroup& group) {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->buckets.erase(call.tune_bucket);
+  auto g = state_->groups.find(group.getGroupName());
+  if (g != state_->groups.end()) g->second.buckets.erase(call.tune_bucket);
 }
 
 std::vector<TunerDecision> AutoTuner::decisions() const {
@@ -303,7 +370,7 @@ void AutoTuner::set_logger(std::function<void(const std::string&)> logger) {
 
 void AutoTuner::clear_memory() {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  state_->buckets.clear();
+  state_->groups.clear();
   state_->decisions.clear();
   state_->file.clear();
   state_->file_loaded = false;

@@ -43,6 +43,9 @@ inline void ring_every_doorbell(uint8_t* window, int64_t comm_blocks) {
 struct EngineSwitches {
   std::atomic<bool> overlap{true};         // false: comm starts after the whole GEMM (the seed's "sequential")
   std::atomic<bool> ignore_epochs{false};  // a deliberate protocol bug: any stale flag counts as ready
+  // A deliberate bug for a negative-control test: one process-wide lock held while a group's setup waits for its
+  // peers (groups set up from two threads at once can then deadlock across ranks).
+  std::atomic<bool> process_wide_setup_lock{false};
 };
 EngineSwitches& engine_switches();
 

@@ -185,6 +185,11 @@ std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
   }
   release(released);
   GroupReaper::start();
+  std::unique_lock<std::mutex> whole_process;
+  if (engine_switches().process_wide_setup_lock.load()) {
+    static std::mutex one_setup_at_a_time;  // the negative control's bug, never the default
+    whole_process = std::unique_lock<std::mutex>(one_setup_at_a_time);
+  }
   std::lock_guard<std::mutex> setup(slot->setup_mutex);
   // A setup that failed (a peer never came) left no engine: the next call tries again.
   if (slot->engine == nullptr) slot->engine.reset(new FusedEngine(group));
