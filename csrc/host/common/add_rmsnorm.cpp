@@ -113,12 +113,13 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
 std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue) {
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
   at::Tensor residual2d, weight, normed2d;
   auto prepare = [&](const CallArgs& call) {
     residual2d = residual.reshape({call.m, call.n}).contiguous();
     weight = norm_weight.contiguous();
-    normed2d = at::empty({call.m, call.n}, residual.options().memory_format(at::MemoryFormat::Contiguous));
+    normed2d = allocate_normed ? allocate_normed(call.m, call.n, residual.scalar_type())
+                               : at::empty({call.m, call.n}, residual.options().memory_format(at::MemoryFormat::Contiguous));
   };
   bool applied = false;
   BackendHooks hooks = backend;

@@ -27,11 +27,16 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
 using RowEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
 using FusedWithEpilogue = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&)>;
 
+// An uninitialised [rows, cols] output on the call's device (a backend's pool; empty: at::empty).
+using OutputAllocator = std::function<at::Tensor(int64_t rows, int64_t cols, at::ScalarType dtype)>;
+
 // The whole op: the backend's gemm_allreduce (same checks, agreement and algorithm), then the epilogue: inside
 // the fused path when `fused_with_epilogue` is given and the call runs fused, otherwise as one pass afterwards.
+// `normed` comes from `allocate_normed` when given.
 std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue);
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue,
+    const OutputAllocator& allocate_normed = {});
 
 }  // namespace gemm_ar

@@ -5,6 +5,7 @@
 #include "common/add_rmsnorm.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/fused_engine.h"
+#include "cpu/output_pool.h"
 
 namespace gemm_ar::cpu {
 namespace {
@@ -17,9 +18,12 @@ std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
   with_call_engine(name, [&] {
     result = run_gemm_allreduce_add_rmsnorm(
         a, b, residual, norm_weight, name, eps, bias, std::string_view(algorithm.data(), algorithm.size()),
-        cpu_backend(), [](const CallArgs& call, c10d::ProcessGroup& group, const RowEpilogue& rows) {
+        cpu_backend(),
+        [](const CallArgs& call, c10d::ProcessGroup& group, const RowEpilogue& rows) {
           return engine_of_this_call(group).run(call, rows);
-        });
+        },
+        // A fresh [M, N] buffer costs page faults on every call (cpu/output_pool.h): normed is pooled like out.
+        &pooled_empty);
   });
   return result;
 }
