@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 FP16, BF16 = 1, 2  # gemm_ar::DTypeCode
 B_ROW_MAJOR, B_TRANSPOSED = 0, 1  # gemm_ar::BLayoutCode
 ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced the call
+MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank's CommContext is built
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word
 
@@ -52,7 +53,8 @@ def _compile_flags(tmp):
     flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
              "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
              "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
-             "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels")]
+             "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels"),
+             "-I" + os.path.join(ROOT, "csrc", "host")]
     # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
     extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
     return cxx, flags + extra, extra
@@ -64,7 +66,8 @@ def _build(tmp):
     jobs, objects = [], []
     for src in (os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
                 os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
-                os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp")):
+                os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp"),
+                os.path.join(ROOT, "csrc", "host", "npu", "ring_context.cpp")):
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
         jobs.append(subprocess.Popen([cxx] + flags + ["-c", src, "-o", obj]))
         objects.append(obj)
@@ -114,12 +117,14 @@ def _unit_roundoff(dtype, bf16_native):
 
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
-             process_timeout_s=900, negative_control=0):
+             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
-    clobber_after, late_rank, late_us. Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
+    clobber_after, late_rank, late_us, sig_rank/sig_word/sig_value, bad_rank/bad_code, out_fill, via_counter
+    (sim_main.cpp). Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     rng = np.random.default_rng(seed)
     job_dir = str(tmp_path)
-    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed}", f"calls {len(calls)}"]
+    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology}",
+             f"calls {len(calls)}"]
     cases = []
     for c, spec in enumerate(calls):
         m, n, k = spec["m"], spec["n"], spec["k"]
@@ -149,7 +154,10 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         epoch = spec.get("epoch", c + 1)
         lines.append(f"{m} {n} {k} {spec['b_layout']} {int(bias is not None)} {lda} {ldb} {ldo} {epoch} "
                      f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', 0))} "
-                     f"{spec.get('late_rank', -1)} {spec.get('late_us', 0)}")
+                     f"{spec.get('late_rank', -1)} {spec.get('late_us', 0)} "
+                     f"{spec.get('sig_rank', -1)} {spec.get('sig_word', -1)} {spec.get('sig_value', 0)} "
+                     f"{spec.get('bad_rank', -1)} {spec.get('bad_code', 0)} {spec.get('out_fill', 255)} "
+                     f"{int(spec.get('via_counter', False))}")
         cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -158,12 +166,16 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
     env = dict(os.environ, PTO_CPU_SIM_TWAIT_MAX_SPINS="0", GEMM_AR_SIM_NEGATIVE_CONTROL=str(negative_control))
     proc = subprocess.run([sim["binary"], "run", job_dir], capture_output=True, text=True, timeout=process_timeout_s,
                           env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == expect_exit, proc.stderr + proc.stdout
+    if expect_exit != 0:
+        return proc.stdout, None
+    if os.environ.get("GEMM_AR_SIM_REPORT_LOST"):  # debugging aid: which lines lost stores (sim_data_cache.hpp)
+        print(proc.stderr)
     results = {}
     for line in proc.stdout.splitlines():
         fields = line.split()
-        if fields and fields[0] == "lost_store_lines":
-            results["lost_store_lines"] = int(fields[1])
+        if fields and fields[0] in ("lost_store_lines", "unfenced_flags"):
+            results[fields[0]] = int(fields[1])
         if fields and fields[0] == "result":
             call, rank, code, peer, item, block = map(int, fields[1:])
             results[(call, rank)] = dict(code=code, peer=peer, item=item, block=block)
@@ -178,6 +190,8 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
 def _check_call(sim, dtype, world, case, results, call):
     # A scalar store no dcci ever covered: a flag or record the other cores could never see.
     assert results["lost_store_lines"] == 0, f"{results['lost_store_lines']} cache lines of stores never written back"
+    # A flag raised after a payload store with no release fence in between: a peer could see the flag first.
+    assert results["unfenced_flags"] == 0, f"{results['unfenced_flags']} flags raised before their payload was fenced"
     for r in range(world):
         assert results[(call, r)]["code"] == 0, f"call {call} rank {r} failed: {results[(call, r)]}"
     m, n = case["m"], case["n"]
@@ -340,6 +354,10 @@ NEGATIVE_CONTROLS = {
     "drop_invalidate": (3, ERR_TIMEOUTS),
     # finding 2: a data word equal to the tag passes as a flag -> wrong data or a corrupt queue
     "single_word_flags": (4, None),
+    # finding 4: the signature words stay in the writer's cache -> peers read a torn slot (or lines are lost)
+    "signature_unflushed": (6, None),
+    # a contribution's flag raised with no fence after its atomic add -> the ordering model counts it
+    "payload_unfenced": (7, None),
 }
 
 
@@ -359,6 +377,119 @@ def test_negative_control_is_caught(simulator, tmp_path, control):
             failures.append(f"call {c}: {str(e).splitlines()[0]}")
     assert failures, f"negative control {control!r} went unnoticed: the strict simulator would not catch this bug"
     if expected_errors is not None:
-        reported = {res["code"] for key, res in results.items() if key != "lost_store_lines"}
+        reported = {res["code"] for key, res in results.items() if isinstance(key, tuple)}
         assert reported & expected_errors, (f"negative control {control!r}: expected one of error codes "
                                             f"{sorted(expected_errors)}, ranks reported {sorted(reported)}")
+
+
+# The in-kernel rank agreement (issue 9, finding 4) and the poisoned output of a failed call (finding 5).
+ERR_SIGNATURE_MISMATCH, ERR_PEER_REJECTED = 8, 9  # gemm_ar::kErrSignatureMismatch, kErrPeerRejected
+SIG_M, SIG_N, SIG_DTYPE, SIG_ALGORITHM = 1, 3, 4, 6  # words of the signature (common/rank_agreement.h)
+FUSED_UNAVAILABLE = 8  # a host error code (common/call_args.h) a rank may publish in word 0
+
+
+def _check_failed_call(sim, dtype, world, case, results, call, code, peer_of, ranks):
+    """Every rank in `ranks` recorded `code` naming peer_of(rank), and its whole output is NaN (poison) while the
+    ldo padding past column n is untouched (the call started from zeros: out_fill=0)."""
+    assert results["lost_store_lines"] == 0, f"{results['lost_store_lines']} cache lines of stores never written back"
+    assert results["unfenced_flags"] == 0, f"{results['unfenced_flags']} flags raised before their payload was fenced"
+    n = case["n"]
+    for r in ranks:
+        res = results[(call, r)]
+        assert res["code"] == code, f"call {call} rank {r}: expected error {code}, got {res}"
+        assert res["peer"] == peer_of(r), f"call {call} rank {r}: expected peer {peer_of(r)}, got {res}"
+        raw = case["outputs"][r]
+        got = _decode(np.ascontiguousarray(raw[:, :n]), dtype, sim["bf16_native"])
+        assert np.all(np.isnan(got)), f"call {call} rank {r}: {np.count_nonzero(~np.isnan(got))} outputs not poisoned"
+        assert np.all(raw[:, n:] == 0), f"call {call} rank {r}: poison written past column n"
+
+
+@pytest.mark.parametrize("word,value", [(SIG_M, 141), (SIG_N, 301), (SIG_DTYPE, BF16), (SIG_ALGORITHM, 2)],
+                         ids=["M", "N", "dtype", "algorithm"])
+def test_signature_mismatch_stops_every_rank_and_poisons_out(simulator, tmp_path, word, value):
+    # Call 1: rank 2 says it called with another M / N / dtype / algorithm. Every rank must stop before moving data
+    # (well inside the 20 s timeout: no hang), name the rank it disagrees with, and leave NaN in out. Calls 0 and 2
+    # around it (same epochs as a real group would use) must be right.
+    base = dict(m=140, n=300, k=70, b_layout=B_TRANSPOSED, bias=True)
+    calls = [dict(base, epoch=500), dict(base, epoch=501, sig_rank=2, sig_word=word, sig_value=value, out_fill=0),
+             dict(base, epoch=502)]
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=501)
+    _check_call(simulator, FP16, 3, cases[0], results, 0)
+    # Ranks 0 and 1 differ from rank 2; rank 2 differs from rank 0 (the lowest other rank).
+    _check_failed_call(simulator, FP16, 3, cases[1], results, 1, ERR_SIGNATURE_MISMATCH,
+                       lambda r: 2 if r != 2 else 0, range(3))
+    for r in range(3):
+        assert results[(1, r)]["item"] == word, f"rank {r} should name signature word {word}: {results[(1, r)]}"
+    _check_call(simulator, FP16, 3, cases[2], results, 2)
+
+
+def test_rank_with_bad_arguments_makes_peers_fail_fast(simulator, tmp_path):
+    # Call 1: rank 1 rejected its arguments; its host launches only a signature-only comm kernel (no plan, no
+    # output) and raises. Ranks 0 and 2 must stop at once with "rank 1 rejected its arguments", poison out, and the
+    # group must work again in call 2.
+    base = dict(m=150, n=260, k=90, b_layout=B_ROW_MAJOR, bias=False)
+    calls = [dict(base, epoch=610), dict(base, epoch=611, bad_rank=1, bad_code=FUSED_UNAVAILABLE, out_fill=0),
+             dict(base, epoch=612)]
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=611)
+    _check_call(simulator, FP16, 3, cases[0], results, 0)
+    _check_failed_call(simulator, FP16, 3, cases[1], results, 1, ERR_PEER_REJECTED, lambda r: 1, (0, 2))
+    assert results[(1, 1)]["code"] == ERR_PEER_REJECTED and results[(1, 1)]["peer"] == 1, results[(1, 1)]
+    for r in range(3):
+        assert results[(1, r)]["item"] == FUSED_UNAVAILABLE, results[(1, r)]
+    _check_call(simulator, FP16, 3, cases[2], results, 2)
+
+
+def test_dead_peer_poisons_the_survivors_output(simulator, tmp_path):
+    # A timeout (rank 1 never launches) must leave NaN, not a half-written result, on the survivors.
+    calls = [dict(m=130, n=270, k=60, b_layout=B_TRANSPOSED, bias=False, epoch=720, skip_rank=1, out_fill=0)]
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=720, timeout_us=1_500_000)
+    _check_failed_call(simulator, FP16, 3, cases[0], results, 0, ERR_TIMEOUT_PREPARE, lambda r: 1, (0, 2))
+
+
+def test_negative_control_unchecked_signatures_are_caught(simulator, tmp_path):
+    # NegativeControl 5 waits for the peers' signatures but does not compare them: the M-mismatch case above must
+    # then fail (the call "succeeds" with ranks that disagree).
+    base = dict(m=140, n=300, k=70, b_layout=B_TRANSPOSED, bias=True)
+    calls = [dict(base, epoch=800, sig_rank=1, sig_word=SIG_M, sig_value=141, out_fill=0)]
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=800, timeout_us=1_500_000, process_timeout_s=300, negative_control=5)
+    with pytest.raises(AssertionError):
+        _check_failed_call(simulator, FP16, 3, cases[0], results, 0, ERR_SIGNATURE_MISMATCH,
+                           lambda r: 1 if r != 1 else 0, range(3))
+
+
+def test_epoch_from_the_device_counter_overrides_replayed_arguments(simulator, tmp_path):
+    # The NPU host passes the epoch through a device counter it increments on the stream after each call, so that a
+    # captured graph's replays (same KernelArgs bytes every time) still get a new epoch per call. Here every rank's
+    # KernelArgs::epoch is stale and different: only the counter can make these calls agree and come out right.
+    calls = [dict(m=140, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=900 + c, via_counter=True)
+             for c in range(3)]
+    calls[1]["clobber_after"] = CLOBBER_FORGED_TAGS
+    cases, results = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=900, timeout_us=3_000_000)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 3, case, results, c)
+
+
+def test_ring_context_assembled_by_the_host_code(simulator, tmp_path):
+    # RING (A3): each rank's CommContext comes from a fake HCCL op-resource block through the host's own
+    # assemble_ring_context (csrc/host/npu/ring_context.cpp), then the kernels run on it (MESH: every other test).
+    calls = [dict(m=140, n=300, k=90, b_layout=B_TRANSPOSED, bias=True, epoch=950),
+             dict(m=260, n=130, k=40, b_layout=B_ROW_MAJOR, bias=False, epoch=951, clobber_after=CLOBBER_RANDOM),
+             dict(m=70, n=520, k=60, b_layout=B_TRANSPOSED, bias=False, epoch=952)]
+    cases, results = _run_job(simulator, tmp_path, world=4, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=950, topology=RING)
+    for c, case in enumerate(cases):
+        _check_call(simulator, FP16, 4, case, results, c)
+
+
+def test_ring_context_with_a_moved_layout_is_refused(simulator, tmp_path):
+    # Rank 1's record for rank 0 names rank 2 (what a newer HCCL with moved fields would look like): refused with a
+    # message naming the record, before any kernel runs.
+    stdout, _ = _run_job(simulator, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                         calls=[dict(m=64, n=64, k=64, b_layout=B_ROW_MAJOR, bias=False, epoch=960)], seed=960,
+                         topology=RING_MOVED_LAYOUT, expect_exit=3)
+    assert "ring_context_error" in stdout and "remoteRes[0] describes rank 2" in stdout, stdout

@@ -149,8 +149,32 @@ def _window_too_small(gar, rank, world):
     _check_close(out[rows.npu()], expected, world, "auto fallback to chunked")
 
 
+def _failures_after_warmup(gar, rank, world):
+    """Issue 9, findings 4-5: after a warm-up call the ranks agree inside the kernels. Rank 1 calls with another M:
+    every rank's output is NaN and check_errors() raises naming the field; then rank 1 passes a bad bias: it raises
+    at once, the peers' outputs are NaN and their check_errors() names rank 1; then the group works again."""
+    group = dist.group.WORLD
+    a, b, bias, expected = _inputs(rank, world, 200, 256, 300, torch.float16, 700, True, True)
+    a, b, bias = a.npu(), b.npu(), bias.npu()
+    _check_close(gar.gemm_allreduce(a, b, group, bias=bias, algorithm="fused"), expected, world, "warm-up")
+    out = gar.gemm_allreduce(a[: 199 if rank == 1 else 200], b, group, bias=bias, algorithm="fused")
+    assert torch.isnan(out.float()).all(), "a call whose ranks disagree on M must leave NaN"
+    with pytest.raises(RuntimeError, match="called with different M"):
+        gar.check_errors()
+    if rank == 1:
+        with pytest.raises(ValueError, match="bias"):
+            gar.gemm_allreduce(a, b, group, bias=bias[:-1], algorithm="fused")
+    else:
+        out = gar.gemm_allreduce(a, b, group, bias=bias, algorithm="fused")
+        assert torch.isnan(out.float()).all(), "peers of a rank with bad arguments must leave NaN"
+        with pytest.raises(RuntimeError, match="rank 1 rejected its arguments"):
+            gar.check_errors()
+    _check_close(gar.gemm_allreduce(a, b, group, bias=bias, algorithm="fused"), expected, world, "after failures")
+
+
 @pytest.mark.parametrize("world", (2, 4))
-@pytest.mark.parametrize("check", ("_every_algorithm", "_back_to_back_fused", "_three_d_input", "_window_too_small"))
+@pytest.mark.parametrize("check", ("_every_algorithm", "_back_to_back_fused", "_three_d_input", "_window_too_small",
+                                   "_failures_after_warmup"))
 def test_npu_gemm_allreduce(world, check, tmp_path):
     _needs_devices(world)
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), check), nprocs=world, join=True)

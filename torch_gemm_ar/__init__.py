@@ -8,6 +8,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.pto.gemm_allreduce)
 from . import _registrations  # noqa: F401  (fake kernel and autograd formula)
+from .errors import check_errors, register_error_checker
 
 if hasattr(torch, "npu"):  # torch_npu is loaded: register the Ascend kernel too (built only where CANN was found)
     try:
@@ -16,6 +17,8 @@ if hasattr(torch, "npu"):  # torch_npu is loaded: register the Ascend kernel too
         import warnings
 
         warnings.warn(f"torch-gemm-ar: the Ascend NPU backend is not built ({_error}); see docs/ascend.md")
+    else:
+        register_error_checker(_C_npu.check_errors)
 from ._ops import (
     ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_reduce_scatter, group_name_of,
 )
@@ -24,8 +27,8 @@ from . import nn, tuning
 from .tuning import tune
 
 __all__ = [
-    "ALGORITHMS", "allgather_gemm", "fused_engine_mode", "gemm_allreduce", "gemm_allreduce_add_rmsnorm",
-    "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
+    "ALGORITHMS", "allgather_gemm", "check_errors", "fused_engine_mode", "gemm_allreduce",
+    "gemm_allreduce_add_rmsnorm", "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
 ]
 __version__ = "0.1.0"
 

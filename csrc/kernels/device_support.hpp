@@ -38,6 +38,9 @@ enum NegativeControl : int {
   kControlDropFlush = 2,         // raise_flag does not write its line back
   kControlDropInvalidate = 3,    // flag_raised reads without dropping its cached copy
   kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (finding 2)
+  kControlSkipSignatureCheck = 5,   // peers' call signatures are waited for but not compared (finding 4)
+  kControlSignatureUnflushed = 6,   // the signature words are not written back before their flag
+  kControlPayloadUnfenced = 7,      // a reduce-scatter contribution's flag is raised without the release fence
 };
 #if defined(__CPU_SIM)
 inline int negative_control() {
@@ -99,6 +102,12 @@ AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   for (uint64_t i = 0; i < sizeof(KernelArgs) / sizeof(uint64_t); ++i) {
     to[i] = scalar_load(from + i);
   }
+  if (dst->epoch_counter != 0) {
+    // Written by a stream operation after the previous call's kernels ended: drop any cached copy, then read.
+    const __gm__ int64_t* counter = reinterpret_cast<const __gm__ int64_t*>(dst->epoch_counter);
+    flush_line(counter);
+    dst->epoch = static_cast<uint32_t>(scalar_load(counter));
+  }
 }
 
 AICORE inline uint64_t now_us() {
@@ -123,6 +132,14 @@ AICORE inline void idle_pause() {
 #endif
 }
 
+// Marks a DMA store (TSTORE, atomic add) whose data a flag will publish: the simulator then requires a
+// release_fence() before the next flag this core raises (sim_data_cache.hpp, ordering model). No-op on the device.
+AICORE inline void note_payload_store() {
+#if defined(__CPU_SIM)
+  sim_cache::payload_unfenced() = true;
+#endif
+}
+
 // Make every earlier store of this core (DMA pipes included) visible in GM before what follows: the release
 // half of "payload before flag".
 AICORE inline void release_fence() {
@@ -130,6 +147,7 @@ AICORE inline void release_fence() {
   dsb(DSB_DDR);
 #if defined(__CPU_SIM)
   __atomic_thread_fence(__ATOMIC_RELEASE);
+  sim_cache::payload_unfenced() = false;
 #endif
 }
 
@@ -149,6 +167,9 @@ AICORE inline void acquire_fence() {
 // Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
 // so a stale cached copy can never be written back over it, and written back after so the flag leaves this core.
 AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
+#if defined(__CPU_SIM)
+  if (sim_cache::payload_unfenced()) sim_cache::unfenced_flags().fetch_add(1, std::memory_order_relaxed);
+#endif
   flush_line(flag);
   scalar_store<uint32_t>(flag, tag);
   scalar_store<uint32_t>(flag + 1, tag_high);
@@ -246,14 +267,22 @@ AICORE inline int64_t launched_block_count(int64_t configured_blocks) {
 #endif
 }
 
-AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
-  const TilePlan& p = args.plan;
-  if (args.magic != kKernelArgsMagic || dtype_bytes(args.dtype) == 0) return false;
-  if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
+// What even a signature-only call needs: who this rank is, how many blocks run, and where the windows are.
+AICORE inline bool kernel_header_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+  if (args.magic != kKernelArgsMagic) return false;
   if (args.world < 1 || args.world > kMaxWorld || args.rank < 0 || args.rank >= args.world) return false;
   if (args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks) return false;
   if (args.comm_blocks < 1 || args.comm_blocks > kMaxCommBlocks) return false;
   if (launched_blocks != expected_blocks) return false;
+  if (args.comm_ctx == 0 || args.window_offset % kWindowAlign != 0) return false;
+  return fixed_window_bytes(args.world) <= static_cast<int64_t>(args.window_bytes);
+}
+
+AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+  const TilePlan& p = args.plan;
+  if (!kernel_header_usable(args, launched_blocks, expected_blocks)) return false;
+  if (args.signature_only != 0 || dtype_bytes(args.dtype) == 0) return false;
+  if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
   if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK ||
       p.k_step != kNpuBaseK * kNpuKSlices || p.sub_m != kNpuSubM || p.stripes != kNpuBaseM / kNpuSubM) {
     return false;

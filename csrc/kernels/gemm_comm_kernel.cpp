@@ -2,6 +2,9 @@
 // reduced subtile to every rank, and write this rank's result into `out` (design.md §5, comm side).
 //
 // Comm block c of every rank:
+//  0. agree: block 0 publishes this rank's call signature to every peer, and every block waits for every peer's
+//     signature of this call and compares (call_signature.hpp). A difference, or a rank that rejected its
+//     arguments, stops every rank here, before anything is written into a peer's window.
 //  1. prepare: zeroes the owner-local subtiles it gathers for this rank (ag_subtile(c, j, Q)) in this rank's
 //     reduced buffer, then sets "prepared[me][c] = tag" in every rank's window. Sources add into an owner's subtile
 //     l only after seeing prepared[owner][ag_block_of(l)]: the buffer needs zeros before atomic adds, and bytes
@@ -20,8 +23,11 @@
 // Every wait is bounded: no progress for wait_timeout_us, or another block's failure, ends the kernel with the
 // reason in the ErrorRecord. Flags are exact-tag (64-bit tag and its complement), per (subtile, source) / per
 // (owner, block) / per subtile, so nothing is reset between calls and shapes may vary (see kernel_args.hpp).
+// A call that fails after its arguments were found usable leaves NaN in `out` (every block that gives up stores NaN
+// over all of `out` after its own last store there; issue 9, finding 5), so a failure cannot pass for a result.
 #include <pto/pto-inst.hpp>
 
+#include "call_signature.hpp"
 #include "device_support.hpp"
 #include "kernel_entry.h"
 #include "ready_queue.hpp"
@@ -72,7 +78,7 @@ class CommBlock {
   AICORE inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
 
   // False (error already recorded) when the device context does not match the arguments.
-  AICORE inline bool init() {
+  AICORE inline bool attach() {
     if (!win_.init(args_)) {
       report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
       return false;
@@ -81,6 +87,27 @@ class CommBlock {
     world_ = args_.world;
     tag_ = signal_tag(args_.epoch);
     tag_high_ = signal_tag_high(args_.epoch);
+    return true;
+  }
+
+  // Step 0. `usable`: this kernel found its own arguments usable; if not, it says so in word 0 of its signature
+  // so that every rank stops. False (error recorded unless another block of this rank failed first) on any
+  // difference.
+  AICORE inline bool agree(bool usable) {
+    int64_t mine[kSignatureWords];
+    for (int64_t w = 0; w < kSignatureWords; ++w) mine[w] = args_.signature[w];
+    if (!usable && args_.signature_only == 0 && mine[0] == 0) mine[0] = kSignatureKernelRejected;
+    if (c_ == 0) publish_signature(win_, args_, mine);
+    const SignatureVerdict verdict = check_signatures(win_, args_, mine);
+    if (verdict.code == kErrNone) return true;
+    if (verdict.code != kErrAborted) {
+      report_error(args_, verdict.code, verdict.peer, verdict.item, static_cast<int32_t>(c_), 1);
+    }
+    return false;
+  }
+
+  // The plan-dependent state; only for a call whose arguments were found usable.
+  AICORE inline void init_call() {
     queues_.init(args_, c_);
     const TilePlan& p = args_.plan;
     int64_t most = 0;
@@ -92,7 +119,30 @@ class CommBlock {
     list_base_ = 0;
     list_done_ = 0;
     for (int k = 0; k < kListWindow; ++k) sources_seen_[k] = 0;
-    return true;
+  }
+
+  // Finding 5: NaN over every element of `out` (all of it: every rank writes the whole result). Called by a block
+  // that gives up, after its own last store to `out`, so whatever it wrote before is overwritten too.
+  AICORE inline void poison() {
+    if (args_.out == 0) return;
+    pipe_barrier(PIPE_ALL);  // nothing of this block may still be using the staging UB
+    SubTile<T> nans(kSubM, kBaseN);
+    TASSIGN(nans, kUbMove);
+    TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
+    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    const TilePlan& p = args_.plan;
+    for (int64_t t = 0; t < p.tiles; ++t) {
+      for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
+        const SubtileSpan s = subtile_span(p, t, stripe);
+        if (s.rows == 0) continue;
+        SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+        TASSIGN(view, kUbMove);
+        auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+        TSTORE(out, view);
+      }
+    }
+    pipe_barrier(PIPE_ALL);
   }
 
   AICORE inline void prepare() {
@@ -111,6 +161,7 @@ class CommBlock {
       TASSIGN(view, kUbZeros);
       auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
       TSTORE(dst, view);
+      note_payload_store();
     }
     release_fence();
     for (int32_t i = 0; i < world_; ++i) {
@@ -120,7 +171,8 @@ class CommBlock {
     }
   }
 
-  AICORE inline void run() {
+  // False when the call failed (recorded by this block or by the one that failed first).
+  AICORE inline bool run() {
     bool rs_done = queues_.done();
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
@@ -131,10 +183,10 @@ class CommBlock {
         const int64_t t = queues_.poll(args_, tag_, tag_high_);
         if (t == -2) {
           report_error(args_, kErrQueueCorrupt, -1, queues_.corrupt_item(), static_cast<int32_t>(c_), 1);
-          return;
+          return false;
         }
         if (t >= 0) {
-          if (!reduce_scatter_tile(t)) return;
+          if (!reduce_scatter_tile(t)) return false;
           progress = true;
           rs_done = queues_.done();
         }
@@ -151,14 +203,15 @@ class CommBlock {
         last_progress = now_us();
         continue;
       }
-      if (aborted(args_)) return;
+      if (aborted(args_)) return false;
       if (now_us() - last_progress > timeout) {
         report_stall(rs_done);
-        return;
+        return false;
       }
       idle_pause();
     }
     pipe_barrier(PIPE_ALL);
+    return true;
   }
 
  private:
@@ -220,9 +273,10 @@ class CommBlock {
       wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
       TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
+      note_payload_store();
       set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      release_fence();
+      if (negative_control() != kControlPayloadUnfenced) release_fence();
       raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
     }
     return true;
@@ -290,6 +344,7 @@ class CommBlock {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
       auto dst = nd_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
       TSTORE(dst, tile);
+      note_payload_store();
     }
     set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
     wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
@@ -367,12 +422,19 @@ class CommBlock {
   int32_t sources_seen_[kListWindow];      // for my own items, by item index mod kListWindow: contrib flags seen
 };
 
+// `usable`: kernel_args_usable() passed (a signature-only call never moves data and has nothing to poison).
 template <uint32_t DType>
-AICORE inline void comm_block_main(const KernelArgs& args, int64_t block) {
+AICORE inline void comm_block_main(const KernelArgs& args, int64_t block, bool usable) {
   CommBlock<typename ElemOf<DType>::type> comm(args, block);
-  if (!comm.init()) return;
+  if (!comm.attach()) return;
+  if (!comm.agree(usable)) {
+    if (usable) comm.poison();
+    return;
+  }
+  if (!usable) return;  // signature-only call, agreed: nothing to move
+  comm.init_call();
   comm.prepare();
-  comm.run();
+  if (!comm.run()) comm.poison();
 }
 
 }  // namespace
@@ -385,15 +447,17 @@ __global__ AICORE void GemmCommKernel(__gm__ uint8_t* args_gm) {
   device::load_kernel_args(args_gm, &args);
   const int64_t block = static_cast<int64_t>(get_block_idx());
   const int64_t launched = device::launched_block_count(args.comm_blocks);
-  if (!device::kernel_args_usable(args, launched, args.comm_blocks)) {
+  // Without a usable header this rank cannot even tell its peers; they time out waiting for its signature.
+  if (!device::kernel_header_usable(args, launched, args.comm_blocks)) {
     if (block == 0) device::report_error(args, kErrBadArgs, -1, -1, 0, 1);
     return;
   }
   if (block >= args.comm_blocks) return;
-  if (args.dtype == kDTypeFloat16) {
-    device::comm_block_main<kDTypeFloat16>(args, block);
+  const bool usable = device::kernel_args_usable(args, launched, args.comm_blocks);
+  if (usable && args.dtype == kDTypeBFloat16) {
+    device::comm_block_main<kDTypeBFloat16>(args, block, usable);
   } else {
-    device::comm_block_main<kDTypeBFloat16>(args, block);
+    device::comm_block_main<kDTypeFloat16>(args, block, usable);
   }
 }
 

@@ -142,6 +142,7 @@ class TileComputer {
     set_flag(PIPE_M, PIPE_FIX, EVENT_ID0);
     wait_flag(PIPE_M, PIPE_FIX, EVENT_ID0);
     TSTORE(dst, acc_);
+    note_payload_store();  // queue_publish fences before the slot's flag
   }
 
  private:

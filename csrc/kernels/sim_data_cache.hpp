@@ -44,10 +44,30 @@ struct CoreCache {
   std::unordered_map<uint64_t, Line> lines;
   ~CoreCache() {
     uint64_t lost = 0;
-    for (const auto& entry : lines) lost += entry.second.dirty != 0 ? 1 : 0;
+    for (const auto& entry : lines) {
+      if (entry.second.dirty == 0) continue;
+      ++lost;
+      if (std::getenv("GEMM_AR_SIM_REPORT_LOST") != nullptr) {
+        std::fprintf(stderr, "sim_data_cache: line %#llx lost stores (byte mask %#llx)\n",
+                     static_cast<unsigned long long>(entry.first), static_cast<unsigned long long>(entry.second.dirty));
+      }
+    }
     if (lost != 0) lost_store_lines().fetch_add(lost, std::memory_order_relaxed);
   }
 };
+
+// Ordering model: a DMA store whose data a flag publishes (tile, atomic add, zeroed subtile) must be followed by a
+// release fence (pipe_barrier + dsb on the device) before the flag is raised, or a peer may see the flag first.
+// The kernels mark such stores (note_payload_store); a flag raised while one is still unfenced on this core is
+// counted here, and the simulator test expects zero.
+inline std::atomic<uint64_t>& unfenced_flags() {
+  static std::atomic<uint64_t> count{0};
+  return count;
+}
+inline bool& payload_unfenced() {
+  thread_local bool pending = false;
+  return pending;
+}
 
 inline CoreCache& core() {
   thread_local CoreCache cache;

@@ -6,17 +6,29 @@
 //
 //   gemm_ar_sim info        prints "bf16_native 0|1" (g++ < 13 simulates bfloat16_t with a 16-bit float)
 //   gemm_ar_sim run <dir>   runs <dir>/job.txt, writes c<call>_out<rank>.bin, prints one "result" line per call
-//                           and rank: call rank code peer item block (code 0 = success), and a
-//                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp)
+//                           and rank: call rank code peer item block (code 0 = success), a
+//                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp) and an
+//                           "unfenced_flags N" line (flags raised after an unfenced payload store)
 //
-// job.txt: "world P Q dtype timeout_us window_offset seed", "calls C", then C lines
-//          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us".
+// job.txt: "world P Q dtype timeout_us window_offset seed topology", "calls C", then C lines
+//          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
+//          sig_value bad_rank bad_code out_fill via_counter".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
 // c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
 // starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
 // (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them).
 // clobber_after 1 overwrites windows and scratch with random bytes after the call, 2 with the next call's tag in
 // every 32-bit word (data that forges single-word flags).
+// Call signatures (KernelArgs::signature) are what the NPU host publishes: word 0 the rank's error code, then M, K,
+// N, dtype, bias, algorithm (3 = fused). sig_rank >= 0 sets word sig_word of that rank's signature to sig_value (a
+// rank that called with another shape, dtype or algorithm); bad_rank >= 0 makes that rank a rank that rejected its
+// arguments: a signature-only launch of the comm kernel with word 0 = bad_code, no plan, no output, no compute
+// kernel, as the host does. topology 0 (MESH): every rank's CommContext is built directly, as HCCL returns it on A2;
+// 1 (RING): from a fake HCCL op-resource block per rank by the host's own assemble_ring_context
+// (csrc/host/npu/ring_context.cpp), as on A3; 2: RING with rank 1's record for rank 0 naming rank 2 (a layout HCCL
+// moved), which the assembly must refuse ("ring_context_error", exit code 3). out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
+// via_counter 1: the epoch reaches the kernels through KernelArgs::epoch_counter (as on the NPU host, where a graph
+// replay repeats the KernelArgs bytes) while KernelArgs::epoch holds a different wrong value on every rank.
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -36,6 +48,8 @@
 
 #include "gemm_ar/kernel_args.hpp"
 #include "kernel_entry.h"
+#include "npu/hccl_context_layout.h"
+#include "npu/ring_context.h"
 #include "sim_data_cache.hpp"
 
 namespace {
@@ -50,10 +64,16 @@ struct CallSpec {
   int clobber_after;
   int late_rank;
   int64_t late_us;
+  int sig_rank, sig_word;
+  int64_t sig_value;
+  int bad_rank;
+  int64_t bad_code;
+  int out_fill;
+  int via_counter;
 };
 
 struct Job {
-  int world = 0, compute_blocks = 0, comm_blocks = 0;
+  int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
   uint32_t dtype = 0, timeout_us = 0;
   uint64_t window_offset = 0, seed = 0;
   std::vector<CallSpec> calls;
@@ -100,7 +120,7 @@ Job read_job(const std::string& dir) {
   std::string word;
   int calls = 0;
   f >> job.world >> job.compute_blocks >> job.comm_blocks >> job.dtype >> job.timeout_us >> job.window_offset >>
-      job.seed >> word >> calls;
+      job.seed >> job.topology >> word >> calls;
   if (!f || word != "calls") {
     std::fprintf(stderr, "bad job.txt\n");
     std::exit(2);
@@ -108,7 +128,8 @@ Job read_job(const std::string& dir) {
   for (int c = 0; c < calls; ++c) {
     CallSpec s{};
     f >> s.m >> s.n >> s.k >> s.b_layout >> s.has_bias >> s.lda >> s.ldb >> s.ldo >> s.epoch >> s.skip_rank >>
-        s.clobber_after >> s.late_rank >> s.late_us;
+        s.clobber_after >> s.late_rank >> s.late_us >> s.sig_rank >> s.sig_word >> s.sig_value >> s.bad_rank >>
+        s.bad_code >> s.out_fill >> s.via_counter;
     job.calls.push_back(s);
   }
   if (!f) {
@@ -138,6 +159,22 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
                  static_cast<long long>(s.n), static_cast<long long>(s.k));
     std::exit(2);
   }
+  a.signature[1] = s.m;
+  a.signature[2] = s.k;
+  a.signature[3] = s.n;
+  a.signature[4] = job.dtype;
+  a.signature[5] = s.has_bias;
+  a.signature[6] = 3;  // Algorithm::Fused
+  if (s.sig_rank >= 0 && rank == s.sig_rank && s.sig_word >= 0 && s.sig_word < gemm_ar::kSignatureWords) {
+    a.signature[s.sig_word] = s.sig_value;
+  }
+  if (s.bad_rank >= 0 && rank == s.bad_rank) {
+    // What the host launches for a rank whose arguments failed its checks: no plan, nothing to read or write.
+    a.signature_only = 1;
+    a.signature[0] = s.bad_code;
+    a.plan = gemm_ar::TilePlan{};
+    a.layout = gemm_ar::KernelLayout{};
+  }
   return a;
 }
 
@@ -162,7 +199,7 @@ int run(const std::string& dir) {
   // Size every buffer for the largest call: windows, scratch and records persist across calls like the real ones.
   int64_t window_bytes = 0, scratch_bytes = 0;
   for (const CallSpec& s : job.calls) {
-    const gemm_ar::KernelArgs a = base_args(job, s, 0);
+    const gemm_ar::KernelArgs a = base_args(job, s, -1);  // -1: no rank's overrides
     window_bytes = std::max(window_bytes, a.layout.window_bytes);
     scratch_bytes = std::max(scratch_bytes, a.layout.scratch_bytes);
   }
@@ -178,13 +215,43 @@ int run(const std::string& dir) {
     fill_random(scratch[r]->ptr, scratch[r]->bytes, rng);
     fill_random(records[r]->ptr, records[r]->bytes, rng);
   }
+  namespace hccl = gemm_ar::npu::hccl_layout;
+  std::vector<std::vector<unsigned char>> ring_blocks(world);
+  std::vector<std::vector<hccl::RankRelationResV2>> relations(world, std::vector<hccl::RankRelationResV2>(world));
   for (int r = 0; r < world; ++r) {
     gemm_ar::CommContext& ctx = contexts[r];
     std::memset(&ctx, 0, sizeof(ctx));
-    ctx.rank_id = static_cast<uint32_t>(r);
-    ctx.rank_num = static_cast<uint32_t>(world);
-    ctx.win_size = windows[r]->bytes;
-    for (int p = 0; p < world; ++p) ctx.windows_in[p] = windows[p]->addr();
+    if (job.topology == 0) {
+      ctx.rank_id = static_cast<uint32_t>(r);
+      ctx.rank_num = static_cast<uint32_t>(world);
+      ctx.win_size = windows[r]->bytes;
+      for (int p = 0; p < world; ++p) ctx.windows_in[p] = windows[p]->addr();
+      continue;
+    }
+    // What HCCL hands out on RING: OpResParam with this rank's windows, and per peer a rank-relation record.
+    std::vector<unsigned char>& block = ring_blocks[r];
+    block.assign(sizeof(hccl::OpResParam) + static_cast<size_t>(world) * sizeof(hccl::RemoteResPtr), 0);
+    auto* param = reinterpret_cast<hccl::OpResParam*>(block.data());
+    param->localUsrRankId = static_cast<uint32_t>(r);
+    param->rankSize = static_cast<uint32_t>(world);
+    param->winSize = windows[r]->bytes;
+    param->localWindowsIn = windows[r]->addr();
+    auto* remote = reinterpret_cast<hccl::RemoteResPtr*>(block.data() + offsetof(hccl::OpResParam, remoteRes));
+    for (int p = 0; p < world; ++p) {
+      if (p == r) continue;
+      relations[r][p].remoteUsrRankId = static_cast<uint32_t>(job.topology == 2 && r == 1 && p == 0 ? 2 : p);
+      relations[r][p].windowsIn = windows[p]->addr();
+      remote[p].nextDevicePtr = reinterpret_cast<uint64_t>(&relations[r][p]);
+    }
+    try {
+      gemm_ar::npu::assemble_ring_context(
+          block.data(), &ctx, [](void* host, const void* device, size_t bytes, const char*) {
+            std::memcpy(host, device, bytes);
+          });
+    } catch (const gemm_ar::npu::RingContextError& e) {
+      std::printf("ring_context_error %s\n", e.what());
+      return 3;
+    }
   }
 
   // Inputs and outputs of every call, loaded up front so the ranks run without pauses between calls.
@@ -198,19 +265,21 @@ int run(const std::string& dir) {
     b_in[c] = read_file(pre + "b.bin", static_cast<size_t>(b_rows * s.ldb) * elem);
     if (s.has_bias) {
       // The kernels take the bias as fp32 padded with zeros to pad_n, as the host prepares it.
-      const gemm_ar::KernelArgs a = base_args(job, s, 0);
+      const gemm_ar::KernelArgs a = base_args(job, s, -1);  // -1: no rank's overrides
       bias_in[c] = read_file(pre + "bias.bin", static_cast<size_t>(s.n) * sizeof(float));
       bias_in[c].resize(static_cast<size_t>(a.plan.pad_n) * sizeof(float), 0);
     }
     for (int r = 0; r < world; ++r) {
       a_in[c].push_back(read_file(pre + "a" + std::to_string(r) + ".bin", static_cast<size_t>(s.m * s.lda) * elem));
-      out[c].emplace_back(static_cast<size_t>(s.m * s.ldo) * elem, 0xFF);  // NaN pattern: unwritten stays NaN
+      // 0xFF: the NaN pattern, unwritten stays NaN; 0 where a test wants to see the kernel's poison.
+      out[c].emplace_back(static_cast<size_t>(s.m * s.ldo) * elem, static_cast<unsigned char>(s.out_fill));
     }
   }
 
   std::vector<std::vector<gemm_ar::KernelArgs>> args(calls, std::vector<gemm_ar::KernelArgs>(world));
   std::vector<std::atomic<int>> computed(calls);  // compute kernels finished, per call
   for (auto& n : computed) n.store(0);
+  std::vector<int64_t> counters(world, 0);  // KernelArgs::epoch_counter, one per rank
   std::barrier meet(world);
   std::vector<std::thread> ranks;
   for (int r = 0; r < world; ++r) {
@@ -225,13 +294,22 @@ int run(const std::string& dir) {
           a.a = reinterpret_cast<uint64_t>(a_in[c][r].data());
           a.b = reinterpret_cast<uint64_t>(b_in[c].data());
           a.bias = s.has_bias ? reinterpret_cast<uint64_t>(bias_in[c].data()) : 0;
-          a.out = reinterpret_cast<uint64_t>(out[c][r].data());
+          a.out = s.bad_rank == r ? 0 : reinterpret_cast<uint64_t>(out[c][r].data());
           a.comm_ctx = reinterpret_cast<uint64_t>(&contexts[r]);
           a.window_offset = job.window_offset;
           a.window_bytes = window_alloc - job.window_offset;
           a.scratch = scratch[r]->addr();
           a.error = records[r]->addr();
-          if (s.late_rank == r) {
+          if (s.via_counter) {
+            counters[r] = static_cast<int64_t>(s.epoch);  // the host's add_ after the previous call
+            a.epoch_counter = reinterpret_cast<uint64_t>(&counters[r]);
+            a.epoch = s.epoch + 1000u + static_cast<uint32_t>(r);  // what a replay would carry: stale, per rank
+          }
+          if (s.bad_rank == r) {
+            std::vector<std::thread> comm = launch(GemmCommKernel, job.comm_blocks, &a);
+            for (auto& t : comm) t.join();
+            computed[c].fetch_add(1);
+          } else if (s.late_rank == r) {
             std::vector<std::thread> compute = launch(GemmComputeKernel, job.compute_blocks, &a);
             const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
             while (computed[c].load() < others) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -286,6 +364,9 @@ int run(const std::string& dir) {
   // Scalar stores that no dcci ever wrote back (strict cache model): each is a flag or record nobody could see.
   std::printf("lost_store_lines %llu\n",
               static_cast<unsigned long long>(gemm_ar::device::sim_cache::lost_store_lines().load()));
+  // Flags raised after a payload DMA store with no release fence in between (ordering model, sim_data_cache.hpp).
+  std::printf("unfenced_flags %llu\n",
+              static_cast<unsigned long long>(gemm_ar::device::sim_cache::unfenced_flags().load()));
   // Error records are per rank and tagged with the call that wrote them; report each call's own.
   for (size_t c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {

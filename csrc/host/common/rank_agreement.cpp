@@ -40,6 +40,10 @@ std::string field_value(int64_t field, int64_t value) {
 
 }  // namespace
 
+const char* signature_field_name(int64_t field) {
+  return field >= 0 && field < kSigComparedFields ? kFieldNames[field] : nullptr;
+}
+
 CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
   CallSignature s{};
   s[kSigError] = call.error_code;

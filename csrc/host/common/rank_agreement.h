@@ -26,6 +26,9 @@ enum SignatureField : int64_t {
 };
 using CallSignature = std::array<int64_t, kSignatureFields>;
 
+// The readable name of signature field `field` (kSigM: "M", ...); nullptr past the last field.
+const char* signature_field_name(int64_t field);
+
 // The name of the tuning-step field in disagreement messages (the op flow restarts tuning on it).
 extern const char* const kTuneStepFieldName;
 

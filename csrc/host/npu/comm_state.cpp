@@ -12,11 +12,14 @@
 #include <stdexcept>
 #include <vector>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
+#include "common/kernel_timeout.h"
 #include "common/settings.h"
 #include "npu/hccl_context_layout.h"
 #include "npu/hccl_symbols.h"
+#include "npu/ring_context.h"
 
 namespace gemm_ar::npu {
 namespace {
@@ -66,52 +69,27 @@ void copy_from_device(void* host, const void* device, size_t bytes, SetupStage s
   check_acl(aclrtMemcpy(host, bytes, device, bytes, ACL_MEMCPY_DEVICE_TO_HOST), stage, what);
 }
 
-// Reads what RING topologies (A3) return, HCCL's op-resource block, and builds the CommContext the kernels expect:
-// this rank's windows from the block's head, every peer's from the rank-relation record its remoteRes[] entry
-// points to.
+void read_device_for_setup(void* host, const void* device, size_t bytes, const char* what) {
+  copy_from_device(host, device, bytes, kStageContext, what);
+}
+
+// RING topologies (A3): the context is assembled from HCCL's op-resource block (ring_context.cpp).
 void assemble_ring_context(const uint8_t* block, CommContext* ctx) {
-  layout::Mc2Workspace workspace{};
-  copy_from_device(&workspace, block, sizeof(workspace), kStageContext, "aclrtMemcpy(workspace)");
-  layout::OpResParamHead head{};
-  copy_from_device(&head, block + offsetof(layout::OpResParam, localUsrRankId), sizeof(head), kStageContext,
-                   "aclrtMemcpy(op resource head)");
-  if (head.rankSize == 0 || head.rankSize > kMaxWorld || head.localUsrRankId >= head.rankSize) {
-    throw SetupError(kStageContext, "HCCL op resources report rank " + std::to_string(head.localUsrRankId) + " of " +
-                                        std::to_string(head.rankSize));
+  try {
+    gemm_ar::npu::assemble_ring_context(block, ctx, &read_device_for_setup);
+  } catch (const RingContextError& e) {
+    throw SetupError(e.mismatch ? kStageMismatch : kStageContext, e.what());
   }
-  std::vector<layout::RemoteResPtr> remote(head.rankSize);
-  copy_from_device(remote.data(), block + offsetof(layout::OpResParam, remoteRes),
-                   remote.size() * sizeof(layout::RemoteResPtr), kStageContext, "aclrtMemcpy(remoteRes)");
-  *ctx = CommContext{};
-  ctx->work_space = workspace.workspace;
-  ctx->work_space_size = workspace.workspaceSize;
-  ctx->rank_id = head.localUsrRankId;
-  ctx->rank_num = head.rankSize;
-  ctx->win_size = head.winSize;
-  for (uint32_t peer = 0; peer < head.rankSize; ++peer) {
-    if (peer == head.localUsrRankId) {
-      ctx->windows_in[peer] = head.localWindowsIn;
-      ctx->windows_out[peer] = head.localWindowsOut;
-      continue;
-    }
-    if (remote[peer].nextDevicePtr == 0) {
-      throw SetupError(kStageMismatch, "HCCL has no remote resources for rank " + std::to_string(peer));
-    }
-    layout::RankRelationResV2 relation{};
-    copy_from_device(&relation, reinterpret_cast<const void*>(remote[peer].nextDevicePtr), sizeof(relation),
-                     kStageContext, "aclrtMemcpy(rank relation)");
-    // The one field that says whether this record really is the peer's: a newer HCCL that moved localRes /
-    // remoteRes in OpResParam shows up here (as a wrong rank) instead of as writes to wrong addresses.
-    if (relation.remoteUsrRankId != peer || relation.windowsIn == 0) {
-      throw SetupError(kStageMismatch,
-                       "HCCL op-resource layout not understood (another HCCL version?): remoteRes[" +
-                           std::to_string(peer) + "] describes rank " + std::to_string(relation.remoteUsrRankId) +
-                           (relation.windowsIn == 0 ? " with no window" : "") +
-                           "; refusing the RING (A3) fused path, which would write to wrong addresses");
-    }
-    ctx->windows_in[peer] = relation.windowsIn;
-    ctx->windows_out[peer] = relation.windowsOut;
-  }
+}
+
+// The runtime's AI Core op-execute timeout in ms. aclrtGetOpExecuteTimeout exists only in newer CANN, so it is
+// looked up at run time; without it, the documented default (common/kernel_timeout.h).
+int64_t aicore_timeout_ms() {
+  using GetTimeout = aclError (*)(uint32_t*);
+  auto get = reinterpret_cast<GetTimeout>(dlsym(RTLD_DEFAULT, "aclrtGetOpExecuteTimeout"));
+  uint32_t ms = 0;
+  if (get != nullptr && get(&ms) == ACL_SUCCESS && ms > 0) return static_cast<int64_t>(ms);
+  return kDocumentedAiCoreTimeoutMs;
 }
 
 int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
@@ -300,8 +278,10 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
   state.window_bytes = static_cast<uint64_t>(window);
   state.compute_blocks = static_cast<int32_t>(compute);
   state.comm_blocks = static_cast<int32_t>(comm);
-  state.first_epoch = static_cast<uint32_t>(rows[0][kFieldEpoch]);
-  state.next_epoch = state.first_epoch;
+  state.calls = KernelErrorWatch(static_cast<uint32_t>(rows[0][kFieldEpoch]));
+  state.epoch_device = at::full({1}, static_cast<int64_t>(static_cast<uint32_t>(rows[0][kFieldEpoch])),
+                                at::TensorOptions().dtype(at::kLong).device(state.device));
+  state.aicore_timeout_ms = aicore_timeout_ms();
   state.error_device = at::zeros({static_cast<int64_t>(sizeof(ErrorRecord))},
                                  at::TensorOptions().dtype(at::kByte).device(state.device));
   state.error_host = at::empty({static_cast<int64_t>(sizeof(ErrorRecord))},
@@ -328,14 +308,29 @@ void set_up(CommState& state, c10d::ProcessGroup& group) {
   agree(state, group, local);
 }
 
+// Held across the setup collective, so two threads never set up the same group twice. Never destroyed: device
+// memory and HCCL resources must not be released by static destructors after torch_npu has shut down.
+std::mutex& registry_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+std::map<std::string, std::unique_ptr<CommState>>& registry() {
+  static auto* states = new std::map<std::string, std::unique_ptr<CommState>>();
+  return *states;
+}
+
 }  // namespace
 
+std::vector<CommState*> all_comm_states() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<CommState*> out;
+  for (auto& entry : registry()) out.push_back(entry.second.get());
+  return out;
+}
+
 CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device) {
-  // Held across the setup collective, so two threads never set up the same group twice. Never destroyed: device
-  // memory and HCCL resources must not be released by static destructors after torch_npu has shut down.
-  static std::mutex registry_mutex;
-  static auto* registry = new std::map<std::string, std::unique_ptr<CommState>>();
-  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto* registry = &gemm_ar::npu::registry();
   const std::string key = group.getGroupName() + "@" + std::to_string(device.index());
   auto found = registry->find(key);
   if (found != registry->end()) return *found->second;

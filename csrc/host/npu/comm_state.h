@@ -11,7 +11,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
+#include "common/kernel_error_watch.h"
 #include "gemm_ar/kernel_args.hpp"
 
 namespace c10_npu {
@@ -20,10 +22,14 @@ struct NPUEvent;
 
 namespace gemm_ar::npu {
 
-// Window bytes left to HCCL in front of our region: its own small collectives (this op's rank agreement runs one
-// right before the kernels) stage their data at the start of the same window, and a peer may already be writing
-// our flags while this rank is still finishing that collective.
-constexpr uint64_t kHcclStagingReserveBytes = uint64_t{1} << 20;
+// Window bytes left to HCCL in front of our region: its own small collectives (the first call's rank agreement
+// runs one right before the kernels) stage their data at the start of the same window, and a peer may already be
+// writing our flags while this rank is still finishing that collective. Plus a guard gap for HCCL's AIV expansion
+// mode (HCCL_OP_EXPANSION_MODE=AIV), whose vector-core collectives keep a 3 MiB flag area (AIV_FLAG_BUFFER_SIZE in
+// HCCL's AIV kernels) in a communicator buffer; docs/ascend.md says why it sits here.
+constexpr uint64_t kHcclStagingBytes = uint64_t{1} << 20;
+constexpr uint64_t kHcclAivGuardBytes = uint64_t{3} << 20;
+constexpr uint64_t kHcclStagingReserveBytes = kHcclStagingBytes + kHcclAivGuardBytes;
 
 // What keeps the fused path from running a call; `auto` warns once per kind when it falls back.
 enum class FusedBlocker { kNone, kDtype, kShape, kWorld, kBackend, kSymbols, kTopology, kSetup, kWindow };
@@ -47,18 +53,29 @@ struct CommState {
   int32_t compute_blocks = 0;     // agreed over the group (cube cores)
   int32_t comm_blocks = 0;        // agreed over the group (vector cores)
 
+  int64_t aicore_timeout_ms = 0;  // the runtime's AI Core op-execute timeout (common/kernel_timeout.h)
+
   // Per call. Guarded by `mutex`.
   std::mutex mutex;
-  uint32_t first_epoch = 0;       // epoch of the first fused call (random, agreed): stale window bytes of an
-  uint32_t next_epoch = 0;        // earlier process never carry the tags of this one's first calls
+  // Epochs start at a random value agreed at setup, so stale window bytes of an earlier process never carry the
+  // tags of this one's first calls; the watch also knows which failures were reported.
+  KernelErrorWatch calls;
+  // Set after the first fused call was agreed over the process group: from then on fused calls agree through the
+  // window only (the comm kernel compares the ranks' signatures), with no host synchronisation.
+  bool agreed = false;
+  at::Tensor epoch_device;        // int64 [1]: the epoch the kernels use (KernelArgs::epoch_counter), +1 on the
+                                  // caller's stream after every call, so graph replays get new epochs too
   at::Tensor error_device;        // ErrorRecord the kernels write (plain device memory, zeroed once)
-  at::Tensor error_host;          // pinned copy, refreshed after every call
+  at::Tensor error_host;          // pinned copy, refreshed asynchronously after every call
   std::shared_ptr<c10_npu::NPUEvent> error_copied;  // recorded after the refresh
-  uint32_t reported_error_tag = 0;                  // the last error already raised
+  std::vector<at::Tensor> captured_args;            // pinned KernelArgs copies graph replays read again
 };
 
 // The state of `group`'s HCCL communicator on `device`, set up on first use. Collective over `group`: every rank
 // calls it for the same group at the same point of the same gemm_allreduce call.
 CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device);
+
+// Every CommState set up so far (check_errors, interpreter exit).
+std::vector<CommState*> all_comm_states();
 
 }  // namespace gemm_ar::npu

@@ -3,6 +3,7 @@
 #include <torch_npu/csrc/core/npu/NPUCachingAllocator.h>
 #include <torch_npu/csrc/core/npu/NPUEvent.h>
 #include <torch_npu/csrc/core/npu/NPUFunctions.h>
+#include <torch_npu/csrc/core/npu/NPUGraphsUtils.h>
 #include <torch_npu/csrc/core/npu/NPUGuard.h>
 #include <torch_npu/csrc/core/npu/NPUStream.h>
 #include <torch_npu/csrc/framework/OpCommand.h>
@@ -11,9 +12,12 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/kernel_timeout.h"
+#include "common/rank_agreement.h"
 #include "common/settings.h"
 #include "gemm_ar/kernel_args.hpp"
 #include "kernel_launch.h"
+#include "npu/sync_points.h"
 
 namespace gemm_ar::npu {
 namespace {
@@ -21,8 +25,8 @@ namespace {
 constexpr int64_t kMiB = int64_t{1} << 20;
 // The kernels' DMA takes 16-bit row strides (in elements) on A2/A3.
 constexpr int64_t kMaxRowStride = 65535;
-// How far back an error record's tag is matched against this communicator's calls.
-constexpr uint32_t kErrorEpochLookback = 1u << 16;
+// The kernels compare the fields every rank must agree on; the carried-only ones (auto tuning times) stay zero.
+static_assert(kSigComparedFields <= kSignatureWords, "the kernels compare kSignatureWords words of the signature");
 
 uint32_t dtype_code(at::ScalarType dtype) {
   if (dtype == at::kHalf) return kDTypeFloat16;
@@ -116,51 +120,83 @@ void keep_alive_on(const c10_npu::NPUStream& stream, std::initializer_list<at::T
   for (const at::Tensor& t : tensors) c10_npu::NPUCachingAllocator::recordStream(t.storage().data_ptr(), stream);
 }
 
-std::string describe_error(const ErrorRecord& e) {
-  std::ostringstream os;
-  os << "rank " << e.rank;
-  switch (e.code) {
-    case kErrBadArgs: os << " rejected the kernel arguments (host and kernels built from different sources?)"; break;
-    case kErrTimeoutCompute:
-      os << " waited too long for its own GEMM kernel (ready queue slot " << e.item << ", comm block " << e.block
-         << ")";
-      break;
-    case kErrTimeoutPrepare: os << " waited too long for rank " << e.peer << " to start the call"; break;
-    case kErrTimeoutReduce:
-      os << " waited too long for rank " << e.peer << "'s contribution to its subtile " << e.item;
-      break;
-    case kErrTimeoutGather:
-      os << " waited too long for rank " << e.peer << " to deliver reduced subtile " << e.item;
-      break;
-    case kErrAborted: os << " stopped because another of its blocks failed"; break;
-    case kErrQueueCorrupt:
-      os << " found an unexpected tile id in ready queue " << (e.item >> 32) << ", slot " << (e.item & 0xffffffff);
-      break;
-    default: os << " reported error code " << e.code; break;
-  }
-  return os.str();
+// Nothing the per-call path does may wait for the device or copy from it synchronously: a stream being captured
+// into an NPU graph must see only launches and asynchronous copies.
+bool capturing() {
+  return c10_npu::currentStreamCaptureStatusMayInitCtx() != c10_npu::CaptureStatus::None;
 }
 
-// Raises the failure of an earlier call that the last refreshed error record shows, once. Needs state.mutex.
+// The signature the kernels compare: the host's CallSignature plus the fused configuration (block counts and
+// tiles), so that ranks built or configured differently stop instead of mixing layouts.
+CallSignature fused_signature(const CallArgs& call, Algorithm chosen, const CommState& state) {
+  CallSignature sig = call_signature(call, chosen);
+  if (chosen == Algorithm::Fused) {
+    sig[kSigTileM] = kNpuBaseM;
+    sig[kSigTileN] = kNpuBaseN;
+    sig[kSigSubM] = kNpuSubM;
+    sig[kSigComputeBlocks] = state.compute_blocks;
+    sig[kSigCommBlocks] = state.comm_blocks;
+  }
+  return sig;
+}
+
+// What every launch of a call needs, shape or not: who, where, which call, how long to wait.
+void fill_call_header(KernelArgs* args, const CommState& state, uint32_t epoch, const CallSignature& signature) {
+  args->magic = kKernelArgsMagic;
+  args->rank = state.rank;
+  args->world = state.world;
+  args->compute_blocks = state.compute_blocks;
+  args->comm_blocks = state.comm_blocks;
+  args->epoch = epoch;
+  args->comm_ctx = state.comm_ctx_device;
+  args->window_offset = kHcclStagingReserveBytes;
+  args->window_bytes = state.window_bytes - kHcclStagingReserveBytes;
+  args->error = reinterpret_cast<uint64_t>(state.error_device.data_ptr());
+  args->epoch_counter = reinterpret_cast<uint64_t>(state.epoch_device.data_ptr());
+  const KernelWaitBound bound = kernel_wait_bound(wait_timeout().count(), state.aicore_timeout_ms);
+  if (bound.capped) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      TORCH_WARN("gemm_allreduce (fused, NPU): TORCH_GEMM_AR_TIMEOUT_S=", wait_timeout().count() / 1000,
+                 " s is above the AI Core kernel execution timeout of ", state.aicore_timeout_ms / 1000,
+                 " s (aclrtGetOpExecuteTimeout), after which the runtime kills the kernels and their error record "
+                 "is lost; the kernels wait at most ", bound.wait_ms / 1000, " s instead");
+    });
+  }
+  args->wait_timeout_us = static_cast<uint32_t>(std::min<int64_t>(bound.wait_ms * 1000, UINT32_MAX));
+  for (int64_t w = 0; w < kSignatureWords; ++w) args->signature[w] = w < kSigComparedFields ? signature[w] : 0;
+}
+
+// The kernels take the struct through device memory; a pinned staging copy (caching host allocator) keeps the
+// upload asynchronous. A captured graph replays the copy from the same host address, so while capturing the
+// staging buffer is kept for good instead of going back to the pool (a few hundred bytes per captured call).
+at::Tensor upload_args(const KernelArgs& args, const at::Device& device, CommState& state) {
+  auto args_host = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
+                             at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(args_host.data_ptr(), &args, sizeof(args));
+  if (capturing()) state.captured_args.push_back(args_host);
+  auto args_device = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
+                               at::TensorOptions().dtype(at::kByte).device(device));
+  args_device.copy_(args_host, /*non_blocking=*/true);
+  return args_device;
+}
+
+// Raises the failure of an earlier call that the last refreshed error record shows, once, without waiting: if the
+// asynchronous refresh has not landed yet, the next call looks again. Not while capturing (an event query is not
+// allowed then; check_errors() reports). Needs state.mutex.
 void raise_recorded_error(CommState& state) {
-  if (!state.error_copied || !state.error_copied->query()) return;  // refresh still in flight: look next time
+  if (capturing() || !state.error_copied || !state.error_copied->query()) return;
   ErrorRecord record;
   std::memcpy(&record, state.error_host.data_ptr(), sizeof(record));
-  if (record.code == kErrNone || record.tag == 0 || record.tag == state.reported_error_tag) return;
-  const uint32_t calls = state.next_epoch - state.first_epoch;
-  for (uint32_t back = 1; back <= std::min(calls, kErrorEpochLookback); ++back) {
-    const uint32_t epoch = state.next_epoch - back;
-    if (signal_tag(epoch) != record.tag) continue;
-    state.reported_error_tag = record.tag;
-    TORCH_CHECK(false, "gemm_allreduce (fused, NPU): call #", epoch - state.first_epoch + 1, " on group '",
-                state.group_name, "' failed: ", describe_error(record),
-                " (TORCH_GEMM_AR_TIMEOUT_S bounds every wait). The output of that call is invalid; a peer that "
-                "died or skipped the call leaves the group unusable.");
-  }
+  const std::string failure =
+      state.calls.take_unreported(record, state.group_name, &signature_field_name, &error_code_summary);
+  TORCH_CHECK(failure.empty(), failure);
 }
 
-// Copies the error record to the host after this call's kernels, without waiting for them.
+// Copies the error record to the host after this call's kernels, without waiting for them (an asynchronous copy
+// into pinned memory and an event the next call queries). Not while capturing: check_errors() reads graphs'.
 void refresh_error_record(CommState& state, const c10_npu::NPUStream& stream) {
+  if (capturing()) return;
   state.error_host.copy_(state.error_device, /*non_blocking=*/true);
   state.error_copied = std::make_shared<c10_npu::NPUEvent>();
   state.error_copied->record(stream);
@@ -227,7 +263,7 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   scratch.narrow(0, args.layout.queue_offset, static_cast<int64_t>(state.compute_blocks) * args.layout.queue_stride)
       .zero_();
 
-  args.epoch = state.next_epoch++;
+  fill_call_header(&args, state, state.calls.take_epoch(), fused_signature(call, Algorithm::Fused, state));
   args.b_layout = ops.b_layout;
   args.a = reinterpret_cast<uint64_t>(ops.a.data_ptr());
   args.b = reinterpret_cast<uint64_t>(ops.b.data_ptr());
@@ -236,21 +272,10 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   args.lda = ops.lda;
   args.ldb = ops.ldb;
   args.ldo = call.n;
-  args.comm_ctx = state.comm_ctx_device;
-  args.window_offset = kHcclStagingReserveBytes;
-  args.window_bytes = state.window_bytes - kHcclStagingReserveBytes;
   args.scratch = reinterpret_cast<uint64_t>(scratch.data_ptr());
-  args.error = reinterpret_cast<uint64_t>(state.error_device.data_ptr());
   args.bias_rank = 0;
-  const int64_t timeout_us = wait_timeout().count() * 1000;
-  args.wait_timeout_us = static_cast<uint32_t>(std::min<int64_t>(timeout_us, UINT32_MAX));
 
-  // The kernels take the struct through device memory; a pinned staging copy keeps the upload asynchronous.
-  auto args_host = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
-                             at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(args_host.data_ptr(), &args, sizeof(args));
-  auto args_device = at::empty({static_cast<int64_t>(sizeof(KernelArgs))}, bytes);
-  args_device.copy_(args_host, /*non_blocking=*/true);
+  at::Tensor args_device = upload_args(args, device, state);
   void* args_ptr = args_device.data_ptr();
 
   // Fork: the comm kernel starts after everything queued so far on the caller's stream (args, scratch, inputs).
@@ -273,13 +298,69 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   c10_npu::NPUEvent joined;
   joined.record(comm_stream);
   joined.block(compute_stream);
+  state.epoch_device.add_(1);  // after both kernels of this call (the join), before the next call's
 
   refresh_error_record(state, compute_stream);
-  if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) {
-    state.error_copied->synchronize();
-    raise_recorded_error(state);
-  }
+  // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp).
+  if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) wait_and_raise_errors(state);
   return out.view(call.out_shape);
+}
+
+std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
+  const at::Device device(c10::DeviceType::PrivateUse1, c10_npu::current_device());
+  CommState& state = comm_state(group, device);  // set up already (check_fused runs first on every call)
+  bool agreed = false;
+  if (state.unavailable.empty()) {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    agreed = state.agreed;
+  }
+  // A rank with bad arguments cannot know what `auto` would have chosen; on a group that runs `fused` it assumes
+  // its peers run the kernels. An explicit `sequential` / `chunked` keeps the exchange its peers are in.
+  const bool runs_kernels =
+      chosen == Algorithm::Fused || (!call.error.empty() && chosen == Algorithm::Auto);
+  if (!agreed || !runs_kernels) {
+    // Setup (the group's first fused call) and the algorithms that do not run the kernels: the exchange over the
+    // process group, which synchronises (rank_agreement.cpp). Its first success on a usable communicator ends it.
+    std::vector<CallSignature> all = check_ranks_agree(group, call, chosen, device);
+    if (chosen == Algorithm::Fused && state.unavailable.empty()) {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      state.agreed = true;
+    }
+    return all;
+  }
+  if (chosen == Algorithm::Fused && call.error.empty() && call.m > 0) return {};  // run_fused: the kernels compare
+  // A rank that rejected its arguments (or has M = 0) still takes part in the call through the window, so that
+  // peers running the kernels stop at once with the reason instead of waiting out the timeout.
+  c10_npu::NPUGuard device_guard(device);
+  std::lock_guard<std::mutex> lock(state.mutex);
+  raise_recorded_error(state);
+  KernelArgs args{};
+  const uint32_t epoch = state.calls.take_epoch();
+  fill_call_header(&args, state, epoch, fused_signature(call, chosen, state));
+  args.dtype = kDTypeFloat16;  // read by nobody: a signature-only call moves no data
+  args.signature_only = 1;
+  at::Tensor args_device = upload_args(args, device, state);
+  const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
+  const c10_npu::NPUStream comm_stream = c10_npu::getNPUStreamFromPool(device.index());
+  c10_npu::NPUEvent forked;
+  forked.record(caller);
+  forked.block(comm_stream);
+  {
+    c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
+    enqueue_launch(comm_stream, "gemm_ar_comm", &launch_gemm_comm, static_cast<uint32_t>(state.comm_blocks),
+                   args_device.data_ptr());
+  }
+  keep_alive_on(comm_stream, {args_device});
+  c10_npu::NPUEvent joined;
+  joined.record(comm_stream);
+  joined.block(caller);
+  state.epoch_device.add_(1);
+  refresh_error_record(state, caller);
+  if (call.error.empty()) return {};  // M = 0: nothing to compute; a peer with M > 0 gets the mismatch
+  state.calls.mark_reported(epoch);  // raised right here; the kernel's record of it is not raised again
+  if (call.error_code == kFusedUnavailableError) TORCH_CHECK(false, call.error);
+  TORCH_CHECK_VALUE(false, call.error);
+  return {};  // not reached
 }
 
 }  // namespace gemm_ar::npu

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/call_args.h"
+#include "common/rank_agreement.h"
 #include "npu/comm_state.h"
 
 namespace gemm_ar::npu {
@@ -25,5 +26,13 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group);
 // earlier call on the same communicator (a peer that never arrived) is raised here; with
 // TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 every call waits for its kernels and raises its own failure.
 at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group);
+
+// The NPU's rank agreement (BackendHooks::check_agreement; issue 9, finding 4). The group's first fused call, and
+// every call of another algorithm, exchange signatures over the process group (a host synchronisation). After that,
+// a fused call only puts its signature in the kernel arguments and the comm kernel compares the ranks' signatures
+// through the window before it moves data: no synchronisation, no copy to the host. A rank whose arguments are bad
+// (or whose M is 0) launches a signature-only comm kernel, so that its peers' kernels stop at once, and raises.
+// Returns every rank's signature when the exchange ran, nothing when the kernels compare.
+std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group);
 
 }  // namespace gemm_ar::npu

@@ -63,7 +63,8 @@ BackendHooks make_npu_backend() {
   };
   hooks.run_fused = [](const CallArgs& call, c10d::ProcessGroup& group) { return run_fused(call, group); };
   hooks.choose_auto = &choose_auto;
-  // check_agreement stays empty: the call signatures are exchanged over the HCCL process group.
+  // After the group's first fused call, fused calls agree inside the comm kernel, not over the process group.
+  hooks.check_agreement = &agree_fused;
   return hooks;
 }
 

@@ -41,12 +41,20 @@
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x32524147u;  // "GAR2": bumped whenever KernelArgs or its meaning changes
+constexpr uint32_t kKernelArgsMagic = 0x33524147u;  // "GAR3": bumped whenever KernelArgs or its meaning changes
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
 constexpr int64_t kFlagStride = kCacheLine;         // one flag per cache line: AICore flushes whole lines
 constexpr int64_t kQueueSlotBytes = 32;             // ready-queue slot: tile id, ~id, 2 spare words, then a flag
+// The call signature every rank publishes to every peer before any data moves (issue 9, finding 4): the host's
+// CallSignature words (common/rank_agreement.h), word 0 the rank's own error code (0: arguments valid). The kernel
+// compares them word by word and knows no other meaning.
+constexpr int64_t kSignatureWords = 16;
+// A signature slot: the flag's line, then the words, then their complements (a torn or forged slot fails both).
+constexpr int64_t kSignatureSlotBytes = kFlagStride + 2 * kSignatureWords * static_cast<int64_t>(sizeof(int64_t));
+// Word 0 a rank publishes when its kernel finds its own KernelArgs unusable (host codes are small integers).
+constexpr int64_t kSignatureKernelRejected = 1001;
 
 // NPU tile sizes (design.md §5); the kernels are compiled for exactly these.
 constexpr int64_t kNpuBaseM = 128;
@@ -84,6 +92,7 @@ struct KernelLayout {
   // window (remote ranks write here)
   int64_t prepared_offset, prepared_bytes; // [epoch & 1][owner][comm block] flags: "my subtiles are zeroed";
                                            // first, sized by world and kMaxCommBlocks only: never moves
+  int64_t signature_offset, signature_bytes; // [epoch & 1][source] signature slots; sized by world: never moves
   int64_t reduced_offset, reduced_bytes;   // pad_m x pad_n output dtype: RS atomic adds, then AG copies
   int64_t contrib_offset, contrib_bytes;   // [owner-local subtile][source] flags: "source added its part"
   int64_t arrival_offset, arrival_bytes;   // [tile * stripes + stripe] flags: "the owner delivered this subtile"
@@ -120,6 +129,9 @@ enum ErrorCode : int32_t {
   kErrTimeoutGather = 5,    // owner `peer` never delivered global subtile `item`
   kErrAborted = 6,          // another block of this rank failed first
   kErrQueueCorrupt = 7,     // a ready-queue slot carried an unexpected tile id (`item` = queue << 32 | slot)
+  kErrSignatureMismatch = 8,// rank `peer` called with another signature (`item` = first differing word; -2: its
+                            // slot stayed torn)
+  kErrPeerRejected = 9,     // rank `peer` (possibly this one) rejected its arguments (`item` = its error code)
 };
 
 struct KernelArgs {
@@ -142,6 +154,9 @@ struct KernelArgs {
   uint64_t window_bytes;   // bytes available from window_offset on (checked against layout.window_bytes)
   uint64_t scratch;        // device address of this rank's scratch (layout.scratch_bytes, kWindowAlign-aligned)
   uint64_t error;          // device address of this rank's ErrorRecord
+  uint64_t epoch_counter;  // 0, or the device address of an int64 whose low 32 bits replace `epoch`: the host adds
+                           // 1 to it on the stream after each call, so calls replayed from a captured graph (whose
+                           // KernelArgs bytes are replayed unchanged) still get a new epoch every call
 
   int32_t rank, world;             // must match comm_ctx->rank_id / rank_num
   int32_t compute_blocks;          // P <= kMaxComputeBlocks: launch block count of GemmComputeKernel
@@ -149,6 +164,10 @@ struct KernelArgs {
                                    // concurrently)
   int32_t bias_rank;               // which rank adds the bias (normally 0)
   uint32_t wait_timeout_us;        // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
+  uint32_t signature_only;         // 1: publish and check the signature, move no data (a rank that rejected its
+                                   // arguments, or M = 0); only the fields up to here and `signature` are read
+  uint32_t reserved0;
+  int64_t signature[kSignatureWords];  // this rank's call signature (see kSignatureWords)
 
   TilePlan plan;                   // make_tile_plan(m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)
   KernelLayout layout;             // make_kernel_layout(plan, elem_bytes, world, compute_blocks, comm_blocks)
@@ -173,6 +192,23 @@ GEMM_AR_FN uint32_t signal_tag(uint32_t epoch) {
 // in both halves.
 GEMM_AR_FN uint32_t signal_tag_high(uint32_t epoch) { return (epoch * 0x85EBCA6Bu) ^ 0xC2B2AE35u; }
 
+// The regions whose place depends on the world size only (prepared flags, signature slots): what a
+// signature-only call needs, and where every call's shape-dependent regions start.
+GEMM_AR_FN int64_t prepared_region_bytes(int64_t world) { return 2 * world * kMaxCommBlocks * kFlagStride; }
+GEMM_AR_FN int64_t signature_region_offset(int64_t world) {
+  return align_up(prepared_region_bytes(world), kWindowAlign);
+}
+GEMM_AR_FN int64_t signature_region_bytes(int64_t world) { return 2 * world * kSignatureSlotBytes; }
+GEMM_AR_FN int64_t fixed_window_bytes(int64_t world) {
+  return align_up(signature_region_offset(world) + signature_region_bytes(world), kWindowAlign);
+}
+// The slot in a window where rank `source` publishes its signature of call `epoch` (banked by parity like the
+// prepared flags: a peer may publish call e+1 while this rank is still in call e).
+GEMM_AR_FN int64_t signature_slot_offset(int64_t world, uint32_t epoch, int64_t source) {
+  const int64_t bank = static_cast<int64_t>(epoch & 1u);
+  return signature_region_offset(world) + (bank * world + source) * kSignatureSlotBytes;
+}
+
 GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
                                            int64_t compute_blocks, int64_t comm_blocks) {
   // The prepared region is sized by kMaxCommBlocks, not by comm_blocks, so that its place never depends on the
@@ -182,8 +218,10 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
   const int64_t elems = plan.pad_m * plan.pad_n;
   int64_t at = 0;
   k.prepared_offset = at;
-  k.prepared_bytes = 2 * world * kMaxCommBlocks * kFlagStride;
-  at = align_up(at + k.prepared_bytes, kWindowAlign);
+  k.prepared_bytes = prepared_region_bytes(world);
+  k.signature_offset = signature_region_offset(world);
+  k.signature_bytes = signature_region_bytes(world);
+  at = fixed_window_bytes(world);
   k.reduced_offset = at;
   k.reduced_bytes = elems * elem_bytes;
   at = align_up(at + k.reduced_bytes, kWindowAlign);

@@ -1,0 +1,33 @@
+// The kernels' wait bound against the runtime's AI Core op-execute timeout (issue 9, finding 6). When a kernel runs
+// longer than that timeout the runtime kills it, and the ErrorRecord naming the peer that never came is lost, so
+// TORCH_GEMM_AR_TIMEOUT_S is capped below it with a margin (the kernels need a moment to record and poison).
+// Facts (CANN documentation of aclrtSetOpExecuteTimeOut / aclrtGetOpExecuteTimeout): the AI Core default is
+// 1091 s on Atlas A2 training products (68 s on the older Atlas training series); newer CANN reports the effective
+// value, in milliseconds, through aclrtGetOpExecuteTimeout.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+namespace gemm_ar {
+
+constexpr int64_t kDocumentedAiCoreTimeoutMs = 1091 * 1000;  // used when the runtime cannot be asked
+
+struct KernelWaitBound {
+  int64_t wait_ms;  // what the kernels get
+  bool capped;      // the request was above the cap (warn, naming both values)
+};
+
+// The margin left between the kernels' own give-up and the runtime's kill: a tenth of it, at least 1 s.
+inline int64_t kernel_wait_cap_ms(int64_t aicore_timeout_ms) {
+  const int64_t margin = std::max<int64_t>(aicore_timeout_ms / 10, 1000);
+  return std::max<int64_t>(aicore_timeout_ms - margin, 1);
+}
+
+inline KernelWaitBound kernel_wait_bound(int64_t requested_ms, int64_t aicore_timeout_ms) {
+  if (aicore_timeout_ms <= 0) return {requested_ms, false};  // unknown: nothing to cap against
+  const int64_t cap = kernel_wait_cap_ms(aicore_timeout_ms);
+  if (requested_ms <= cap) return {requested_ms, false};
+  return {cap, true};
+}
+
+}  // namespace gemm_ar

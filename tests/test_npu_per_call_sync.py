@@ -1,0 +1,168 @@
+"""Issue 9, finding 4: after the first call of a group, a fused NPU call must not synchronise with the device, copy
+from it synchronously, allocate outside the caching allocators, or agree over the process group. This checks the
+translation units of the per-call path, compiled against the real torch-npu 2.13.0 headers (as
+tests/test_npu_host_compile.py does), three ways:
+
+1. symbols: no reference to a synchronising or allocating API, and no such inline helper emitted (the units are
+   built at -O0, so the inline helpers they use are emitted into them: what the compiler really calls);
+2. source: no synchronising idiom in the code (comments stripped);
+3. reach: every project function they call that is not itself in a per-call unit is on a short allow-list, each
+   with the reason it is safe per call (e.g. comm_state: a cached lookup after the group's setup).
+
+The negative controls inject a `.cpu()`, an `aclrtSynchronizeStream` and a call to the syncing check_all_errors()
+into a copy of fused_npu.cpp and require the checks to fail."""
+import os
+import re
+import subprocess
+
+import pytest
+
+from test_npu_host_compile import HEADERS_MISSING, ROOT, _demangle, _symbols, compile_command
+
+pytestmark = pytest.mark.skipif(
+    HEADERS_MISSING, reason="torch-npu 2.13.0 headers not found: set TORCH_NPU_ROOT (see test_npu_host_compile.py)"
+)
+
+# What a fused call runs on the host, call after call (op flow -> NPU hooks -> fused path).
+PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
+    "npu/fused_npu.cpp", "npu/npu_op.cpp", "common/op_flow.cpp", "common/call_args.cpp", "common/settings.cpp",
+    "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp",
+)]
+
+# Demangled undefined symbols that synchronise, copy synchronously, allocate outside the caching allocators or run a
+# collective.
+DENIED_SYMBOLS = [
+    r"^aclrtSynchronize", r"^aclrtMemcpy$", r"^aclrtMemcpy2d$", r"^aclrtMalloc", r"^aclrtFree",
+    r"^HcclAllReduce", r"^HcclAllGather", r"^HcclBarrier",
+    r"c10_npu::NPUEvent::synchronize", r"c10_npu::NPUStream::synchronize", r"c10_npu::npuSynchronize",
+    r"c10_npu::device_synchronize", r"at::Tensor::cpu\(", r"at::TensorBase::cpu\(", r"at::_ops::item::call",
+    r"at::_ops::_local_scalar_dense::call", r"c10d::ProcessGroup::allreduce", r"c10d::ProcessGroup::barrier",
+]
+
+# The same in source form (what a reviewer would grep for).
+DENIED_SOURCE = [
+    r"\.cpu\(", r"\.item\s*\(", r"\.item<\w+>\s*\(", r"synchroni[sz]e\s*\(", r"aclrtSynchronize", r"aclrtMemcpy\s*\(",
+    r"aclrtMalloc", r"\ballreduce\s*\(", r"\bbarrier\s*\(", r"->wait\s*\(", r"non_blocking\s*=\s*\*/\s*false",
+    r"\.to\(\s*(at::)?kCPU", r"\.tolist\(",
+]
+
+# Project functions outside the per-call units that the per-call path may call, and why that is safe.
+ALLOWED_PROJECT_CALLS = {
+    "gemm_ar::npu::comm_state": "setup collective on a group's first call; afterwards a map lookup",
+    "gemm_ar::check_ranks_agree": "the host exchange: only the first fused call of a group, and non-fused calls",
+    "gemm_ar::npu::wait_and_raise_errors": "only with TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 (opt-in sync)",
+    "gemm_ar::run_sequential": "the sequential algorithm (HCCL collectives are its job), never a fused call",
+    "gemm_ar::run_chunked": "the chunked algorithm, never a fused call",
+    "gemm_ar::run_local": "one-rank groups: a plain local GEMM",
+    "gemm_ar::call_signature": "pure: fills an array (rank_agreement.cpp)",
+    "gemm_ar::signature_field_name": "pure: a table lookup (rank_agreement.cpp)",
+    "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
+    "gemm_ar::launch_gemm_compute": "the bisheng launch shim: queues the kernel on the stream",
+    "gemm_ar::launch_gemm_comm": "the bisheng launch shim: queues the kernel on the stream",
+}
+
+
+def _compile(source, out_dir):
+    obj = os.path.join(out_dir, os.path.basename(source) + ".o")
+    proc = subprocess.run(compile_command(source, obj), capture_output=True, text=True)
+    assert proc.returncode == 0, f"{source} does not compile:\n{proc.stderr[-6000:]}"
+    return obj
+
+
+def _strip_comments(text):
+    text = re.sub(r"/\*.*?\*/", lambda m: re.sub(r"[^\n]", " ", m.group(0)) if "non_blocking" not in m.group(0)
+                  else m.group(0), text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _function_name(demangled):
+    """'gemm_ar::npu::comm_state(c10d::ProcessGroup&, ...)' -> 'gemm_ar::npu::comm_state'."""
+    depth, end = 0, len(demangled)
+    for i, ch in enumerate(demangled):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            end = i
+            break
+    return demangled[:end]
+
+
+def problems(objects, sources):
+    """Every reason the given per-call objects/sources break the rule (empty: they keep it)."""
+    found = []
+    defined_here = set()
+    undefined, defined = {}, {}
+    for obj in objects:
+        defined[obj] = list(_demangle(sorted(_symbols(obj, defined=True))).values())
+        defined_here |= {_function_name(d) for d in defined[obj]}
+        names = sorted(_symbols(obj, defined=False))
+        undefined[obj] = list(_demangle(names).values()) if names else []
+    for obj in objects:
+        # Defined too: at -O0 the inline helpers a unit uses (Tensor::cpu(), item<T>()) are emitted into it.
+        for name in undefined[obj] + defined[obj]:
+            for pattern in DENIED_SYMBOLS:
+                if re.search(pattern, name):
+                    found.append(f"symbols: {os.path.basename(obj)} calls {name}")
+    for obj, names in undefined.items():
+        for name in names:
+            function = _function_name(name)
+            if function.startswith("gemm_ar::") and function not in defined_here:
+                if function not in ALLOWED_PROJECT_CALLS:
+                    found.append(f"reach: {os.path.basename(obj)} calls {function}, which is neither per-call code "
+                                 f"nor on the allow-list")
+    for source in sources:
+        with open(source) as f:
+            text = _strip_comments(f.read())
+        for pattern in DENIED_SOURCE:
+            for match in re.finditer(pattern, text):
+                line = text.count("\n", 0, match.start()) + 1
+                found.append(f"source: {os.path.basename(source)}:{line} has {match.group(0)!r}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def per_call_objects(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("per_call"))
+    return [_compile(source, out_dir) for source in PER_CALL_SOURCES]
+
+
+def test_per_call_path_does_not_synchronise(per_call_objects):
+    found = problems(per_call_objects, PER_CALL_SOURCES)
+    assert not found, "the per-call NPU path synchronises or reaches code that may:\n" + "\n".join(found)
+
+
+def test_allow_list_is_not_stale(per_call_objects):
+    # Every allowed entry is really called: a stale allow-list would hide what it once excused.
+    called = set()
+    for obj in per_call_objects:
+        called |= {_function_name(d) for d in _demangle(sorted(_symbols(obj, defined=False))).values()}
+    stale = sorted(set(ALLOWED_PROJECT_CALLS) - called)
+    assert not stale, f"allow-listed but never called from the per-call path: {stale}"
+
+
+# Injected right after run_fused allocates `out`; each must be caught by the checks named.
+INJECTIONS = {
+    "tensor_cpu": ("  (void)out.cpu();\n", {"symbols", "source"}),
+    "acl_synchronize_stream": ("  (void)aclrtSynchronizeStream(nullptr);\n", {"symbols", "source"}),
+    "syncing_project_call": ("  check_all_errors();\n", {"reach"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INJECTIONS))
+def test_negative_control_injected_sync_is_caught(per_call_objects, tmp_path, name):
+    code, expected_kinds = INJECTIONS[name]
+    source = PER_CALL_SOURCES[0]
+    with open(source) as f:
+        text = f.read()
+    anchor = "  auto out = at::empty({call.m, call.n}, call.b.options());\n"
+    assert text.count(anchor) == 1, "anchor for the injection not found in fused_npu.cpp"
+    broken = os.path.join(str(tmp_path), "fused_npu.cpp")
+    with open(broken, "w") as f:
+        f.write(text.replace(anchor, anchor + code).replace('#include "npu/sync_points.h"',
+                                                            '#include "npu/sync_points.h"\n#include <acl/acl.h>'))
+    obj = _compile(broken, str(tmp_path))
+    found = problems([obj] + per_call_objects[1:], [broken])
+    kinds = {line.split(":")[0] for line in found}
+    assert expected_kinds <= kinds, f"injected {code.strip()!r} was not caught by {expected_kinds - kinds}: {found}"
