@@ -43,7 +43,12 @@ DENIED_SYMBOLS = [
 DENIED_SOURCE = [
     r"\.cpu\(", r"\.item\s*\(", r"\.item<\w+>\s*\(", r"synchroni[sz]e\s*\(", r"aclrtSynchronize", r"aclrtMemcpy\s*\(",
     r"aclrtMalloc", r"\ballreduce\s*\(", r"\bbarrier\s*\(", r"->wait\s*\(", r"non_blocking\s*=\s*\*/\s*false",
-    r"\.to\(\s*(at::)?kCPU", r"\.tolist\(",
+    r"\.to\(\s*(at::|c10::)?kCPU", r"\.tolist\(",
+    # A blocking copy: copy_(src) with the default non_blocking=false (a D2H copy waits for the device).
+    r"\.copy_\(\s*[^,()]*(\([^()]*\))?[^,()]*\)", r"non_blocking\s*=\s*false",
+    r"\bWork::wait\b", r"\.wait\s*\(\s*\)",
+    r"\.to\(\s*(at::|c10::)?Device\(\s*(at::|c10::)?(kCPU|DeviceType::CPU)", r"\.to\(\s*(at::|c10::)?DeviceType::CPU",
+    r"\.to\(\s*\"cpu\"",
 ]
 
 # Project functions outside the per-call units that the per-call path may call, and why that is safe.
@@ -147,6 +152,11 @@ INJECTIONS = {
     "tensor_cpu": ("  (void)out.cpu();\n", {"symbols", "source"}),
     "acl_synchronize_stream": ("  (void)aclrtSynchronizeStream(nullptr);\n", {"symbols", "source"}),
     "syncing_project_call": ("  check_all_errors();\n", {"reach"}),
+    "blocking_copy_to_host": ("  { at::Tensor host = at::empty({1}); host.copy_(out); }\n", {"source"}),
+    "blocking_copy_to_host_nested": ("  at::empty({1}).copy_(out.view(-1));\n", {"source"}),
+    "work_wait": ("  { c10::intrusive_ptr<c10d::Work> work; if (work) work->wait(); }\n", {"source"}),
+    "to_cpu_device": ("  (void)out.to(at::Device(at::kCPU));\n", {"source"}),
+    "to_kcpu": ("  (void)out.to(at::kCPU);\n", {"source"}),
 }
 
 
@@ -166,3 +176,75 @@ def test_negative_control_injected_sync_is_caught(per_call_objects, tmp_path, na
     found = problems([obj] + per_call_objects[1:], [broken])
     kinds = {line.split(":")[0] for line in found}
     assert expected_kinds <= kinds, f"injected {code.strip()!r} was not caught by {expected_kinds - kinds}: {found}"
+
+
+# check_ranks_agree is allow-listed for "the first fused call of a group, and non-fused calls" only. That claim is
+# checked on the code's structure: in fused_npu.cpp every call sits in a block entered only when the group has not
+# agreed yet or the call does not run the kernels, `agreed` comes from nothing but the group's state, and the NPU
+# hooks route the agreement through agree_fused (op_flow.cpp's direct call is for backends without a hook).
+AGREE_GUARD = "if (!agreed || !runs_kernels)"
+
+
+def _enclosing_block_header(text, pos):
+    """The text between the statement before the innermost `{` enclosing pos and that `{` (e.g. 'if (x)')."""
+    depth = 0
+    for i in range(pos - 1, -1, -1):
+        if text[i] == "}":
+            depth += 1
+        elif text[i] == "{":
+            if depth == 0:
+                start = max(text.rfind(";", 0, i), text.rfind("{", 0, i), text.rfind("}", 0, i)) + 1
+                return " ".join(text[start:i].split())
+            depth -= 1
+    return ""
+
+
+def agreement_guard_problems(fused_text, npu_op_text):
+    found = []
+    fused = _strip_comments(fused_text)
+    calls = [m.start() for m in re.finditer(r"\bcheck_ranks_agree\s*\(", fused)]
+    if not calls:
+        found.append("fused_npu.cpp no longer calls check_ranks_agree: update this test and the allow-list")
+    for pos in calls:
+        header = _enclosing_block_header(fused, pos)
+        if header != AGREE_GUARD:
+            line = fused.count("\n", 0, pos) + 1
+            found.append(f"fused_npu.cpp:{line} calls check_ranks_agree under {header!r}, not {AGREE_GUARD!r}")
+    assignments = sorted(set(m.group(0) for m in re.finditer(r"\bagreed\s*=[^=;][^;]*;", fused)))
+    if assignments != ["agreed = false;", "agreed = state.agreed;", "agreed = true;"]:
+        found.append(f"`agreed` is set by {assignments}, not only from the group's state")
+    if "state.agreed = true;" not in fused.split("check_ranks_agree", 1)[-1]:
+        found.append("state.agreed is set before (not after) the exchange succeeded")
+    if not re.search(r"hooks\.check_agreement\s*=\s*&agree_fused\s*;", _strip_comments(npu_op_text)):
+        found.append("npu_op.cpp does not route the agreement through agree_fused")
+    return found
+
+
+def _read(name):
+    with open(os.path.join(ROOT, "csrc", "host", "npu", name)) as f:
+        return f.read()
+
+
+def test_check_ranks_agree_runs_only_before_agreement_or_off_the_kernels():
+    found = agreement_guard_problems(_read("fused_npu.cpp"), _read("npu_op.cpp"))
+    assert not found, "\n".join(found)
+
+
+# Broken on purpose: the exchange on every call, the guard loosened, the hook dropped.
+GUARD_INJECTIONS = {
+    "unguarded_exchange": lambda f, n: (f.replace("  if (chosen == Algorithm::Fused && call.error.empty() && call.m > 0)"
+                                                  " return {};",
+                                                  "  (void)check_ranks_agree(group, call, chosen, device);\n"
+                                                  "  if (chosen == Algorithm::Fused && call.error.empty() && call.m > 0)"
+                                                  " return {};", 1), n),
+    "guard_loosened": lambda f, n: (f.replace(AGREE_GUARD, "if (!agreed || true)", 1), n),
+    "hook_dropped": lambda f, n: (f, n.replace("hooks.check_agreement = &agree_fused;", "", 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GUARD_INJECTIONS))
+def test_negative_control_unguarded_agreement_is_caught(name):
+    fused, npu_op = _read("fused_npu.cpp"), _read("npu_op.cpp")
+    broken_fused, broken_npu_op = GUARD_INJECTIONS[name](fused, npu_op)
+    assert (broken_fused, broken_npu_op) != (fused, npu_op), f"injection {name!r} found no anchor"
+    assert agreement_guard_problems(broken_fused, broken_npu_op), f"injection {name!r} went unnoticed"

@@ -43,7 +43,8 @@ AICORE inline void publish_signature(const RemoteWindows& win, const KernelArgs&
     const int32_t peer = (args.rank + i) % args.world;
     __gm__ uint32_t* flag = signature_flag(win, peer, args, args.rank);
     __gm__ int64_t* payload = signature_words(flag);
-    invalidate_lines(payload, kSignaturePayloadBytes);  // no stale cached copy may be written back over the words
+    // No stale cached copy may be written back over the words.
+    if (site_kept(kControlSignatureNotDropped)) invalidate_lines(payload, kSignaturePayloadBytes);
     for (int64_t w = 0; w < kSignatureWords; ++w) {
       scalar_store<int64_t>(payload + w, words[w]);
       scalar_store<int64_t>(payload + kSignatureWords + w, ~words[w]);
@@ -60,7 +61,7 @@ AICORE inline void publish_signature(const RemoteWindows& win, const KernelArgs&
 AICORE inline bool read_signature(__gm__ uint32_t* flag, int64_t* words) {
   __gm__ int64_t* payload = signature_words(flag);
   for (int attempt = 0; attempt < kSignatureRereads; ++attempt) {
-    invalidate_lines(payload, kSignaturePayloadBytes);
+    if (site_kept(kControlSignatureStale)) invalidate_lines(payload, kSignaturePayloadBytes);
     bool whole = true;
     for (int64_t w = 0; w < kSignatureWords; ++w) {
       words[w] = scalar_load<int64_t>(payload + w);

@@ -41,6 +41,19 @@ enum NegativeControl : int {
   kControlSkipSignatureCheck = 5,   // peers' call signatures are waited for but not compared (finding 4)
   kControlSignatureUnflushed = 6,   // the signature words are not written back before their flag
   kControlPayloadUnfenced = 7,      // a reduce-scatter contribution's flag is raised without the release fence
+  // One per remaining flush/invalidate site: the site named is left out (tests/test_kernels_sim.py says which the
+  // model catches; docs/ascend.md says why the others cannot be seen).
+  kControlArgsStale = 8,             // load_kernel_args reads KernelArgs without dropping cached lines
+  kControlCounterStale = 9,          // load_kernel_args reads the epoch counter without dropping its line
+  kControlFlagNotDropped = 10,       // raise_flag stores into the flag's line without dropping it first
+  kControlRecordNotDropped = 11,     // report_error stores the fields without dropping the record's line first
+  kControlRecordFieldsUnflushed = 12,  // report_error does not write the fields back before the tag
+  kControlRecordTagUnflushed = 13,   // report_error does not write the tag back
+  kControlQueueNotDropped = 14,      // queue_publish stores the id without dropping the slot's line first
+  kControlQueueIdStale = 15,         // queue_read_id reads the id without dropping the slot's line
+  kControlSignatureNotDropped = 16,  // publish_signature stores without dropping the payload lines first
+  kControlSignatureStale = 17,       // read_signature reads the payload without dropping its lines
+  kControlContextStale = 18,         // RemoteWindows::init reads the CommContext without dropping its lines
 };
 #if defined(__CPU_SIM)
 inline int negative_control() {
@@ -53,6 +66,9 @@ inline int negative_control() {
 #else
 AICORE constexpr inline int negative_control() { return kControlNone; }
 #endif
+
+// False only in a simulator run whose negative control removes the site guarded by `control`.
+AICORE inline bool site_kept(int control) { return negative_control() != control; }
 
 // dcci(p, SINGLE_CACHE_LINE): writes back and drops p's cache line from p up to the next 64-byte boundary only
 // (AscendC's documented behaviour for an unaligned address), so callers pass the lowest address they need covered.
@@ -96,7 +112,7 @@ AICORE inline void invalidate_lines(const volatile __gm__ void* p, int64_t bytes
 
 // The host's KernelArgs copy, read word by word (kernel parameters can only be pointers and scalars).
 AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
-  invalidate_lines(src, static_cast<int64_t>(sizeof(KernelArgs)));
+  if (site_kept(kControlArgsStale)) invalidate_lines(src, static_cast<int64_t>(sizeof(KernelArgs)));
   const __gm__ uint64_t* from = reinterpret_cast<const __gm__ uint64_t*>(src);
   uint64_t* to = reinterpret_cast<uint64_t*>(dst);
   for (uint64_t i = 0; i < sizeof(KernelArgs) / sizeof(uint64_t); ++i) {
@@ -105,7 +121,7 @@ AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   if (dst->epoch_counter != 0) {
     // Written by a stream operation after the previous call's kernels ended: drop any cached copy, then read.
     const __gm__ int64_t* counter = reinterpret_cast<const __gm__ int64_t*>(dst->epoch_counter);
-    flush_line(counter);
+    if (site_kept(kControlCounterStale)) flush_line(counter);
     dst->epoch = static_cast<uint32_t>(scalar_load(counter));
   }
 }
@@ -170,7 +186,7 @@ AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_
 #if defined(__CPU_SIM)
   if (sim_cache::payload_unfenced()) sim_cache::unfenced_flags().fetch_add(1, std::memory_order_relaxed);
 #endif
-  flush_line(flag);
+  if (site_kept(kControlFlagNotDropped)) flush_line(flag);
   scalar_store<uint32_t>(flag, tag);
   scalar_store<uint32_t>(flag + 1, tag_high);
   scalar_store<uint32_t>(flag + 2, ~tag);
@@ -233,17 +249,18 @@ AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t pe
   if (args.error == 0) return;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
   const uint32_t tag = signal_tag(args.epoch);
-  flush_line(&rec->tag);  // rec->tag starts the record's second line: this covers every field below
+  // rec->tag starts the record's second line: this covers every field below
+  if (site_kept(kControlRecordNotDropped)) flush_line(&rec->tag);
   scalar_store<int32_t>(&rec->code, code);
   scalar_store<int32_t>(&rec->rank, args.rank);
   scalar_store<int32_t>(&rec->peer, peer);
   scalar_store<int64_t>(&rec->item, item);
   scalar_store<int32_t>(&rec->block, block);
   scalar_store<int32_t>(&rec->stage, stage);
-  flush_line(&rec->tag);  // the fields reach GM before the tag that validates them
+  if (site_kept(kControlRecordFieldsUnflushed)) flush_line(&rec->tag);  // fields reach GM before the tag
   dsb(DSB_DDR);
   scalar_store<uint32_t>(&rec->tag, tag);
-  flush_line(&rec->tag);
+  if (site_kept(kControlRecordTagUnflushed)) flush_line(&rec->tag);
   dsb(DSB_DDR);
   raise_flag(&rec->abort_tag, tag, signal_tag_high(args.epoch));  // abort_tag and pad0[0..2]: one line
 }
@@ -278,9 +295,15 @@ AICORE inline bool kernel_header_usable(const KernelArgs& args, int64_t launched
   return fixed_window_bytes(args.world) <= static_cast<int64_t>(args.window_bytes);
 }
 
-AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+// The plan and the operands alone (not who runs it or where the windows are): enough to know `out` and its shape,
+// so that a call refused for its header can still poison its output (finding 5).
+AICORE inline bool kernel_operands_usable(const KernelArgs& args) {
   const TilePlan& p = args.plan;
-  if (!kernel_header_usable(args, launched_blocks, expected_blocks)) return false;
+  if (args.magic != kKernelArgsMagic) return false;
+  if (args.world < 1 || args.world > kMaxWorld || args.compute_blocks < 1 ||
+      args.compute_blocks > kMaxComputeBlocks || args.comm_blocks < 1 || args.comm_blocks > kMaxCommBlocks) {
+    return false;
+  }
   if (args.signature_only != 0 || dtype_bytes(args.dtype) == 0) return false;
   if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
   if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK ||
@@ -291,10 +314,9 @@ AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_b
   // DMA strides are 16-bit on A2/A3.
   if (args.lda < p.k || args.lda > 65535 || args.ldb > 65535 || args.ldo < p.n) return false;
   if (args.ldb < (args.b_layout == kBTransposed ? p.k : p.n)) return false;
-  if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0 || args.comm_ctx == 0) return false;
+  if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0) return false;
   // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
-  if (args.window_offset % kWindowAlign != 0 || args.scratch % kWindowAlign != 0) return false;
-  if (args.layout.window_bytes > static_cast<int64_t>(args.window_bytes)) return false;
+  if (args.scratch % kWindowAlign != 0) return false;
   // The plan and layout must be exactly what the shared functions give for these sizes and counts.
   TilePlan plan{};
   if (!make_tile_plan(&plan, p.m, p.n, p.k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)) return false;
@@ -311,6 +333,13 @@ AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_b
     if (want_l[i] != got_l[i]) return false;
   }
   return true;
+}
+
+AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
+  if (!kernel_header_usable(args, launched_blocks, expected_blocks) || !kernel_operands_usable(args)) return false;
+  // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
+  if (args.comm_ctx == 0 || args.window_offset % kWindowAlign != 0) return false;
+  return args.layout.window_bytes <= static_cast<int64_t>(args.window_bytes);
 }
 
 }  // namespace device

@@ -423,10 +423,21 @@ class CommBlock {
 };
 
 // `usable`: kernel_args_usable() passed (a signature-only call never moves data and has nothing to poison).
+// A call whose header is unusable but whose operands are (e.g. no device context): `out` is still known, so it is
+// poisoned rather than left as it was (finding 5).
+template <uint32_t DType>
+AICORE inline void poison_only(const KernelArgs& args) {
+  CommBlock<typename ElemOf<DType>::type> comm(args, 0);
+  comm.poison();
+}
+
 template <uint32_t DType>
 AICORE inline void comm_block_main(const KernelArgs& args, int64_t block, bool usable) {
   CommBlock<typename ElemOf<DType>::type> comm(args, block);
-  if (!comm.attach()) return;
+  if (!comm.attach()) {
+    if (usable) comm.poison();  // the device context does not match: no result will come (finding 5)
+    return;
+  }
   if (!comm.agree(usable)) {
     if (usable) comm.poison();
     return;
@@ -449,7 +460,16 @@ __global__ AICORE void GemmCommKernel(__gm__ uint8_t* args_gm) {
   const int64_t launched = device::launched_block_count(args.comm_blocks);
   // Without a usable header this rank cannot even tell its peers; they time out waiting for its signature.
   if (!device::kernel_header_usable(args, launched, args.comm_blocks)) {
-    if (block == 0) device::report_error(args, kErrBadArgs, -1, -1, 0, 1);
+    if (block == 0) {
+      device::report_error(args, kErrBadArgs, -1, -1, 0, 1);
+      if (device::kernel_operands_usable(args)) {
+        if (args.dtype == kDTypeBFloat16) {
+          device::poison_only<kDTypeBFloat16>(args);
+        } else {
+          device::poison_only<kDTypeFloat16>(args);
+        }
+      }
+    }
     return;
   }
   if (block >= args.comm_blocks) return;

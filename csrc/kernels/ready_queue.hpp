@@ -37,7 +37,8 @@ AICORE inline __gm__ uint32_t* queue_slot(const KernelArgs& args, int64_t block,
 AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t j, int64_t tile) {
   release_fence();
   __gm__ uint32_t* slot = queue_slot(args, block, j);
-  flush_line(slot);  // no stale copy of the line may be written back over what follows
+  // No stale copy of the line may be written back over what follows.
+  if (site_kept(kControlQueueNotDropped)) flush_line(slot);
   scalar_store<uint32_t>(slot, static_cast<uint32_t>(tile));
   scalar_store<uint32_t>(slot + 1, ~static_cast<uint32_t>(tile));
   if (negative_control() != kControlQueueFlush) flush_line(slot);
@@ -47,7 +48,7 @@ AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t 
 
 // The id of a slot whose flag was seen; -1 when its two words disagree (not yet written back, or garbage).
 AICORE inline int64_t queue_read_id(__gm__ uint32_t* slot) {
-  flush_line(slot);
+  if (site_kept(kControlQueueIdStale)) flush_line(slot);
   const uint32_t id = scalar_load<uint32_t>(slot);
   return scalar_load<uint32_t>(slot + 1) == ~id ? static_cast<int64_t>(id) : -1;
 }

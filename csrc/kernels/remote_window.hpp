@@ -13,7 +13,7 @@ class RemoteWindows {
   // the group the host said it does (wrong rank or world).
   AICORE inline bool init(const KernelArgs& args) {
     __gm__ CommContext* ctx = reinterpret_cast<__gm__ CommContext*>(args.comm_ctx);
-    invalidate_lines(ctx, static_cast<int64_t>(sizeof(CommContext)));
+    if (site_kept(kControlContextStale)) invalidate_lines(ctx, static_cast<int64_t>(sizeof(CommContext)));
     me_ = args.rank;
     world_ = args.world;
     if (static_cast<int32_t>(scalar_load(&ctx->rank_id)) != me_ ||

@@ -4,10 +4,14 @@
 //  - a scalar load fills the line from memory once and then returns that copy, however stale, until a dcci drops it;
 //  - a scalar store goes into the line (write-allocate) and stays invisible to every other core until a dcci
 //    covering the stored bytes writes them back;
+//  - a dcci of a dirty line writes back every byte it covers as this core last saw it, stale bytes it never stored
+//    included (the line is the unit of write-back), so a stale copy can overwrite what others wrote meanwhile;
 //  - dcci(p, SINGLE_CACHE_LINE) covers p up to the next 64-byte boundary only (AscendC's documented behaviour
 //    for an unaligned address): bytes below p in the same line are neither written back nor refreshed;
-//  - no eviction: a store that no dcci ever covers is never seen. Such lines are counted when the core's thread
-//    ends (lost_store_lines()), and the simulator test expects zero.
+//  - no eviction: a store that no dcci ever covers is never seen. Such lines are counted when the core's kernel
+//    ends (lost_store_lines()), and the simulator test expects zero;
+//  - lines outlive the kernel: the harness binds each simulated core to one CoreCache for the whole run
+//    (bind_core), so the next launch on that core starts with whatever the last one left cached, as on hardware.
 // Tile copies (TLOAD/TSTORE, atomic adds) bypass this cache, as the DMA engines do on the device.
 // Write-backs are relaxed byte stores after a release fence and fills relaxed byte loads before an acquire fence,
 // so C++ orders the payload (written by the tile copies) before a flag exactly where the kernel flushes it.
@@ -42,18 +46,22 @@ inline std::atomic<uint64_t>& lost_store_lines() {
 
 struct CoreCache {
   std::unordered_map<uint64_t, Line> lines;
-  ~CoreCache() {
+  // End of a kernel on this core: stores still dirty were never published; count them and keep the bytes as a
+  // (stale) clean copy for the next launch.
+  void retire_dirty() {
     uint64_t lost = 0;
-    for (const auto& entry : lines) {
+    for (auto& entry : lines) {
       if (entry.second.dirty == 0) continue;
       ++lost;
       if (std::getenv("GEMM_AR_SIM_REPORT_LOST") != nullptr) {
         std::fprintf(stderr, "sim_data_cache: line %#llx lost stores (byte mask %#llx)\n",
                      static_cast<unsigned long long>(entry.first), static_cast<unsigned long long>(entry.second.dirty));
       }
+      entry.second.dirty = 0;
     }
     if (lost != 0) lost_store_lines().fetch_add(lost, std::memory_order_relaxed);
   }
+  ~CoreCache() { retire_dirty(); }
 };
 
 // Ordering model: a DMA store whose data a flag publishes (tile, atomic add, zeroed subtile) must be followed by a
@@ -69,10 +77,18 @@ inline bool& payload_unfenced() {
   return pending;
 }
 
-inline CoreCache& core() {
-  thread_local CoreCache cache;
-  return cache;
+// The cache of the simulated core this thread runs as; a thread that was never bound keeps its own.
+inline CoreCache*& bound_core() {
+  thread_local CoreCache* bound = nullptr;
+  return bound;
 }
+inline CoreCache& core() {
+  thread_local CoreCache own;
+  return bound_core() != nullptr ? *bound_core() : own;
+}
+
+// For the harness: this thread now runs as the core owning `cache` (nullptr: unbind).
+inline void bind_core(CoreCache* cache) { bound_core() = cache; }
 
 inline uint8_t* memory_at(uint64_t addr) { return reinterpret_cast<uint8_t*>(addr); }
 
@@ -129,8 +145,9 @@ inline void dcci_from(const volatile void* p) {
   Line& line = found->second;
   const uint64_t from = addr - base;
   __atomic_thread_fence(__ATOMIC_RELEASE);
-  for (uint64_t i = from; i < kLineBytes; ++i) {
-    if ((line.dirty >> i) & 1u) __atomic_store_n(memory_at(base + i), line.bytes[i], __ATOMIC_RELAXED);
+  if (line.dirty != 0) {
+    // Whole-line write-back: the covered bytes go out as this core has them, stored or merely (stale) cached.
+    for (uint64_t i = from; i < kLineBytes; ++i) __atomic_store_n(memory_at(base + i), line.bytes[i], __ATOMIC_RELAXED);
   }
   line.dirty &= from == 0 ? 0ull : ((1ull << from) - 1);
   if (from == 0) {

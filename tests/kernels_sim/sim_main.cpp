@@ -26,7 +26,8 @@
 // kernel, as the host does. topology 0 (MESH): every rank's CommContext is built directly, as HCCL returns it on A2;
 // 1 (RING): from a fake HCCL op-resource block per rank by the host's own assemble_ring_context
 // (csrc/host/npu/ring_context.cpp), as on A3; 2: RING with rank 1's record for rank 0 naming rank 2 (a layout HCCL
-// moved), which the assembly must refuse ("ring_context_error", exit code 3). out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
+// moved), which the assembly must refuse ("ring_context_error", exit code 3); 3: MESH with rank 1's CommContext naming
+// rank 0 (the kernel's attach fails); 4: MESH with no CommContext for rank 1 (its KernelArgs header is unusable). out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
 // via_counter 1: the epoch reaches the kernels through KernelArgs::epoch_counter (as on the NPU host, where a graph
 // replay repeats the KernelArgs bytes) while KernelArgs::epoch holds a different wrong value on every rank.
 #include <pto/pto-inst.hpp>
@@ -178,14 +179,19 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   return a;
 }
 
-// One "kernel launch": block_count threads, each with its block index set as the simulator expects.
+// One "kernel launch": block_count threads, each with its block index set as the simulator expects and running as
+// the simulated core whose data cache is cores[b] (kept across launches, as hardware keeps lines across kernels).
 template <typename Kernel>
-std::vector<std::thread> launch(Kernel kernel, int block_count, gemm_ar::KernelArgs* args) {
+std::vector<std::thread> launch(Kernel kernel, int block_count, gemm_ar::KernelArgs* args,
+                                gemm_ar::device::sim_cache::CoreCache* cores) {
   std::vector<std::thread> threads;
   for (int b = 0; b < block_count; ++b) {
-    threads.emplace_back([kernel, b, args]() {
+    threads.emplace_back([kernel, b, args, cores]() {
       pto::cpu_sim::set_execution_context(static_cast<uint32_t>(b), 0, 1);
+      gemm_ar::device::sim_cache::bind_core(&cores[b]);
       kernel(reinterpret_cast<__gm__ uint8_t*>(args));
+      cores[b].retire_dirty();  // stores the kernel never published are lost, the lines stay cached
+      gemm_ar::device::sim_cache::bind_core(nullptr);
     });
   }
   return threads;
@@ -221,8 +227,8 @@ int run(const std::string& dir) {
   for (int r = 0; r < world; ++r) {
     gemm_ar::CommContext& ctx = contexts[r];
     std::memset(&ctx, 0, sizeof(ctx));
-    if (job.topology == 0) {
-      ctx.rank_id = static_cast<uint32_t>(r);
+    if (job.topology == 0 || job.topology >= 3) {
+      ctx.rank_id = static_cast<uint32_t>(job.topology == 3 && r == 1 ? 0 : r);
       ctx.rank_num = static_cast<uint32_t>(world);
       ctx.win_size = windows[r]->bytes;
       for (int p = 0; p < world; ++p) ctx.windows_in[p] = windows[p]->addr();
@@ -276,7 +282,19 @@ int run(const std::string& dir) {
     }
   }
 
-  std::vector<std::vector<gemm_ar::KernelArgs>> args(calls, std::vector<gemm_ar::KernelArgs>(world));
+  // One KernelArgs buffer per rank, rewritten for every call (as a caching allocator hands the same block back): a
+  // kernel that read it without dropping its cached lines would see the previous call's arguments.
+  struct alignas(64) ArgsSlot {
+    gemm_ar::KernelArgs a;
+  };
+  std::vector<ArgsSlot> args(world);
+  // Each rank's simulated cores (compute blocks, then comm blocks) and their data caches, for the whole run.
+  using gemm_ar::device::sim_cache::CoreCache;
+  std::vector<std::unique_ptr<CoreCache[]>> compute_cores(world), comm_cores(world);
+  for (int r = 0; r < world; ++r) {
+    compute_cores[r].reset(new CoreCache[job.compute_blocks]);
+    comm_cores[r].reset(new CoreCache[job.comm_blocks]);
+  }
   std::vector<std::atomic<int>> computed(calls);  // compute kernels finished, per call
   for (auto& n : computed) n.store(0);
   std::vector<int64_t> counters(world, 0);  // KernelArgs::epoch_counter, one per rank
@@ -289,13 +307,13 @@ int run(const std::string& dir) {
       for (size_t c = 0; c < calls; ++c) {
         const CallSpec& s = job.calls[c];
         if (s.skip_rank != r) {
-          gemm_ar::KernelArgs& a = args[c][r];
+          gemm_ar::KernelArgs& a = args[r].a;
           a = base_args(job, s, r);
           a.a = reinterpret_cast<uint64_t>(a_in[c][r].data());
           a.b = reinterpret_cast<uint64_t>(b_in[c].data());
           a.bias = s.has_bias ? reinterpret_cast<uint64_t>(bias_in[c].data()) : 0;
           a.out = s.bad_rank == r ? 0 : reinterpret_cast<uint64_t>(out[c][r].data());
-          a.comm_ctx = reinterpret_cast<uint64_t>(&contexts[r]);
+          a.comm_ctx = job.topology == 4 && r == 1 ? 0 : reinterpret_cast<uint64_t>(&contexts[r]);
           a.window_offset = job.window_offset;
           a.window_bytes = window_alloc - job.window_offset;
           a.scratch = scratch[r]->addr();
@@ -305,27 +323,28 @@ int run(const std::string& dir) {
             a.epoch_counter = reinterpret_cast<uint64_t>(&counters[r]);
             a.epoch = s.epoch + 1000u + static_cast<uint32_t>(r);  // what a replay would carry: stale, per rank
           }
+          const auto run_compute = [&]() { return launch(GemmComputeKernel, job.compute_blocks, &a,
+                                                         compute_cores[r].get()); };
+          const auto run_comm = [&]() { return launch(GemmCommKernel, job.comm_blocks, &a, comm_cores[r].get()); };
           if (s.bad_rank == r) {
-            std::vector<std::thread> comm = launch(GemmCommKernel, job.comm_blocks, &a);
+            std::vector<std::thread> comm = run_comm();
             for (auto& t : comm) t.join();
             computed[c].fetch_add(1);
           } else if (s.late_rank == r) {
-            std::vector<std::thread> compute = launch(GemmComputeKernel, job.compute_blocks, &a);
+            std::vector<std::thread> compute = run_compute();
             const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
             while (computed[c].load() < others) std::this_thread::sleep_for(std::chrono::milliseconds(1));
             std::this_thread::sleep_for(std::chrono::microseconds(s.late_us));
-            std::vector<std::thread> comm = launch(GemmCommKernel, job.comm_blocks, &a);
+            std::vector<std::thread> comm = run_comm();
             for (auto& t : compute) t.join();
             for (auto& t : comm) t.join();
           } else {
             // Either kernel may start first, as with two streams.
             const int order = static_cast<int>(jitter() % 2);
             std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
-            std::vector<std::thread> first = order == 0 ? launch(GemmComputeKernel, job.compute_blocks, &a)
-                                                        : launch(GemmCommKernel, job.comm_blocks, &a);
+            std::vector<std::thread> first = order == 0 ? run_compute() : run_comm();
             std::this_thread::sleep_for(std::chrono::microseconds(jitter() % 2000));
-            std::vector<std::thread> second = order == 0 ? launch(GemmCommKernel, job.comm_blocks, &a)
-                                                         : launch(GemmComputeKernel, job.compute_blocks, &a);
+            std::vector<std::thread> second = order == 0 ? run_comm() : run_compute();
             std::vector<std::thread>& compute = order == 0 ? first : second;
             for (auto& t : compute) t.join();
             computed[c].fetch_add(1);

@@ -74,7 +74,9 @@ Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
   // blocks per tile, so it goes in as fp32 padded with zeros to pad_n.
   if (call.bias.has_value()) {
     ops.bias = at::zeros({plan.pad_n}, call.bias->options().dtype(at::kFloat));
-    ops.bias.narrow(0, 0, n).copy_(*call.bias);
+    // Same device (checked with the other arguments): a stream-ordered copy; non_blocking is spelled out so the
+    // per-call sync test can deny every blocking copy_.
+    ops.bias.narrow(0, 0, n).copy_(*call.bias, /*non_blocking=*/true);
   }
   return ops;
 }
