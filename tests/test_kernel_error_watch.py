@@ -128,5 +128,8 @@ def test_an_unreported_failure_is_raised_at_interpreter_exit(tmp_path, reported)
     assert "main done" in proc.stdout, proc.stderr
     if reported:
         assert "never reported" not in proc.stderr, proc.stderr
+        assert proc.returncode == 0, f"exit status {proc.returncode} although the failure was reported: {proc.stderr}"
     else:
         assert "a failed call was never reported before exit: call #1 on group 'tp' failed" in proc.stderr
+        # A batch job must see the failure in its exit status too, not only in the log.
+        assert proc.returncode == 1, f"exit status {proc.returncode} with an unreported failure: {proc.stderr}"

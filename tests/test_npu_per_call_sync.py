@@ -9,8 +9,10 @@ tests/test_npu_host_compile.py does), three ways:
 3. reach: every project function they call that is not itself in a per-call unit is on a short allow-list, each
    with the reason it is safe per call (e.g. comm_state: a cached lookup after the group's setup).
 
-The negative controls inject a `.cpu()`, an `aclrtSynchronizeStream` and a call to the syncing check_all_errors()
-into a copy of fused_npu.cpp and require the checks to fail."""
+The negative controls inject a `.cpu()`, an `aclrtSynchronizeStream`, a call to the syncing check_all_errors(), a
+blocking `copy_(src)`, a `Work::wait()` and `.to(kCPU)` into a copy of fused_npu.cpp and require the checks to fail.
+check_ranks_agree, the one allow-listed exchange, is checked structurally to run only before the group agreed or for
+calls that do not run the kernels (with negative controls that move or loosen the guard)."""
 import os
 import re
 import subprocess

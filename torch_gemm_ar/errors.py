@@ -5,6 +5,7 @@ with different shapes), the call's output holds NaN and the failure is raised by
 `check_errors()`, or, if neither happened, when the interpreter exits. Backends register a checker here.
 """
 import atexit
+import os
 import sys
 import threading
 
@@ -33,7 +34,14 @@ def _check_at_exit():
         check_errors()
     except Exception as error:  # noqa: BLE001  (every failure must be shown, whatever its type)
         sys.stderr.write(f"torch_gemm_ar: a failed call was never reported before exit: {error}\n")
-        raise
+        # An exception in an atexit callback is printed but leaves the exit status at 0, so a batch job would pass.
+        # Exit with status 1 instead (the exit callbacks registered before this module's import are skipped; logging,
+        # the usual one, is flushed here).
+        if "logging" in sys.modules:
+            sys.modules["logging"].shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 atexit.register(_check_at_exit)

@@ -62,6 +62,7 @@ AICORE inline bool read_signature(__gm__ uint32_t* flag, int64_t* words) {
   __gm__ int64_t* payload = signature_words(flag);
   for (int attempt = 0; attempt < kSignatureRereads; ++attempt) {
     if (site_kept(kControlSignatureStale)) invalidate_lines(payload, kSignaturePayloadBytes);
+    note_guarded_access();  // the words the slot's flag published
     bool whole = true;
     for (int64_t w = 0; w < kSignatureWords; ++w) {
       words[w] = scalar_load<int64_t>(payload + w);
@@ -92,7 +93,7 @@ AICORE inline SignatureVerdict check_signatures(const RemoteWindows& win, const 
       idle_pause();
     }
   }
-  acquire_fence();
+  if (site_kept(kControlSignatureAcquire)) acquire_fence();
   if (negative_control() == kControlSkipSignatureCheck) return {kErrNone, -1, -1};
   SignatureVerdict rejected{kErrNone, -1, -1};
   SignatureVerdict differs{kErrNone, -1, -1};

@@ -54,6 +54,12 @@ enum NegativeControl : int {
   kControlSignatureNotDropped = 16,  // publish_signature stores without dropping the payload lines first
   kControlSignatureStale = 17,       // read_signature reads the payload without dropping its lines
   kControlContextStale = 18,         // RemoteWindows::init reads the CommContext without dropping its lines
+  // One per acquire_fence() after a flag was seen: the fence named is left out.
+  kControlQueueAcquire = 19,         // QueueCursor::poll: before the tile's id and data are read
+  kControlSignatureAcquire = 20,     // check_signatures: before the peers' signature words are read
+  kControlPreparedAcquire = 21,      // wait_prepared: before the atomic add into the owner's zeroed subtile
+  kControlContribAcquire = 22,       // try_item (own subtile): before the reduced subtile is read
+  kControlArrivalAcquire = 23,       // try_item (peer's subtile): before the gathered subtile is read
 };
 #if defined(__CPU_SIM)
 inline int negative_control() {
@@ -167,10 +173,19 @@ AICORE inline void release_fence() {
 #endif
 }
 
+// Marks a load or store (DMA or scalar) that a flag seen earlier guards: the simulator requires an acquire_fence()
+// between the flag and it (sim_data_cache.hpp, ordering model). No-op on the device.
+AICORE inline void note_guarded_access() {
+#if defined(__CPU_SIM)
+  if (sim_cache::acquire_pending()) sim_cache::unfenced_accesses().fetch_add(1, std::memory_order_relaxed);
+#endif
+}
+
 // After a flag was seen: no later load (DMA included) may run ahead of it.
 AICORE inline void acquire_fence() {
 #if defined(__CPU_SIM)
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  sim_cache::acquire_pending() = false;
 #endif
   pipe_barrier(PIPE_ALL);
   dsb(DSB_DDR);
@@ -200,9 +215,13 @@ AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_
 AICORE inline bool flag_raised(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
   if (negative_control() != kControlDropInvalidate) flush_line(flag);
   if (scalar_load<uint32_t>(flag) != tag) return false;
-  if (negative_control() == kControlSingleWordFlags) return true;
-  return scalar_load<uint32_t>(flag + 1) == tag_high && scalar_load<uint32_t>(flag + 2) == ~tag &&
-         scalar_load<uint32_t>(flag + 3) == ~tag_high;
+  const bool raised = negative_control() == kControlSingleWordFlags ||
+                      (scalar_load<uint32_t>(flag + 1) == tag_high && scalar_load<uint32_t>(flag + 2) == ~tag &&
+                       scalar_load<uint32_t>(flag + 3) == ~tag_high);
+#if defined(__CPU_SIM)
+  if (raised) sim_cache::acquire_pending() = true;  // what it guards now needs an acquire_fence() first
+#endif
+  return raised;
 }
 
 template <typename T>

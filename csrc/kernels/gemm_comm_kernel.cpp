@@ -251,7 +251,7 @@ class CommBlock {
       }
       idle_pause();
     }
-    acquire_fence();
+    if (site_kept(kControlPreparedAcquire)) acquire_fence();
     return true;
   }
 
@@ -272,6 +272,7 @@ class CommBlock {
       set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
+      note_guarded_access();  // the owner's prepared flag: its zeroing comes first
       TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
       note_payload_store();
       set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
@@ -298,11 +299,11 @@ class CommBlock {
       int32_t& seen = sources_seen_[i % kListWindow];
       while (seen < world_ && flag_raised(contrib_flag(me_, l, seen), tag_, tag_high_)) ++seen;
       if (seen < world_) return false;
-      acquire_fence();
+      if (site_kept(kControlContribAcquire)) acquire_fence();
       gather(l, s);
     } else {
       if (!flag_raised(arrival_flag(me_, s), tag_, tag_high_)) return false;
-      acquire_fence();
+      if (site_kept(kControlArrivalAcquire)) acquire_fence();
       copy_out(s);
     }
     return true;
@@ -335,6 +336,7 @@ class CommBlock {
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
     auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
+    note_guarded_access();  // every contribution flag of this subtile
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
@@ -360,6 +362,7 @@ class CommBlock {
     SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
     TASSIGN(tile, kUbMove);
     auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
+    note_guarded_access();  // the owner's arrival flag
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);

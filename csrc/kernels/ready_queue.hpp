@@ -49,6 +49,7 @@ AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t 
 // The id of a slot whose flag was seen; -1 when its two words disagree (not yet written back, or garbage).
 AICORE inline int64_t queue_read_id(__gm__ uint32_t* slot) {
   if (site_kept(kControlQueueIdStale)) flush_line(slot);
+  note_guarded_access();  // the id is what the slot's flag published
   const uint32_t id = scalar_load<uint32_t>(slot);
   return scalar_load<uint32_t>(slot + 1) == ~id ? static_cast<int64_t>(id) : -1;
 }
@@ -77,7 +78,7 @@ class QueueCursor {
       if (head_[k] >= length_[k]) continue;
       __gm__ uint32_t* slot = queue_slot(args, queue_[k], head_[k]);
       if (!flag_raised(slot + 4, tag, tag_high)) continue;
-      acquire_fence();
+      if (site_kept(kControlQueueAcquire)) acquire_fence();
       const int64_t expected = queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k]);
       int64_t id = queue_read_id(slot);
       for (int attempt = 1; id != expected && attempt < kQueueIdRereads; ++attempt) {

@@ -77,6 +77,17 @@ inline bool& payload_unfenced() {
   return pending;
 }
 
+// Acquire side: once a flag was seen raised, a load or store that the flag guards (note_guarded_access) must come
+// after an acquire_fence(), or it may run ahead of the flag on the device. Counted here; the test expects zero.
+inline std::atomic<uint64_t>& unfenced_accesses() {
+  static std::atomic<uint64_t> count{0};
+  return count;
+}
+inline bool& acquire_pending() {
+  thread_local bool pending = false;
+  return pending;
+}
+
 // The cache of the simulated core this thread runs as; a thread that was never bound keeps its own.
 inline CoreCache*& bound_core() {
   thread_local CoreCache* bound = nullptr;

@@ -8,7 +8,8 @@
 //   gemm_ar_sim run <dir>   runs <dir>/job.txt, writes c<call>_out<rank>.bin, prints one "result" line per call
 //                           and rank: call rank code peer item block (code 0 = success), a
 //                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp) and an
-//                           "unfenced_flags N" line (flags raised after an unfenced payload store)
+//                           "unfenced_flags N" line (flags raised after an unfenced payload store) and an
+//                           "unfenced_accesses N" line (flag-guarded accesses with no acquire fence after the flag)
 //
 // job.txt: "world P Q dtype timeout_us window_offset seed topology", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
@@ -27,7 +28,8 @@
 // 1 (RING): from a fake HCCL op-resource block per rank by the host's own assemble_ring_context
 // (csrc/host/npu/ring_context.cpp), as on A3; 2: RING with rank 1's record for rank 0 naming rank 2 (a layout HCCL
 // moved), which the assembly must refuse ("ring_context_error", exit code 3); 3: MESH with rank 1's CommContext naming
-// rank 0 (the kernel's attach fails); 4: MESH with no CommContext for rank 1 (its KernelArgs header is unusable). out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
+// rank 0 (the kernel's attach fails); 4: MESH with no CommContext for rank 1 (its KernelArgs header is unusable).
+// out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
 // via_counter 1: the epoch reaches the kernels through KernelArgs::epoch_counter (as on the NPU host, where a graph
 // replay repeats the KernelArgs bytes) while KernelArgs::epoch holds a different wrong value on every rank.
 #include <pto/pto-inst.hpp>
@@ -386,6 +388,9 @@ int run(const std::string& dir) {
   // Flags raised after a payload DMA store with no release fence in between (ordering model, sim_data_cache.hpp).
   std::printf("unfenced_flags %llu\n",
               static_cast<unsigned long long>(gemm_ar::device::sim_cache::unfenced_flags().load()));
+  // Accesses guarded by a flag with no acquire fence after the flag was seen (ordering model, sim_data_cache.hpp).
+  std::printf("unfenced_accesses %llu\n",
+              static_cast<unsigned long long>(gemm_ar::device::sim_cache::unfenced_accesses().load()));
   // Error records are per rank and tagged with the call that wrote them; report each call's own.
   for (size_t c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {
