@@ -248,6 +248,27 @@ def test_one_bad_rank_raises_everywhere(ranks, case, algorithm):
     assert all(messages), messages
 
 
+def eps_differs(rank, world, algorithm):
+    """Ranks passing different eps would return different `normed`: every rank raises the disagreement naming eps;
+    a mixed call of this op and plain gemm_allreduce is a disagreement on the op."""
+    a, b, res, w = torch.randn(6, 5), torch.randn(5, 3), torch.randn(6, 3), torch.ones(3)
+    eps = 1e-6 if rank == 0 else 1e-5
+    message = raises(lambda: torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, res, w, eps=eps, algorithm=algorithm),
+                     "disagree", "eps=1e-06", "eps=1e-05", exc=ValueError)
+    if rank == 0:
+        call = lambda: torch_gemm_ar.gemm_allreduce(a, b, algorithm=algorithm)  # noqa: E731
+    else:
+        call = lambda: torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, res, w, algorithm=algorithm)  # noqa: E731
+    raises(call, "disagree", "gemm_allreduce_add_rmsnorm", exc=ValueError)
+    out, _ = torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, res, w, eps=1e-6, algorithm=algorithm)  # still usable
+    return message
+
+
+@pytest.mark.parametrize("algorithm", ["sequential", "fused"])
+def test_ranks_with_different_eps_disagree(ranks, algorithm):
+    assert all(ranks(2).run(eps_differs, algorithm, timeout_s=60))
+
+
 def compiled_call(rank, world, seed):
     torch._dynamo.reset()
     group = dist.group.WORLD

@@ -382,6 +382,7 @@ def test_long_run_stays_correct_and_memory_stops_growing():
         results = pool.run(long_run, random.randrange(1 << 20), calls, timeout_s=900)
     finally:
         pool.close()
-    for rss in results:
+    for rank, rss in enumerate(results):
+        print(f"rank {rank} RSS MiB every 500 calls: {[round(v) for v in rss]}")  # shown with pytest -s
         last = rss[-(20000 // 500) - 1:]
         assert max(last) - last[0] < 8.0, f"RSS kept growing after warm-up (MiB every 500 calls): {rss}"

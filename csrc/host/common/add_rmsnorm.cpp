@@ -108,6 +108,8 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
   // Ranks mixing this op with plain gemm_allreduce on one call would disagree on more than the epilogue.
   call.op = kOpGemmAllreduceAddRmsnorm;
   call.op_name = "gemm_allreduce_add_rmsnorm";
+  // Ranks must share eps (both outputs are bitwise the same on every rank): its bits ride in the op's parameter.
+  std::memcpy(&call.shard_dim, &eps, sizeof eps);
   auto fail = [&](int64_t code, const std::string& message) {
     call.error_code = code;
     call.error = call.op_name + ": " + message;

@@ -1,5 +1,6 @@
 #include "common/rank_agreement.h"
 
+#include <cstring>
 #include <sstream>
 
 #include "common/settings.h"
@@ -17,7 +18,7 @@ const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dt
                                                    "subtile rows (TORCH_GEMM_AR_CPU_TILE)",
                                                    "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
                                                    "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
-                                                   "op", "scatter_dim/gather_dim",
+                                                   "op", "the op's parameter (scatter_dim/gather_dim, or eps)",
                                                    kTuneStepFieldName};
 
 const char* op_kind_name(int64_t op) {
@@ -30,7 +31,14 @@ const char* op_kind_name(int64_t op) {
   return "?";
 }
 
-std::string field_value(int64_t field, int64_t value) {
+std::string field_value(int64_t field, int64_t value, int64_t op) {
+  if (field == kSigShardDim && op == kOpGemmAllreduceAddRmsnorm) {  // the field carries eps's bits for this op
+    double eps;
+    std::memcpy(&eps, &value, sizeof eps);
+    std::ostringstream os;
+    os << "eps=" << eps;
+    return os.str();
+  }
   if (field == kSigDtype) return c10::toString(static_cast<at::ScalarType>(value));
   if (field == kSigBias) return value ? "given" : "None";
   if (field == kSigAlgorithm) return algorithm_name(static_cast<Algorithm>(value));
@@ -85,7 +93,7 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
     if (same) continue;
     std::ostringstream os;
     os << mine.op_name << ": ranks of group '" << group_name << "' disagree on " << kFieldNames[f] << ":";
-    for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f]);
+    for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f], all[r][kSigOp]);
     return os.str();
   }
   return "";

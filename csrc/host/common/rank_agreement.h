@@ -16,7 +16,7 @@ enum SignatureField : int64_t {
   kSigError,  // local error code (0: arguments valid)
   kSigM, kSigK, kSigN, kSigDtype, kSigBias, kSigAlgorithm,
   kSigTileM, kSigTileN, kSigSubM, kSigComputeBlocks, kSigCommBlocks,  // fused-engine configuration (0 otherwise)
-  kSigOp, kSigShardDim,  // which op (OpKind) and its scatter/gather dim
+  kSigOp, kSigShardDim,  // which op (OpKind) and its parameter: scatter/gather dim, or eps's bits (add+RMSNorm)
   kSigTuneStep,          // `auto` tuning step of the call's bucket (-1: not tuning): ranks must be at the same one
   kSigComparedFields,
   // Carried, not compared: what each rank tells the others for `auto` tuning (common/auto_tuner.h).
