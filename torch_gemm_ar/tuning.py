@@ -4,8 +4,9 @@ before serving or before graph capture.
 The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) run
 each candidate algorithm TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3), round-robin; every call returns its correct
 result. Each rank times its own calls and passes its time to the others inside the next call's signature, so no
-extra collective runs and every rank takes the same decision from the slowest rank's medians. Decisions are logged
-on the `torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host fingerprint (CPU
+extra collective runs and every rank takes the same decision: each run counts with its slowest rank's time, and the
+candidate with the fastest run wins (load from elsewhere only adds time). Decisions are logged on the
+`torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host fingerprint (CPU
 model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
 has the same one. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
@@ -28,7 +29,7 @@ _MAX_CANDIDATES = 3
 
 def decisions() -> List[dict]:
     """Every decision this process took: group, bucket, algorithm, source ("measured" or "cache") and, when
-    measured, each candidate's slowest-rank median in microseconds."""
+    measured, each candidate's fastest run (slowest rank's time) in microseconds."""
     return list(_C._tuner_decisions())
 
 

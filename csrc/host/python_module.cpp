@@ -20,11 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_tuner_decisions", [&tuner] {
     pybind11::list out;
     for (const auto& d : tuner.decisions()) {
-      pybind11::dict medians;
-      for (const auto& [name, us] : d.slowest_rank_median_us) medians[pybind11::str(name)] = us;
+      pybind11::dict times;
+      for (const auto& [name, us] : d.slowest_rank_best_us) times[pybind11::str(name)] = us;
       out.append(pybind11::dict(pybind11::arg("group") = d.group, pybind11::arg("bucket") = d.bucket,
                                 pybind11::arg("algorithm") = d.algorithm, pybind11::arg("source") = d.source,
-                                pybind11::arg("slowest_rank_median_us") = medians));
+                                pybind11::arg("slowest_rank_best_us") = times));
     }
     return out;
   }, "auto tuner: every decision of this process, in order");

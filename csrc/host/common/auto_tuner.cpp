@@ -241,13 +241,11 @@ std::string bucket_key(const CallArgs& call, int world, const at::Device& device
   return sanitized(os.str());
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0.0 : (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]));
-}
+// The fastest of a candidate's runs: load from elsewhere only ever adds time, so the best run is the closest to the
+// algorithm's own cost (a median of 3 let one noisy tuning persist a poor choice in the cache).
+double best_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()); }
 
-// Runs per candidate while tuning (TORCH_GEMM_AR_AUTOTUNE_REPS, default 3): the median of them counts.
+// Runs per candidate while tuning (TORCH_GEMM_AR_AUTOTUNE_REPS, default 3): the fastest of them counts.
 int64_t reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
 
 }  // namespace
@@ -315,19 +313,19 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       bucket.samples[(step - 1) % c].push_back(static_cast<double>(slowest) * 1e-6);
     }
     if (!bucket.decided && step == total) {
-      std::vector<std::pair<std::string, double>> medians;
-      size_t best = 0;
+      std::vector<std::pair<std::string, double>> best;
+      size_t winner = 0;
       for (size_t i = 0; i < bucket.candidates.size(); ++i) {
-        medians.emplace_back(algorithm_name(bucket.candidates[i]), median(bucket.samples[i]) * 1e6);
-        if (medians[i].second < medians[best].second) best = i;
+        best.emplace_back(algorithm_name(bucket.candidates[i]), best_of(bucket.samples[i]) * 1e6);
+        if (best[i].second < best[winner].second) winner = i;
       }
       bucket.decided = true;
-      bucket.decision = bucket.candidates[best];
-      st.remember({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", medians});
+      bucket.decision = bucket.candidates[winner];
+      st.remember({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", best});
       std::ostringstream os;
       os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
-         << algorithm_name(bucket.decision) << " (slowest-rank median of " << reps() << " runs:";
-      for (const auto& [alg, us] : medians) os << " " << alg << " " << us << " us";
+         << algorithm_name(bucket.decision) << " (best of " << reps() << " runs, slowest rank:";
+      for (const auto& [alg, us] : best) os << " " << alg << " " << us << " us";
       os << ")";
       message = os.str();
       auto& cached = st.file[st.fingerprint];

@@ -19,7 +19,7 @@ namespace gemm_ar {
 
 struct TunerDecision {
   std::string group, bucket, algorithm, source;  // source: measured | cache
-  std::vector<std::pair<std::string, double>> slowest_rank_median_us;  // per candidate (measured only)
+  std::vector<std::pair<std::string, double>> slowest_rank_best_us;  // per candidate: its fastest run on the slowest rank
 };
 
 class AutoTuner {
