@@ -141,11 +141,9 @@ def main(argv=None) -> int:
             print(f"algorithm={args.algorithm}; median over ranks' medians of {args.iters} interleaved calls; "
                   f"target fused/alone <= {TARGET_RATIO}")
             print(summary_table(results))
-            report.write_json(args.json, {"run": report.header_fields("cpu", env.world, env.threads),
-                                          "algorithm": args.algorithm, "target_fused_over_alone": TARGET_RATIO,
-                                          "shapes": results})
-            if args.json:
-                print(f"\nJSON: {args.json}")
+            report.write_run_json(args.json, "cpu", env.world, env.threads,
+                                  {"algorithm": args.algorithm, "target_fused_over_alone": TARGET_RATIO,
+                                   "shapes": results})
     finally:
         dist_env.stop()
     return 0

@@ -87,10 +87,8 @@ def main(argv=None) -> int:
             print(summary_table(results))
             print()
             print(report.LEGEND)
-            report.write_json(args.json, {"run": report.header_fields("cpu", env.world, env.threads),
-                                          "target_fused_over_compute_only": TARGET_RATIO, "shapes": results})
-            if args.json:
-                print(f"\nJSON: {args.json}")
+            report.write_run_json(args.json, "cpu", env.world, env.threads,
+                                  {"target_fused_over_compute_only": TARGET_RATIO, "shapes": results})
     finally:
         dist_env.stop()
     return 0

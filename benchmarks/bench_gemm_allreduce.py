@@ -88,10 +88,7 @@ def main(argv=None) -> int:
             print(report.shape_table(summary))
             print()
             print(report.LEGEND)
-            report.write_json(args.json, {"run": report.header_fields(args.device, env.world, env.threads),
-                                          **summary})
-            if args.json:
-                print(f"\nJSON: {args.json}")
+            report.write_run_json(args.json, args.device, env.world, env.threads, summary)
     finally:
         dist_env.stop()
     return 0

@@ -160,15 +160,13 @@ def main(argv=None) -> int:
                 png = None
                 print(f"\nplot: not written: {missing}")
             json_path = os.path.join(args.out, "sweep.json")
-            report.write_json(json_path, {
-                "run": report.header_fields(args.device, env.world, env.threads),
+            report.write_run_json(json_path, args.device, env.world, env.threads, {
                 "dtype": args.dtype, "scale": args.scale, "k_scale": args.k_scale, "m_list": args.m_list,
                 "layers": [{"name": l.name, "model": l.model, "projection": l.projection, "tp": l.tp, "k": l.k,
                             "n": l.n, "points": pts} for l, pts in zip(sweep_layers, points_by_layer)],
                 "analysis": analysis,
                 "plot": png, "plot_missing_reason": missing,
             })
-            print(f"JSON: {json_path}")
     finally:
         dist_env.stop()
     return 0

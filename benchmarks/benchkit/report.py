@@ -131,6 +131,14 @@ def header_fields(device: str, world: int, threads: int) -> Dict[str, object]:
     }
 
 
+def write_run_json(path: Optional[str], device: str, world: int, threads: int, payload: dict):
+    """A run's JSON (the run's header fields first, then `payload`), and where it went; nothing without a path."""
+    if not path:
+        return
+    write_json(path, {"run": header_fields(device, world, threads), **payload})
+    print(f"\nJSON: {path}")
+
+
 def write_json(path: Optional[str], payload: dict):
     if not path:
         return
