@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from expect import raises
+from rank0_gradcheck import gradcheck_on_rank0
 from inputs import ODD_SHAPES, TOLERANCE, assert_matches, bias_vector, digest, reference, shard, weight
 
 
@@ -155,37 +156,23 @@ def test_gradients_match_float64(ranks, world, dtype, three_d):
                      "auto")
 
 
-def gradcheck_on_rank0(rank, world, seed, algorithm):
-    """torch.autograd.gradcheck of rank 0's inputs while the other ranks contribute fixed shards: before each
-    forward, rank 0 broadcasts whether another forward follows, so every rank makes the same collective calls."""
+def gradcheck_rank0_inputs(rank, world, seed, algorithm):
+    """gradcheck of rank 0's a, b, residual, norm_weight and bias while the other ranks contribute fixed shards."""
     a = shard(seed, rank, 5, 4, torch.float64)
     b = weight(seed + rank, 4, 3, torch.float64, transposed=True)
     bias = bias_vector(seed, 3, torch.float64)
     residual = residual_of(seed, (5, 3), torch.float64)
     w = norm_weight_of(seed, 3, torch.float64)
-    flag = torch.zeros(1)
 
-    def forward(a_, b_, res_, w_, bias_):
-        flag.fill_(1)
-        dist.broadcast(flag, 0)
+    def op(a_, b_, res_, w_, bias_):
         return torch_gemm_ar.gemm_allreduce_add_rmsnorm(a_, b_, res_, w_, eps=1e-3, bias=bias_, algorithm=algorithm)
 
-    if rank == 0:
-        inputs = tuple(t.requires_grad_() for t in (a, b, residual, w, bias))
-        ok = torch.autograd.gradcheck(forward, inputs, eps=1e-6, atol=1e-6)
-        flag.fill_(0)
-        dist.broadcast(flag, 0)
-        return ok
-    while True:
-        dist.broadcast(flag, 0)
-        if flag.item() == 0:
-            return True
-        torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, residual, w, eps=1e-3, bias=bias, algorithm=algorithm)
+    return gradcheck_on_rank0(rank, op, (a, b, residual, w, bias), eps=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_gradcheck_float64(ranks, world):
-    assert all(ranks(world).run(gradcheck_on_rank0, random.randrange(1 << 30), "sequential"))
+    assert all(ranks(world).run(gradcheck_rank0_inputs, random.randrange(1 << 30), "sequential"))
 
 
 def every_rank_bad(rank, world):

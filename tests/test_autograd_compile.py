@@ -7,38 +7,25 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from inputs import bias_vector, shard, weight
+from rank0_gradcheck import gradcheck_on_rank0
 
 
-def gradcheck_on_rank0(rank, world, seed, algorithm):
-    """torch.autograd.gradcheck of rank 0's inputs while the other ranks keep contributing fixed shards: before each
-    forward, rank 0 broadcasts whether another forward follows, so every rank makes the same collective calls."""
+def gradcheck_rank0_inputs(rank, world, seed, algorithm):
+    """gradcheck of rank 0's a, b and bias while the other ranks keep contributing fixed shards."""
     a = shard(seed, rank, 5, 4, torch.float64)
     b = weight(seed + rank, 4, 3, torch.float64, transposed=True)
     bias = bias_vector(seed, 3, torch.float64)
-    flag = torch.zeros(1)
 
-    def forward(a_, b_, bias_):
-        flag.fill_(1)
-        dist.broadcast(flag, 0)
+    def op(a_, b_, bias_):
         return torch_gemm_ar.gemm_allreduce(a_, b_, bias=bias_, algorithm=algorithm)
 
-    if rank == 0:
-        inputs = (a.requires_grad_(), b.requires_grad_(), bias.requires_grad_())
-        ok = torch.autograd.gradcheck(forward, inputs, eps=1e-6, atol=1e-7)
-        flag.fill_(0)
-        dist.broadcast(flag, 0)
-        return ok
-    while True:
-        dist.broadcast(flag, 0)
-        if flag.item() == 0:
-            return True
-        torch_gemm_ar.gemm_allreduce(a, b, bias=bias, algorithm=algorithm)
+    return gradcheck_on_rank0(rank, op, (a, b, bias), eps=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("algorithm", ["sequential", "chunked"])
 def test_gradcheck_float64(ranks, world, algorithm):
-    assert all(ranks(world).run(gradcheck_on_rank0, random.randrange(1 << 30), algorithm))
+    assert all(ranks(world).run(gradcheck_rank0_inputs, random.randrange(1 << 30), algorithm))
 
 
 def grads_vs_unfused(rank, world, seed, dtype, three_d):
