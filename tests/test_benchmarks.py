@@ -253,6 +253,29 @@ def test_bench_cpu_fused_end_to_end(tmp_path):
     assert "fused/compute" in stdout
 
 
+def test_bench_sequence_parallel_end_to_end(tmp_path):
+    out = str(tmp_path / "sp.json")
+    stdout = run_script("bench_sequence_parallel.py", "--shapes", "38x19x23,6x130x9", "--iters", "2", "--warmup", "1",
+                        "--json", out)
+    with open(out) as f:
+        result = json.load(f)
+    assert result["targets"] == {"gemm_reduce_scatter": 1.08, "allgather_gemm": 1.10}
+    assert [(s["shape"]["m"], s["shape"]["k"], s["shape"]["n"]) for s in result["shapes"]] == [(38, 19, 23), (6, 130, 9)]
+    for summary in result["shapes"]:
+        assert list(summary["ops"]) == ["gemm_reduce_scatter", "allgather_gemm"]
+        for op in summary["ops"].values():
+            rows = op["rows"]
+            assert list(rows) == ["compute_only", "user", "sequential", "fused"]
+            for key, entry in rows.items():
+                assert len(entry["timings_s"]) == 2 and all(len(t) == 2 for t in entry["timings_s"]), key
+                assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
+                if key != "compute_only":
+                    assert entry["max_rel_error"] < REL_TOL["float32"], f"{key}: {entry['max_rel_error']}"
+            assert op["ratios"]["fused_over_compute_only"] > 0 and op["ratios"]["fused_over_user"] > 0
+    for label in ("gemm_reduce_scatter", "allgather_gemm", "fused/compute", "fused/user"):
+        assert label in stdout
+
+
 def test_quick_sweep_end_to_end(tmp_path):
     out_dir = str(tmp_path / "sweep")
     # Launched without torchrun, as the README shows: the script starts its own 2 ranks.
@@ -293,6 +316,8 @@ TINY_ARGS = {
                                 "--input-sets", "1"],
     "bench_cpu_fused.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
     "bench_add_rmsnorm.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
+    # M is the whole sequence there: divisible by the 2 ranks.
+    "bench_sequence_parallel.py": ["--shapes", "38x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
     "sweep.py": ["--models", "Llama-3.2-1B", "--tp", "2", "--m-list", "1,5", "--scale", "256", "--k-scale", "256",
                  "--max-iters", "1", "--min-iters", "1", "--warmup", "0", "--budget-s", "0.01"],
 }
@@ -388,4 +413,4 @@ def test_documented_torchrun_command_runs(doc, words, tmp_path):
         with open(tmp_path / "out.json") as f:
             result = json.load(f)
         first_shape = result["shapes"][0] if "shapes" in result else result  # multi-shape scripts keep a list
-        assert first_shape["shape"]["m"] == 37
+        assert first_shape["shape"]["m"] == (38 if name == "bench_sequence_parallel.py" else 37)

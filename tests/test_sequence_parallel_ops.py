@@ -51,9 +51,9 @@ def reduce_scatter_results(rank, world, seed, dtype):
                     full = full + bias.double()
                 want = full.chunk(world, dim=dim)[rank]
                 assert_matches(out, want, dtype, k, world, f"rs layout {li} k={k} n={n} bias={with_bias}")
-                # auto resolves to the same algorithm: bitwise the same answer.
+                # auto (sequential or the fused engine, as measured) gives the same answer.
                 again = torch_gemm_ar.gemm_reduce_scatter(shards[rank], weights[rank], scatter_dim=dim, bias=bias)
-                assert torch.equal(again, out)
+                assert_matches(again, want, dtype, k, world, f"rs auto layout {li} k={k} n={n} bias={with_bias}")
                 checked += 1
     return checked
 
@@ -85,7 +85,7 @@ def allgather_results(rank, world, seed, dtype):
                     want = want + bias.double()
                 assert_matches(out, want, dtype, k, 1, f"ag layout {li} k={k} n={n} bias={with_bias}")
                 only = torch_gemm_ar.allgather_gemm(shards[rank], w, gather_dim=dim, bias=bias)
-                assert torch.equal(only, out)
+                assert_matches(only, want, dtype, k, 1, f"ag auto layout {li} k={k} n={n} bias={with_bias}")
                 checked += 1
     return checked
 
@@ -97,7 +97,7 @@ def test_allgather_gemm_matches_float64(ranks, world, dtype):
     assert all(c == 48 for c in counts), counts
 
 
-def reduce_scatter_grads(rank, world, seed, dtype, shard_shape, dim):
+def reduce_scatter_grads(rank, world, seed, dtype, shard_shape, dim, algorithm="auto"):
     """Every rank's loss is (its output chunk * its upstream).sum(); the gradients are of the sum of those losses."""
     k, n = shard_shape[-1], 11
     shards = [randn(seed * 31 + r, *shard_shape) for r in range(world)]
@@ -108,7 +108,7 @@ def reduce_scatter_grads(rank, world, seed, dtype, shard_shape, dim):
     upstream = [randn(seed * 43 + r, *chunk_shape) for r in range(world)]
 
     a, b, c = (t[rank].to(dtype).clone().requires_grad_() for t in (shards, weights, biases))
-    out = torch_gemm_ar.gemm_reduce_scatter(a, b, scatter_dim=dim, bias=c)
+    out = torch_gemm_ar.gemm_reduce_scatter(a, b, scatter_dim=dim, bias=c, algorithm=algorithm)
     (out * upstream[rank].to(dtype)).sum().backward()
 
     ref = [[t.detach().clone().requires_grad_() for t in ts] for ts in (shards, weights, biases)]
@@ -122,7 +122,7 @@ def reduce_scatter_grads(rank, world, seed, dtype, shard_shape, dim):
                                    msg=lambda m: f"grad {name}: {m}")
 
 
-def allgather_grads(rank, world, seed, dtype, shard_shape, dim):
+def allgather_grads(rank, world, seed, dtype, shard_shape, dim, algorithm="auto"):
     k, n = shard_shape[-1], 11
     shards = [randn(seed * 31 + r, *shard_shape) for r in range(world)]
     weights = [randn(seed * 37 + r, k, n) for r in range(world)]
@@ -132,7 +132,7 @@ def allgather_grads(rank, world, seed, dtype, shard_shape, dim):
     upstream = [randn(seed * 43 + r, *out_shape) for r in range(world)]
 
     a, b, c = (t[rank].to(dtype).clone().requires_grad_() for t in (shards, weights, biases))
-    out = torch_gemm_ar.allgather_gemm(a, b, gather_dim=dim, bias=c)
+    out = torch_gemm_ar.allgather_gemm(a, b, gather_dim=dim, bias=c, algorithm=algorithm)
     (out * upstream[rank].to(dtype)).sum().backward()
 
     ref = [[t.detach().clone().requires_grad_() for t in ts] for ts in (shards, weights, biases)]

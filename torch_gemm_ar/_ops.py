@@ -53,7 +53,8 @@ def gemm_reduce_scatter(
     """`reduce_scatter_sum(a @ b)` along `scatter_dim` of the output (+ bias on every chunk): rank r gets chunk r.
 
     a: [M, K] or [B, S, K], this rank's K-shard (row-parallel). scatter_dim: a row dim of the output (not the last);
-    its size must be divisible by the world size. algorithm: auto or sequential (fused: not available yet).
+    its size must be divisible by the world size. algorithm: auto, sequential (matmul, then reduce_scatter_tensor) or
+    fused (CPU engine: each rank reduces the tiles of its own output chunk while the GEMM runs; not yet on NPU).
     Backward: an all-gather of the gradient (allgather_gemm).
     """
     return torch.ops.pto.gemm_reduce_scatter(
@@ -74,8 +75,9 @@ def allgather_gemm(
     """`all_gather(a, gather_dim) @ b + bias`; with return_gathered=True, `(out, gathered_a)`.
 
     a: [M, K] or [B, S, K], this rank's sequence shard (equal shapes on every rank). gather_dim: a row dim of a (not
-    K). algorithm: auto or sequential (fused: not available yet). Backward: a reduce-scatter of a's gradient
-    (gemm_reduce_scatter); gathered_a is returned without gradient.
+    K). algorithm: auto, sequential (all_gather_into_tensor, then matmul) or fused (CPU engine: the local rows are
+    multiplied while the peers' shards are copied from shared memory; not yet on NPU). Backward: a reduce-scatter of
+    a's gradient (gemm_reduce_scatter); gathered_a is returned without gradient.
     """
     out, gathered = torch.ops.pto.allgather_gemm(
         a, b, group_name_of(group), gather_dim=gather_dim, bias=bias, return_gathered=return_gathered,

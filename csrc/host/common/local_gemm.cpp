@@ -30,8 +30,13 @@ LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::opti
   const bool widen = computes_in_fp32(a2d);
   // .to() keeps b's strides, so a transposed weight view stays a transposed view for BLAS.
   a_ = widen ? a2d.to(at::kFloat) : a2d;
+  if (widen) source_a_ = a2d;
   b_ = widen ? b.to(at::kFloat) : b;
   if (add_bias && bias.has_value()) bias_ = widen ? bias->to(at::kFloat) : *bias;
+}
+
+void LocalGemm::refresh_rows(int64_t row0, int64_t rows) const {
+  if (source_a_.defined() && rows > 0) a_.narrow(0, row0, rows).copy_(source_a_.narrow(0, row0, rows));
 }
 
 void LocalGemm::compute(int64_t row0, int64_t rows, int64_t col0, int64_t cols, at::Tensor out) const {

@@ -23,7 +23,12 @@ class LocalGemm {
 
   at::ScalarType compute_dtype() const { return a_.scalar_type(); }
 
+  // Rows [row0, row0 + rows) of a2d were written after construction (allgather_gemm's gathered a fills while the
+  // GEMM runs): converts them again where a2d was converted. Thread-safe for disjoint rows.
+  void refresh_rows(int64_t row0, int64_t rows) const;
+
  private:
+  at::Tensor source_a_;  // a2d, kept only when a_ is its fp32 copy
   at::Tensor a_, b_;
   std::optional<at::Tensor> bias_;
 };

@@ -52,9 +52,6 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
   return chosen;
 }
 
-namespace {
-
-// Runs `body`; a tuning call's time on this rank goes to the tuner (the next call tells the other ranks).
 at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const std::function<at::Tensor()>& body) {
   if (call.tune_step < 0) return body();
   const auto start = std::chrono::steady_clock::now();
@@ -62,8 +59,6 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
   AutoTuner::instance().record(call, group, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return out;
 }
-
-}  // namespace
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,

@@ -36,6 +36,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
                            const at::Device& device);
 
+// Runs `body` (the chosen algorithm of a call on a group of two or more ranks); a tuning call's time on this rank
+// goes to the `auto` tuner (the next call tells the other ranks).
+at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const std::function<at::Tensor()>& body);
+
 // `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
 // are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,

@@ -39,6 +39,13 @@ void reject_chunked(CallArgs& call) {
   }
 }
 
+// The agreed algorithm must be one this op has on this backend (`fused` is only agreed where it is available).
+// A fused call with no rows runs the sequential code, which handles empty tensors.
+void check_implemented(const CallArgs& call, Algorithm chosen, bool has_fused) {
+  TORCH_CHECK(chosen == Algorithm::Sequential || (chosen == Algorithm::Fused && has_fused), call.op_name,
+              ": internal error: algorithm ", algorithm_name(chosen), " has no implementation for this op");
+}
+
 at::Tensor local_product(const at::Tensor& a2d, const CallArgs& call, bool add_bias) {
   LocalGemm gemm(a2d, call.b, call.bias, add_bias);
   auto out = at::empty({a2d.size(0), call.n}, call.b.options());
@@ -68,17 +75,19 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
     return run_local(call);
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
-  TORCH_CHECK(chosen == Algorithm::Sequential, call.op_name, ": internal error: algorithm ",
-              algorithm_name(chosen), " has no implementation for this op");
-  // Rank 0 adds the bias to its partial product, so the reduced sum holds it once in every chunk.
-  auto partial = local_product(call.a2d, call, /*add_bias=*/group->getRank() == 0).view(call.out_shape);
-  return reduce_scatter_along(partial, call.shard_dim, *group);
+  check_implemented(call, chosen, backend.run_fused != nullptr);
+  return timed_for_tuner(call, *group, [&] {
+    if (chosen == Algorithm::Fused && call.m > 0) return backend.run_fused(call, *group);
+    // Rank 0 adds the bias to its partial product, so the reduced sum holds it once in every chunk.
+    auto partial = local_product(call.a2d, call, /*add_bias=*/group->getRank() == 0).view(call.out_shape);
+    return reduce_scatter_along(partial, call.shard_dim, *group);
+  });
 }
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     const at::Tensor& a, const at::Tensor& b, std::string_view group_name, int64_t gather_dim,
     const std::optional<at::Tensor>& bias, bool return_gathered, std::string_view algorithm,
-    const BackendHooks& backend) {
+    const BackendHooks& backend, const FusedAllgatherGemm& run_fused) {
   auto group = resolve_group(group_name, kAllgatherName);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes, kAllgatherName);
   call.op = kOpAllgatherGemm;
@@ -92,13 +101,20 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     return with_gathered(run_local(call), a.clone());  // a fresh tensor: op outputs never alias inputs
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
-  TORCH_CHECK(chosen == Algorithm::Sequential, call.op_name, ": internal error: algorithm ",
-              algorithm_name(chosen), " has no implementation for this op");
-  auto gathered = all_gather_along(a, call.shard_dim, *group);
-  std::vector<int64_t> out_shape(gathered.sizes().begin(), gathered.sizes().end() - 1);
-  out_shape.push_back(call.n);
-  const int64_t rows = c10::multiply_integers(out_shape.begin(), out_shape.end() - 1);
-  auto out = local_product(gathered.reshape({rows, call.k}), call, /*add_bias=*/true).view(out_shape);
+  check_implemented(call, chosen, run_fused != nullptr);
+  at::Tensor gathered;
+  auto out = timed_for_tuner(call, *group, [&] {
+    if (chosen == Algorithm::Fused && call.m > 0) {
+      auto [result, all_rows] = run_fused(call, *group);
+      gathered = std::move(all_rows);
+      return result;
+    }
+    gathered = all_gather_along(a, call.shard_dim, *group);
+    std::vector<int64_t> out_shape(gathered.sizes().begin(), gathered.sizes().end() - 1);
+    out_shape.push_back(call.n);
+    const int64_t rows = c10::multiply_integers(out_shape.begin(), out_shape.end() - 1);
+    return local_product(gathered.reshape({rows, call.k}), call, /*add_bias=*/true).view(out_shape);
+  });
   return with_gathered(out, gathered);
 }
 

@@ -4,6 +4,7 @@
 #include <gemm_ar/protocol.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
@@ -144,18 +145,45 @@ std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& window
   return all;
 }
 
+namespace {
+
+// allgather_gemm: one item per tile row of every peer's shard, peers in rank order starting after this rank (the
+// order the compute blocks need them in), dealt round-robin over the comm blocks.
+void plan_gather_work(CallJob& job) {
+  const TilePlan& p = job.plan;
+  const RowChunks& c = job.chunks;
+  job.items.assign(job.comm_blocks, {});
+  job.rows_arrived.reset(new std::atomic<uint32_t>[std::max<int64_t>(1, p.m_tiles)]);
+  for (int64_t mi = 0; mi < p.m_tiles; ++mi) job.rows_arrived[mi].store(0, std::memory_order_relaxed);
+  int64_t index = 0;
+  for (int d = 1; d < job.world; ++d) {
+    const int source = (job.rank + d) % job.world;
+    for (int64_t g = source; g < c.count; g += job.world) {
+      for (int64_t mi = g * c.m_tiles; mi < (g + 1) * c.m_tiles; ++mi) {
+        if (chunked_tile_rows(p, c, mi) == 0) continue;
+        job.items[index % job.comm_blocks].push_back(WorkItem{source, index, mi, 0, index});
+        ++index;
+      }
+    }
+  }
+  job.copies_left.store(index, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 void plan_work(CallJob& job) {
+  if (job.op == kOpAllgatherGemm) return plan_gather_work(job);
   const TilePlan& p = job.plan;
   const int64_t stripes = p.stripes;
   std::vector<int64_t> block_begin(job.compute_blocks);
   for (int64_t b = 0; b < job.compute_blocks; ++b) block_begin[b] = block_range(p.tiles, job.compute_blocks, b).begin;
   job.items.assign(job.comm_blocks, {});
   for (int owner = 0; owner < job.world; ++owner) {
-    const int64_t owned = owned_subtile_count(p.tiles, job.world, owner, stripes);
+    const int64_t owned = run_owned_tile_count(p.tiles, job.world, owner, job.own_run) * stripes;
     for (int64_t l = 0; l < owned; ++l) {
-      const int64_t t = subtile_tile(l, owner, job.world, stripes);
+      const int64_t t = run_subtile_tile(l, owner, job.world, stripes, job.own_run);
       const int64_t stripe = subtile_stripe(l, stripes);
-      if (stripe_rows(p, tile_row(p, t), stripe) == 0) continue;  // all padding: nothing to move
+      if (chunked_stripe_rows(p, job.chunks, tile_row(p, t), stripe) == 0) continue;  // all padding: nothing to move
       const int64_t linear = zigzag_linear(t, p.n_tiles);
       const int64_t block = std::upper_bound(block_begin.begin(), block_begin.end(), linear) - block_begin.begin() - 1;
       job.items[ag_block_of(l, job.comm_blocks)].push_back(WorkItem{owner, l, t, stripe, linear - block_begin[block]});
@@ -177,7 +205,101 @@ void plan_work(CallJob& job) {
   }
 }
 
-void run_compute_blocks(CallJob& job, const std::function<void()>& between_tiles) {
+namespace {
+
+// Throws when a peer died or abandoned the call (checked while waiting).
+void watch_peers(const CallJob& job, const std::string& call_name) {
+  job.window_set->check_peers_alive(("during " + call_name).c_str());
+  for (int r = 0; r < job.world; ++r) {
+    if (r != job.rank && abandoned(job.windows[r], job.epoch)) {
+      // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
+      job.window_set->check_peers_alive(("during " + call_name).c_str());
+      throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name +
+                               " (see that rank's error) [rank " + std::to_string(job.rank) + "]");
+    }
+  }
+}
+
+// allgather_gemm's compute side: tile rows in the order local shard first, then each peer's (as plan_gather_work
+// copies them), tiles dealt round-robin over the compute blocks; each tile of a peer's rows waits until they are
+// copied. Results go straight into the output.
+void run_gather_compute(CallJob& job, const std::function<bool()>& progress) {
+  const TilePlan& p = job.plan;
+  const RowChunks& c = job.chunks;
+  std::vector<int64_t> order;
+  order.reserve(p.tiles);
+  for (int d = 0; d < job.world; ++d) {
+    for (int64_t g = (job.rank + d) % job.world; g < c.count; g += job.world) {
+      for (int64_t mi = g * c.m_tiles; mi < (g + 1) * c.m_tiles; ++mi) {
+        if (chunked_tile_rows(p, c, mi) == 0) continue;
+        for (int64_t j = 0; j < p.n_tiles; ++j) order.push_back(mi * p.n_tiles + (mi % 2 ? p.n_tiles - 1 - j : j));
+      }
+    }
+  }
+  const std::string call_name = "call " + std::to_string(job.epoch);
+  const Doorbell bell = doorbell(job.windows[job.rank], kMainDoorbell);
+  auto compute_block = [&](int64_t b) {
+    try {
+      for (size_t i = b; i < order.size(); i += job.compute_blocks) {
+        if (job.abort.load(std::memory_order_acquire)) return;
+        const int64_t t = order[i];
+        const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
+        bounded_wait([&] { return job.rows_arrived[mi].load(std::memory_order_acquire) != 0; },
+                     [&] { return progress ? progress() : false; }, [&] { watch_peers(job, call_name); },
+                     [&] {
+                       return "gemm_allreduce: rank " + std::to_string(run_owner_of(mi, job.world, c.m_tiles)) +
+                              " did not publish tile row " + std::to_string(mi) + " of its shard in " + call_name +
+                              " within " + std::to_string(job.timeout.count() / 1000.0) +
+                              " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(job.rank) + "]";
+                     },
+                     bell, job.timeout, &job.abort);
+        const int64_t row0 = chunked_tile_row0(p, c, mi), rows = chunked_tile_rows(p, c, mi);
+        const int64_t col0 = ni * p.base_n, cols = tile_cols(p, ni);
+        auto view = at::from_blob(job.out + (row0 * p.n + col0) * job.out_elem, {rows, cols}, {p.n, 1},
+                                  at::TensorOptions().dtype(job.out_dtype));
+        job.gemm->compute(row0, rows, col0, cols, view);
+        if (progress) progress();
+      }
+    } catch (const LocalAbort&) {
+    } catch (const std::exception& e) {
+      job.fail(e.what(), false);
+    }
+  };
+  at::parallel_for(0, job.compute_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) compute_block(b);
+  });
+}
+
+}  // namespace
+
+void publish_shard(CallJob& job, const at::Tensor& a2d) {
+  const TilePlan& p = job.plan;
+  const RowChunks& c = job.chunks;
+  const int64_t k = p.k;
+  const auto options = at::TensorOptions().dtype(job.call->dtype);
+  for (int64_t g = job.rank; g < c.count; g += job.world) {
+    for (int64_t mi = g * c.m_tiles; mi < (g + 1) * c.m_tiles; ++mi) {
+      const int64_t rows = chunked_tile_rows(p, c, mi);
+      if (rows == 0) continue;
+      const int64_t own_row0 = chunked_owner_row0(p, c, mi, job.world), row0 = chunked_tile_row0(p, c, mi);
+      const at::Tensor src = a2d.narrow(0, own_row0, rows);
+      if (k > 0) {
+        at::from_blob(job.region(job.rank, shard_row_offset(job.layout, own_row0, k, job.a_elem)), {rows, k}, options)
+            .copy_(src);
+        at::from_blob(job.gathered + row0 * k * job.a_elem, {rows, k}, options).copy_(src);
+        job.gemm->refresh_rows(row0, rows);
+      }
+      // The rows, then the flag (release): a peer that sees the flag sees the rows.
+      store_release(word(job.region(job.rank, tile_flag_entry_offset(job.layout, mi))), job.epoch);
+      job.rows_arrived[mi].store(1, std::memory_order_relaxed);  // read by this rank's compute blocks after a join
+    }
+  }
+  for (int r = 0; r < job.world; ++r)
+    if (r != job.rank) ring_every_doorbell(job.windows[r], job.comm_blocks);
+}
+
+void run_compute_blocks(CallJob& job, const std::function<bool()>& progress) {
+  if (job.op == kOpAllgatherGemm) return run_gather_compute(job, progress);
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   auto compute_block = [&](int64_t b) {
@@ -188,16 +310,18 @@ void run_compute_blocks(CallJob& job, const std::function<void()>& between_tiles
       if (job.abort.load(std::memory_order_acquire)) return;
       const int64_t t = zigzag_tile(range.begin + i, p.n_tiles);
       const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
-      const int64_t rows = tile_rows(p, mi), cols = tile_cols(p, ni);
-      const int64_t row0 = mi * p.base_m, col0 = ni * p.base_n;
-      auto view = at::from_blob(job.region(job.rank, partial_entry_offset(w, row0, col0, p.pad_n, job.partial_elem)),
-                                {rows, cols}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype));
-      job.gemm->compute(row0, rows, col0, cols, view);
+      const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
+      const int64_t col0 = ni * p.base_n;
+      // Padded position in the window (mi * base_m); the rows of a (row0) differ from it in row-chunked plans.
+      auto view = at::from_blob(
+          job.region(job.rank, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem)),
+          {rows, cols}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype));
+      job.gemm->compute(chunked_tile_row0(p, job.chunks, mi), rows, col0, cols, view);
       // Payload, then the entry, then the count with release order: the comm block sees a finished tile.
       *word(job.region(job.rank, queue_entry_offset(w, b, i))) = static_cast<uint32_t>(t);
       store_release(count, static_cast<uint32_t>(i + 1));
       bell.ring();
-      if (between_tiles) between_tiles();
+      if (progress) progress();
     }
   };
   at::parallel_for(0, job.compute_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -218,6 +342,7 @@ class CommBlock {
         all_(job.world), arrived_(job.world, 0), sources_(job.world) {
     all_[me_] = job.signature;
     arrived_[me_] = 1;
+    if (job.op == kOpAllgatherGemm) return;  // no ready queues: its tiles go straight into the output
     for (int64_t j = 0; j < comm_block_queue_count(c, job.compute_blocks, job.comm_blocks); ++j) {
       const int64_t b = comm_block_queue(c, j, job.comm_blocks);
       const Range range = block_range(p_.tiles, job.compute_blocks, b);
@@ -243,7 +368,7 @@ class CommBlock {
                                         : std::string("gemm_allreduce: internal: call header check did not finish"); },
                    bell_, job_.timeout, &job_.abort);
     }
-    if (!job_.overlap) {  // the seed's "sequential": communication only after the whole GEMM
+    if (!job_.overlap && job_.op != kOpAllgatherGemm) {  // the seed's "sequential": comm after the whole GEMM
       bounded_wait([&] { return job_.compute_done.load(std::memory_order_acquire); }, no_progress, [&] { watch(); },
                    [&] { return "gemm_allreduce: the GEMM did not finish in time"; }, bell_, job_.timeout,
                    &job_.abort);
@@ -265,6 +390,7 @@ class CommBlock {
         [&] { return drain(); }, [&] { watch(); },
         [&] { return "gemm_allreduce: the local GEMM did not finish " + call_name_ + " in time"; }, bell_,
         job_.timeout, &job_.abort);
+    if (job_.op == kOpAllgatherGemm && c_ == 0) finish_gather();
   }
 
  private:
@@ -284,16 +410,35 @@ class CommBlock {
     return validated_ = true;
   }
 
-  void watch() const {
-    job_.window_set->check_peers_alive(("during " + call_name_).c_str());
-    for (int r = 0; r < world_; ++r) {
-      if (r != me_ && abandoned(job_.windows[r], epoch_)) {
-        // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
-        job_.window_set->check_peers_alive(("during " + call_name_).c_str());
-        throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name_ +
-                                 " (see that rank's error) [rank " + std::to_string(me_) + "]");
-      }
-    }
+  void watch() const { watch_peers(job_, call_name_); }
+
+  // allgather_gemm: once every peer's rows are here, says so in this rank's window (its first final flag), then
+  // waits until every peer has said so: only then may a next call overwrite this rank's shard. A flag at a later
+  // call counts too (that peer has moved on, so it finished this one).
+  void finish_gather() {
+    bounded_wait([&] { return job_.copies_left.load(std::memory_order_acquire) == 0; }, no_progress,
+                 [&] { watch(); }, [&] { return "gemm_allreduce: internal: shard copies did not finish"; }, bell_,
+                 job_.timeout, &job_.abort);
+    store_release(word(job_.region(me_, final_entry_offset(w_, 0))), epoch_);
+    for (int r = 0; r < world_; ++r)
+      if (r != me_) doorbell(job_.windows[r], 0).ring();
+    auto done = [&](int r) { return counter_reached(load_acquire(word(job_.region(r, final_entry_offset(w_, 0)))), epoch_); };
+    bounded_wait(
+        [&] {
+          for (int r = 0; r < world_; ++r)
+            if (!done(r)) return false;
+          return true;
+        },
+        no_progress, [&] { watch(); },
+        [&] {
+          std::vector<int> missing;
+          for (int r = 0; r < world_; ++r)
+            if (!done(r)) missing.push_back(r);
+          return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not finish copying this rank's shard in " +
+                 call_name_ + " within " + std::to_string(job_.timeout.count() / 1000.0) +
+                 " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me_) + "]";
+        },
+        bell_, job_.timeout, &job_.abort);
   }
 
   // Publishes this block's finished local tiles to their owners.
@@ -311,10 +456,10 @@ class CommBlock {
 
   void publish_tile(int64_t t) {
     store_release(word(job_.region(me_, tile_flag_entry_offset(w_, t))), epoch_);
-    const int owner = static_cast<int>(owner_of(t, world_));
+    const int owner = static_cast<int>(run_owner_of(t, world_, job_.own_run));
     uint64_t rung = 0;
     for (int64_t s = 0; s < p_.stripes; ++s) {
-      const int64_t block = ag_block_of(local_subtile(t, s, world_, p_.stripes), job_.comm_blocks);
+      const int64_t block = ag_block_of(run_local_subtile(t, s, world_, p_.stripes, job_.own_run), job_.comm_blocks);
       if (rung & (uint64_t{1} << block)) continue;
       rung |= uint64_t{1} << block;
       doorbell(job_.windows[owner], block).ring();
@@ -326,6 +471,7 @@ class CommBlock {
     return is_current(load_acquire(word(job_.region(r, tile_flag_entry_offset(w_, t)))));
   }
   bool ready(const WorkItem& item) const {
+    if (job_.op == kOpAllgatherGemm) return tile_ready(item.owner, item.tile);  // the shard's tile row flag
     if (item.owner != me_) return is_current(load_acquire(word(job_.region(item.owner, final_entry_offset(w_, item.local_id)))));
     for (int r = 0; r < world_; ++r)
       if (!tile_ready(r, item.tile)) return false;
@@ -335,6 +481,10 @@ class CommBlock {
   std::string late(const WorkItem& item) const {
     const std::string bound = " within " + std::to_string(job_.timeout.count() / 1000.0) +
                               " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me_) + "]";
+    if (job_.op == kOpAllgatherGemm) {
+      return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not publish tile row " +
+             std::to_string(item.tile) + " of its shard in " + call_name_ + bound;
+    }
     if (item.owner != me_) {
       return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not finish its subtile " +
              std::to_string(item.local_id) + " of " + call_name_ + bound;
@@ -346,21 +496,45 @@ class CommBlock {
            " of " + call_name_ + bound;
   }
 
-  // Reduces a subtile this rank owns (fixed rank order) or copies another owner's finished one.
+  // allgather_gemm: copies a tile row of a peer's shard into the gathered a; the compute blocks may use it then.
+  void copy_shard_rows(const WorkItem& item) {
+    const int64_t mi = item.tile, k = p_.k;
+    const int64_t rows = chunked_tile_rows(p_, job_.chunks, mi), row0 = chunked_tile_row0(p_, job_.chunks, mi);
+    const int64_t src_row0 = chunked_owner_row0(p_, job_.chunks, mi, world_);
+    if (k > 0) {
+      std::memcpy(job_.gathered + row0 * k * job_.a_elem,
+                  job_.region(item.owner, shard_row_offset(w_, src_row0, k, job_.a_elem)), rows * k * job_.a_elem);
+      job_.gemm->refresh_rows(row0, rows);
+    }
+    job_.rows_arrived[mi].store(1, std::memory_order_release);
+    doorbell(job_.windows[me_], kMainDoorbell).ring();
+    if (job_.copies_left.fetch_sub(1, std::memory_order_acq_rel) == 1) doorbell(job_.windows[me_], 0).ring();
+  }
+
+  // Reduces a subtile this rank owns (fixed rank order) or copies another owner's finished one (gemm_allreduce
+  // only: in gemm_reduce_scatter the other owners' rows are not this rank's output).
   void run_item(const WorkItem& item) {
+    if (job_.op == kOpAllgatherGemm) return copy_shard_rows(item);
+    const bool scatter = job_.op == kOpGemmReduceScatter;
+    if (scatter && item.owner != me_) return;
     const int64_t mi = tile_row(p_, item.tile), ni = tile_col(p_, item.tile);
-    const int64_t row0 = mi * p_.base_m + item.stripe * p_.sub_m, col0 = ni * p_.base_n;
-    const int64_t rows = stripe_rows(p_, mi, item.stripe), cols = tile_cols(p_, ni);
+    // Padded position in the windows, and where the rows go in the output (this rank's chunks only, when scattering).
+    const int64_t padded_row0 = mi * p_.base_m + item.stripe * p_.sub_m, col0 = ni * p_.base_n;
+    const int64_t row0 = (scatter ? chunked_owner_row0(p_, job_.chunks, mi, world_)
+                                  : chunked_tile_row0(p_, job_.chunks, mi)) + item.stripe * p_.sub_m;
+    const int64_t rows = chunked_stripe_rows(p_, job_.chunks, mi, item.stripe), cols = tile_cols(p_, ni);
     uint8_t* out = job_.out + (row0 * p_.n + col0) * job_.out_elem;
-    const int64_t bank_offset = reduced_entry_offset(w_, job_.bank, row0, col0, p_.pad_n, job_.out_elem);
+    const int64_t bank_offset = reduced_entry_offset(w_, job_.bank, padded_row0, col0, p_.pad_n, job_.out_elem);
     if (item.owner != me_) {
       copy_rows(job_.region(item.owner, bank_offset), p_.pad_n * job_.out_elem, out, p_.n * job_.out_elem, rows,
                 cols * job_.out_elem);
     } else {
       for (int r = 0; r < world_; ++r)
-        sources_[r] = job_.region(r, partial_entry_offset(w_, row0, col0, p_.pad_n, job_.partial_elem));
-      reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype, job_.region(me_, bank_offset),
-                             p_.pad_n, out, p_.n, job_.out_dtype, rows, cols});
+        sources_[r] = job_.region(r, partial_entry_offset(w_, padded_row0, col0, p_.pad_n, job_.partial_elem));
+      // No peer copies a reduce-scatter's result: no bank.
+      reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype,
+                             scatter ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out, p_.n, job_.out_dtype,
+                             rows, cols});
       store_release(word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
       for (int64_t i = 0; i + 1 < world_; ++i)
         doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();
@@ -414,9 +588,13 @@ void run_comm_block(CallJob& job, int64_t c) {
 void run_call_inline(CallJob& job) {
   CommBlock comm(job, 0);
   bool failed = false;
+  // allgather_gemm's GEMM needs the copies: they run between its tiles whatever `overlap` says.
+  const bool poll = job.overlap || job.op == kOpAllgatherGemm;
   run_compute_blocks(job, [&] {
-    if (!failed && job.overlap) guarded(job, [&] { comm.poll(); });
+    bool any = false;
+    if (!failed && poll) guarded(job, [&] { any = comm.poll(); });
     failed = job.abort.load(std::memory_order_acquire);
+    return any;
   });
   job.compute_done.store(true, std::memory_order_release);
   if (!job.abort.load(std::memory_order_acquire)) guarded(job, [&] { comm.finish(); });

@@ -2,9 +2,14 @@
 // Compute blocks (the caller's thread and its intra-op team) multiply tiles into this rank's window and publish
 // them in per-block ready queues; comm blocks (engine threads) publish drained tiles to their owners, reduce the
 // subtiles this rank owns in fixed rank order, and copy every other owner's finished subtiles into the output.
+// gemm_reduce_scatter is the same without the copy: tiles are owned by row chunk (the owner's output chunk), and a
+// rank only waits until the owners have reduced its tiles. allgather_gemm: every rank publishes its shard of a in
+// its window; comm blocks copy the peers' shards tile row by tile row while the compute blocks multiply the local
+// rows first, then each peer's rows as they arrive, straight into the output.
 #pragma once
 #include <ATen/ATen.h>
 #include <gemm_ar/layout.hpp>
+#include <gemm_ar/row_chunks.hpp>
 #include <gemm_ar/tile_plan.hpp>
 
 #include <atomic>
@@ -49,11 +54,12 @@ struct EngineSwitches {
 };
 EngineSwitches& engine_switches();
 
-// A subtile one comm block handles: its owner reduces it, every other rank copies it once final.
+// A subtile one comm block handles: its owner reduces it, every other rank copies it once final (gemm_allreduce)
+// or only waits until it is (gemm_reduce_scatter). For allgather_gemm: a tile row of a peer's shard to copy.
 struct WorkItem {
-  int owner;
-  int64_t local_id;  // owner-local subtile id
-  int64_t tile, stripe;
+  int owner;         // allgather_gemm: the rank whose shard holds the rows
+  int64_t local_id;  // owner-local subtile id (allgather_gemm: the item's index)
+  int64_t tile, stripe;  // allgather_gemm: tile = the tile row
   int64_t step;      // when the tile is computed: its position in its compute block's walk
 };
 
@@ -63,16 +69,25 @@ struct WorkItem {
 using RowBlockEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
 
 struct CallJob {
+  int64_t op = kOpGemmAllreduce;  // OpKind; gemm_allreduce_add_rmsnorm runs as gemm_allreduce
   uint32_t epoch = 0;
   int64_t bank = 0;
   TilePlan plan{};
+  RowChunks chunks{};             // one chunk except for the sequence-parallel ops
+  int64_t own_run = 1;            // ownership run (gemm_ar/ownership.hpp): 1 = round-robin
+  // allgather_gemm: the gathered a ([M, K], this call's dtype), its element size, and per tile row whether its rows
+  // are there (set with release order by the comm block that copied them); peers' rows still to copy.
+  uint8_t* gathered = nullptr;
+  int64_t a_elem = 0;
+  std::unique_ptr<std::atomic<uint32_t>[]> rows_arrived;
+  std::atomic<int64_t> copies_left{0};
   WindowLayout layout{};
   int rank = 0, world = 1;
   int64_t compute_blocks = 1, comm_blocks = 1;
   std::vector<uint8_t*> windows;  // every rank's window base (control area first)
   at::ScalarType partial_dtype = at::kFloat, out_dtype = at::kFloat;
   int64_t partial_elem = 4, out_elem = 4;
-  uint8_t* out = nullptr;  // [m, n] row-major, the caller's tensor
+  uint8_t* out = nullptr;  // [m, n] row-major, the caller's tensor (gemm_reduce_scatter: this rank's chunks)
   const LocalGemm* gemm = nullptr;
   const WindowSet* window_set = nullptr;
   // Header validation happens in comm block 0 before any peer data is read; the others wait for its verdict.
@@ -101,8 +116,12 @@ struct CallJob {
 // Plans the per-comm-block work lists (production order, own reductions first) into job.items.
 void plan_work(CallJob& job);
 // The compute side: every compute block's tiles, then its queue entries. Runs on the caller's thread (and its
-// intra-op team); `between_tiles` (may be empty) runs after each tile.
-void run_compute_blocks(CallJob& job, const std::function<void()>& between_tiles);
+// intra-op team); `progress` (may be empty) runs after each tile and while waiting for a peer's rows, and returns
+// whether it did anything.
+void run_compute_blocks(CallJob& job, const std::function<bool()>& progress);
+// allgather_gemm, on the caller's thread before the blocks start: copies this rank's shard `a2d` into its window
+// and into the gathered a, and tells the peers (release order per tile row).
+void publish_shard(CallJob& job, const at::Tensor& a2d);
 // The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
 // One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the

@@ -401,13 +401,31 @@ void FusedEngine::run_with_comm_threads(CallJob& job) {
   }
 }
 
-at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_epilogue) {
-  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
-  CallJob job;
+namespace {
+
+// The row chunks of a sequence-parallel call (row_chunks.hpp): a's rows from the sharded dim on make one chunk of
+// one rank; the dims before it repeat the pattern (3-D a sharded along dim 1: one chunk per (batch, rank)).
+// `local`: out_shape is one rank's shard (allgather_gemm) rather than the whole (gemm_reduce_scatter).
+RowChunks sequence_chunks(const CallArgs& call, int world, bool local) {
+  const auto& shape = call.out_shape;
+  int64_t rows = local ? shape[call.shard_dim] : shape[call.shard_dim] / world;
+  for (size_t d = call.shard_dim + 1; d + 1 < shape.size(); ++d) rows *= shape[d];
+  const int64_t chunks_here = rows > 0 ? call.m / rows : 0;
+  return RowChunks{local ? chunks_here * world : chunks_here, rows, 0};
+}
+
+}  // namespace
+
+void FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
+                              const LayoutParams& need) {
+  job.op = call.op == kOpGemmAllreduceAddRmsnorm ? kOpGemmAllreduce : call.op;
   job.epoch = epoch_;
   job.bank = call_bank(epoch_);
-  TORCH_CHECK(make_tile_plan(&job.plan, call.m, call.n, call.k, config_.base_m, config_.base_n, 1, 1, config_.sub_m),
-              "gemm_allreduce: invalid tile plan for M=", call.m, " N=", call.n, " K=", call.k);
+  TORCH_CHECK(make_row_chunked_plan(&job.plan, &job.chunks, chunks.count, chunks.rows, call.n, call.k,
+                                    config_.base_m, config_.base_n, 1, 1, config_.sub_m),
+              call.op_name, ": invalid tile plan for M=", call.m, " N=", call.n, " K=", call.k);
+  // gemm_reduce_scatter: every row chunk's tiles go to the chunk's rank.
+  job.own_run = job.op == kOpGemmReduceScatter ? chunk_ownership_run(job.plan, job.chunks) : 1;
   job.rank = rank_;
   job.world = world_;
   job.compute_blocks = config_.compute_blocks;
@@ -416,15 +434,16 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   job.out_dtype = call.dtype;
   job.partial_elem = c10::elementSize(job.partial_dtype);
   job.out_elem = c10::elementSize(job.out_dtype);
-  const LayoutParams need = make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
-                                              job.compute_blocks, job.comm_blocks);
-  if (!fits(need, capacity_)) {
+  const LayoutParams needed = need.world != 0 ? need
+                                              : make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
+                                                                   job.compute_blocks, job.comm_blocks);
+  if (!fits(needed, capacity_)) {
     // Growing is collective, so agree on the call first (the comm blocks would check it only later): a rank
     // whose arguments differ must not be waited for in a growth it will never join. Every rank reaches the same
     // verdict from the same headers.
     check_every_signature(call);
     try {
-      grow(need);
+      grow(needed);
     } catch (...) {
       publish_abort(windows_->base(rank_), epoch_);
       ring_peers();
@@ -432,9 +451,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
     }
   }
   job.layout = regions_;
-  auto out = pooled_empty(call.m, call.n, call.dtype);
   job.windows = bases();
-  job.out = static_cast<uint8_t*>(out.data_ptr());
   job.gemm = &gemm;
   job.window_set = windows_.get();
   job.call = &call;
@@ -443,12 +460,12 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   job.timeout = wait_timeout();
   job.overlap = engine_switches().overlap.load();
   job.ignore_epochs = engine_switches().ignore_epochs.load();
-  job.row_epilogue = row_epilogue;
-  plan_work(job);
+}
+
+void FusedEngine::execute(CallJob& job) {
   for (int64_t b = 0; b < job.compute_blocks; ++b) {
     store_release(reinterpret_cast<uint32_t*>(job.region(rank_, queue_count_offset(job.layout, b))), 0);
   }
-
   if (config_.comm_inline) {
     try {
       run_call_inline(job);
@@ -462,7 +479,61 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
     if (!job.error_is_disagreement) poisoned_ = job.error;
     raise(job.error, job.error_is_disagreement);
   }
-  return out.view(call.out_shape);
+}
+
+at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_epilogue) {
+  const bool scatter = call.op == kOpGemmReduceScatter;
+  // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
+  CallJob job;
+  prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
+  std::vector<int64_t> out_shape = call.out_shape;
+  if (scatter) out_shape[call.shard_dim] /= world_;
+  auto out = pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
+  job.out = static_cast<uint8_t*>(out.data_ptr());
+  job.row_epilogue = row_epilogue;
+  plan_work(job);
+  execute(job);
+  return out.view(out_shape);
+}
+
+std::pair<at::Tensor, at::Tensor> FusedEngine::run_allgather(const CallArgs& call) {
+  const RowChunks chunks = sequence_chunks(call, world_, true);
+  std::vector<int64_t> gathered_shape = call.out_shape;  // a's shape, its shard dim `world` times as large
+  gathered_shape.back() = call.k;
+  gathered_shape[call.shard_dim] *= world_;
+  const int64_t m = chunks.count * chunks.rows;
+  auto gathered = at::empty({m, call.k}, call.a2d.options().memory_format(at::MemoryFormat::Contiguous));
+  LocalGemm gemm(gathered, call.b, call.bias, /*add_bias=*/true);
+  CallJob job;
+  // The window holds this rank's shard where the partial products would be (layout.hpp, shard_row_offset), one
+  // flag per tile row, and one final flag (copies done).
+  TilePlan plan{};
+  RowChunks c{};
+  TORCH_CHECK(make_row_chunked_plan(&plan, &c, chunks.count, chunks.rows, call.n, call.k, config_.base_m,
+                                    config_.base_n, 1, 1, config_.sub_m),
+              call.op_name, ": invalid tile plan for M=", m, " N=", call.n, " K=", call.k);
+  LayoutParams need{};
+  need.pad_m = 1;
+  need.pad_n = std::max<int64_t>(1, call.m * call.k * static_cast<int64_t>(c10::elementSize(call.dtype)));
+  need.elem_bytes = need.partial_elem_bytes = 1;
+  need.world = world_;
+  need.tiles = std::max(plan.tiles, plan.m_tiles);
+  need.max_owned_subtiles = 1;
+  need.compute_blocks = config_.compute_blocks;
+  need.comm_blocks = config_.comm_blocks;
+  need.queue_capacity = 0;
+  prepare_job(job, call, gemm, chunks, need);
+  auto out = pooled_empty(m, call.n, call.dtype);
+  job.out = static_cast<uint8_t*>(out.data_ptr());
+  job.gathered = static_cast<uint8_t*>(gathered.data_ptr());
+  job.a_elem = c10::elementSize(call.dtype);
+  plan_work(job);  // sizes rows_arrived, which publish_shard sets for the local rows
+  publish_shard(job, call.a2d);
+  execute(job);
+  std::vector<int64_t> out_shape = gathered_shape;
+  out_shape.back() = call.n;
+  return {out.view(out_shape), gathered.view(gathered_shape)};
 }
 
 }  // namespace gemm_ar::cpu

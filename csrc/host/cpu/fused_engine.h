@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/call_args.h"
@@ -45,7 +46,10 @@ class FusedEngine {
   // already runs), waits for every rank's signature and raises the same diagnosis on every rank.
   std::vector<CallSignature> agree(const CallArgs& call, Algorithm chosen);
   // `row_epilogue` (may be empty): run on every finished row block of the output during the copy-out.
+  // gemm_allreduce, or gemm_reduce_scatter (call.op): then this rank's chunk of the reduced product.
   at::Tensor run(const CallArgs& call, const RowBlockEpilogue& row_epilogue = {});
+  // allgather_gemm: (all_gather(a) @ b (+ bias), the gathered a).
+  std::pair<at::Tensor, at::Tensor> run_allgather(const CallArgs& call);
 
  private:
   FusedEngine(c10d::ProcessGroup& group);
@@ -53,6 +57,12 @@ class FusedEngine {
   void grow(const LayoutParams& need);
   // Waits for every rank's header of the current call and raises the diagnosis, if any, on every rank.
   std::vector<CallSignature> check_every_signature(const CallArgs& call);
+  // Fills the job's plan (row chunks `chunks`), blocks and windows for this call, growing the windows to hold
+  // `need` (need.world == 0: the layout of the plan's partial products, reduced banks and queues).
+  void prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
+                   const LayoutParams& need);
+  // Runs a planned job (compute blocks here, comm blocks on the comm threads or between tiles); raises its error.
+  void execute(CallJob& job);
   void start_comm_threads(int64_t count);
   void run_with_comm_threads(CallJob& job);
   void comm_thread_main(int64_t c);

@@ -15,7 +15,6 @@ template <typename In, typename Acc, typename Out>
 void reduce_typed(const ReduceRows& job) {
   Acc acc[kChunk];
   for (int64_t i = 0; i < job.rows; ++i) {
-    auto* bank = reinterpret_cast<Out*>(job.bank) + i * job.bank_stride;
     auto* out = reinterpret_cast<Out*>(job.out) + i * job.out_stride;
     for (int64_t c0 = 0; c0 < job.cols; c0 += kChunk) {
       const int64_t n = std::min(kChunk, job.cols - c0);
@@ -25,12 +24,10 @@ void reduce_typed(const ReduceRows& job) {
         const In* src = reinterpret_cast<const In*>(job.sources[r]) + i * job.source_stride + c0;
         for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<Acc>(src[j]);
       }
-      for (int64_t j = 0; j < n; ++j) {
-        const Out value = static_cast<Out>(acc[j]);
-        bank[c0 + j] = value;
-        out[c0 + j] = value;
-      }
+      for (int64_t j = 0; j < n; ++j) out[c0 + j] = static_cast<Out>(acc[j]);
     }
+    // The row is still in cache: the copy peers read costs little here.
+    if (job.bank != nullptr) std::memcpy(job.bank + i * job.bank_stride * sizeof(Out), out, job.cols * sizeof(Out));
   }
 }
 

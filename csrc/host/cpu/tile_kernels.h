@@ -12,7 +12,7 @@ struct ReduceRows {
   int world;
   int64_t source_stride;          // elements between rows of a partial
   at::ScalarType partial_dtype;   // the dtype of the partial products (the sum is accumulated in float or double)
-  uint8_t* bank;                  // the owner's reduced rows (window; peers copy from it)
+  uint8_t* bank;                  // the owner's reduced rows (window; peers copy from it); nullptr: none
   int64_t bank_stride;
   uint8_t* out;                   // the owner's own output rows
   int64_t out_stride;
@@ -20,7 +20,7 @@ struct ReduceRows {
   int64_t rows, cols;
 };
 
-// bank = out = sum over ranks 0..world-1, in that order, rounded once to out_dtype.
+// out (and bank, if any) = sum over ranks 0..world-1, in that order, rounded once to out_dtype.
 void reduce_rows(const ReduceRows& job);
 
 // Copies `rows` rows of `row_bytes` bytes between strided buffers.

@@ -136,4 +136,10 @@ GEMM_AR_FN int64_t queue_entry_offset(const WindowLayout& w, int64_t b, int64_t 
   return queue_count_offset(w, b) + kCounterBytes * (1 + j);
 }
 
+// The all-gather GEMM has no partial products: its rank's shard of a ([rows, K], row-major, in the rank's own row
+// order) lies where they would. Element (row, 0) of that shard:
+GEMM_AR_FN int64_t shard_row_offset(const WindowLayout& w, int64_t row, int64_t k, int64_t elem_bytes) {
+  return w.partial_offset + row * k * elem_bytes;
+}
+
 }  // namespace gemm_ar

@@ -6,5 +6,6 @@
 #include "layout.hpp"
 #include "ownership.hpp"
 #include "partition.hpp"
+#include "row_chunks.hpp"
 #include "swizzle.hpp"
 #include "tile_plan.hpp"
