@@ -27,10 +27,11 @@ def every_rank_bad(rank, world):
         raises(lambda: op(a, b, algorithm="fastest"), "algorithm must be one of", exc=ValueError)
         raises(lambda: torch.ops.pto.gemm_reduce_scatter(a, b, "no-such-group"), "group_name 'no-such-group'")
         if world > 1:
-            raises(lambda: op(a, b, algorithm="fused"), "fused", "not available yet", name)
             raises(lambda: op(a, b, algorithm="chunked"), "chunked", "not available", exc=ValueError)
     # Still usable after all of that.
     assert rs(a, b).shape == (4, 3)
+    assert rs(a, b, algorithm="fused").shape == (4, 3)
+    assert ag(a, b, algorithm="fused").shape == (4 * world * world, 3)
     assert ag(a, b).shape == (4 * world * world, 3)
 
 
@@ -39,7 +40,7 @@ def test_bad_arguments_on_every_rank(ranks, world):
     ranks(world).run(every_rank_bad)
 
 
-def one_rank_differs(rank, world, op_name, case):
+def one_rank_differs(rank, world, op_name, case, algorithm="auto"):
     op = rs if op_name == "rs" else ag
     dim_arg = "scatter_dim" if op_name == "rs" else "gather_dim"
     a, b, bias = torch.randn(2, 2 * world, 5), torch.randn(5, 3), torch.randn(3)
@@ -50,6 +51,8 @@ def one_rank_differs(rank, world, op_name, case):
         kwargs[dim_arg] = 0
     if case == "M" and other:
         a = torch.randn(2, 4 * world, 5)
+    if case == "layout" and other:  # the same M, split differently between the dims before K
+        a = torch.randn(4, world, 5)
     if case == "dtype" and other:
         a, b, kwargs["bias"] = a.double(), b.double(), bias.double()
     if case == "bias-bad" and other:
@@ -60,7 +63,7 @@ def one_rank_differs(rank, world, op_name, case):
         op = ag if op is rs else rs
         kwargs = {("gather_dim" if dim_arg == "scatter_dim" else "scatter_dim"): 1, "bias": bias}
     with pytest.raises(ValueError) as info:
-        op(a, b, **kwargs)
+        op(a, b, algorithm=algorithm, **kwargs)
     message = str(info.value)
     if case == "bias-bad":
         assert ("bias must be 1-D" in message) if other else ("another rank rejected" in message), message
@@ -72,8 +75,11 @@ def one_rank_differs(rank, world, op_name, case):
     return message
 
 
+@pytest.mark.parametrize("algorithm", ["auto", "fused"])
 @pytest.mark.parametrize("op_name", ["rs", "ag"])
-@pytest.mark.parametrize("case", ["dim", "M", "dtype", "bias-bad", "bias-missing", "op"])
-def test_ranks_that_disagree_raise_everywhere(ranks, op_name, case):
-    messages = ranks(3).run(one_rank_differs, op_name, case, timeout_s=60)
+@pytest.mark.parametrize("case", ["dim", "M", "layout", "dtype", "bias-bad", "bias-missing", "op"])
+def test_ranks_that_disagree_raise_everywhere(ranks, op_name, case, algorithm):
+    messages = ranks(3).run(one_rank_differs, op_name, case, algorithm, timeout_s=60)
     assert all(messages), messages
+    if case == "layout":
+        assert all("rows per chunk" in m for m in messages), messages

@@ -18,8 +18,21 @@ const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dt
                                                    "subtile rows (TORCH_GEMM_AR_CPU_TILE)",
                                                    "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
                                                    "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
-                                                   "op", "the op's parameter (scatter_dim/gather_dim, or eps)",
+                                                   "op",
+                                                   "the op's parameter (scatter_dim/gather_dim and a's rows from "
+                                                   "it on, or eps)",
                                                    kTuneStepFieldName};
+
+// The sequence-parallel ops compare their sharded dim together with the rows of one chunk along it and the dims
+// after it (K excluded): [2, 6, K] and [4, 3, K] along dim 1 agree on M but not on how rows interleave by rank.
+constexpr int64_t kShardRowsUnit = 256;  // above any dim index
+
+int64_t shard_parameter(const CallArgs& call) {
+  if (call.op != kOpGemmReduceScatter && call.op != kOpAllgatherGemm) return call.shard_dim;
+  int64_t rows = 1;
+  for (size_t d = call.shard_dim; d + 1 < call.out_shape.size(); ++d) rows *= call.out_shape[d];
+  return call.shard_dim + kShardRowsUnit * rows;
+}
 
 const char* op_kind_name(int64_t op) {
   switch (op) {
@@ -38,6 +51,10 @@ std::string field_value(int64_t field, int64_t value, int64_t op) {
     std::ostringstream os;
     os << "eps=" << eps;
     return os.str();
+  }
+  if (field == kSigShardDim && (op == kOpGemmReduceScatter || op == kOpAllgatherGemm)) {
+    return "dim " + std::to_string(value % kShardRowsUnit) + " with " + std::to_string(value / kShardRowsUnit) +
+           " rows per chunk";
   }
   if (field == kSigDtype) return c10::toString(static_cast<at::ScalarType>(value));
   if (field == kSigBias) return value ? "given" : "None";
@@ -62,7 +79,7 @@ CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
   s[kSigBias] = call.bias.has_value() ? 1 : 0;
   s[kSigAlgorithm] = static_cast<int64_t>(chosen);
   s[kSigOp] = call.op;
-  s[kSigShardDim] = call.shard_dim;
+  s[kSigShardDim] = shard_parameter(call);
   s[kSigTuneStep] = call.tune_step;
   s[kSigTuneCached] = call.tune_cached;
   s[kSigTuneLastUs] = call.tune_last_us;
