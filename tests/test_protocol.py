@@ -251,6 +251,73 @@ def test_ownership_and_local_subtile_ids():
         assert P.owned_tile_count(tiles, world, world) == 0 and P.owned_tile_count(tiles, world, -1) == 0
 
 
+def test_ownership_in_runs():
+    """Runs of `run` tiles dealt round-robin: run 1 is the round-robin rule; owner-local ids number each owner's tiles
+    in tile order, consecutively, and decode back."""
+    rng = random.Random(22)
+    cases = [(0, 2, 1, 3), (7, 3, 2, 1), (12, 2, 3, 6), (5, 4, 1, 7)]
+    cases += [(rng.randint(0, 200), rng.randint(1, 6), rng.choice([1, 2, 4]), rng.randint(1, 20))
+              for _ in range(CONFIGS)]
+    for tiles, world, stripes, run in cases:
+        owned = {r: [] for r in range(world)}
+        for t in range(tiles):
+            for s in range(stripes):
+                owned[(t // run) % world].append((t, s))
+        for t in range(tiles):
+            assert P.run_owner_of(t, world, run) == (t // run) % world
+            if run == 1:
+                assert P.run_owner_of(t, world, 1) == P.owner_of(t, world)
+                assert P.run_local_subtile(t, 0, world, stripes, 1) == P.local_subtile(t, 0, world, stripes)
+        for rank in range(world):
+            assert P.run_owned_tile_count(tiles, world, rank, run) == len(owned[rank]) // stripes
+            for local_id, (t, s) in enumerate(owned[rank]):
+                assert P.run_local_subtile(t, s, world, stripes, run) == local_id
+                assert P.run_subtile_tile(local_id, rank, world, stripes, run) == t
+        assert P.run_max_owned_subtile_count(tiles, world, stripes, run) == max(len(v) for v in owned.values())
+        assert P.run_owned_tile_count(tiles, world, world, run) == 0
+
+
+def test_row_chunked_plans():
+    """Every chunk gets its own tile rows (no tile straddles two chunks), the rows of a tile row are where the plain
+    per-chunk plan puts them, chunk g belongs to rank g % world and its rows sit at (g // world) * rows there, and
+    the ownership run gives each chunk's tiles to that rank."""
+    rng = random.Random(23)
+    cases = [(2, 7, 5, 16, 32, 8, 2), (3, 0, 5, 16, 32, 8, 3), (1, 300, 9, 256, 512, 64, 2)]
+    cases += [(rng.randint(1, 8), rng.randint(0, 70), rng.randint(0, 70), rng.choice([4, 8, 16]),
+               rng.choice([4, 16]), rng.choice([1, 2, 4]), rng.randint(1, 4)) for _ in range(CONFIGS)]
+    for count, rows, n, base_m, base_n, sub_m, world in cases:
+        plan, chunks = P.make_row_chunked_plan(count, rows, n, 3, base_m, base_n, 1, 1, sub_m)
+        one = P.make_tile_plan(rows, n, 3, base_m, base_n, 1, 1, sub_m)
+        assert (chunks.count, chunks.rows, chunks.m_tiles) == (count, rows, one.m_tiles)
+        assert (plan.m, plan.m_tiles, plan.pad_m) == (count * rows, count * one.m_tiles, count * one.pad_m)
+        assert plan.tiles == plan.m_tiles * plan.n_tiles and plan.n_tiles == one.n_tiles
+        covered = []
+        for mi in range(plan.m_tiles):
+            g, li = divmod(mi, one.m_tiles)
+            assert P.chunk_of_tile_row(chunks, mi) == g
+            got = P.chunked_tile_rows(plan, chunks, mi)
+            assert got == P.tile_rows(one, li)
+            assert sum(P.chunked_stripe_rows(plan, chunks, mi, s) for s in range(plan.stripes)) == got
+            row0 = P.chunked_tile_row0(plan, chunks, mi)
+            assert row0 == g * rows + li * base_m
+            assert g * rows <= row0 and row0 + got <= (g + 1) * rows  # inside its chunk
+            assert P.chunked_owner_row0(plan, chunks, mi, world) == (g // world) * rows + li * base_m
+            covered += range(row0, row0 + got)
+        assert covered == list(range(count * rows))  # every row exactly once, in order
+        assert P.chunked_tile_rows(plan, chunks, plan.m_tiles) == 0 and P.chunked_tile_rows(plan, chunks, -1) == 0
+        run = P.chunk_ownership_run(plan, chunks)
+        for t in range(plan.tiles):
+            assert P.run_owner_of(t, world, run) == P.chunk_of_tile_row(chunks, P.tile_row(plan, t)) % world
+    plain = P.make_tile_plan(100, 50, 3, 16, 16, 1, 1, 4)
+    single = P.single_chunk(plain)
+    assert (single.count, single.rows, single.m_tiles) == (1, 100, plain.m_tiles)
+    assert all(P.chunked_tile_rows(plain, single, mi) == P.tile_rows(plain, mi) for mi in range(plain.m_tiles + 1))
+    assert P.make_row_chunked_plan(0, 5, 5, 5, 4, 4, 1, 1, 2) is None
+    assert P.make_row_chunked_plan(2, -1, 5, 5, 4, 4, 1, 1, 2) is None
+    assert P.make_row_chunked_plan(2, 5, 5, 5, 4, 4, 1, 1, 3) is None  # sub_m must divide base_m
+    assert P.make_row_chunked_plan(1 << 40, 1 << 30, 5, 5, 4, 4, 1, 1, 2) is None  # overflow
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # comm_schedule.hpp
 

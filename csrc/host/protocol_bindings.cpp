@@ -76,6 +76,43 @@ void bind_ownership_and_schedule(py::module_& m) {
         py::arg("stripes"));
   m.def("max_owned_subtile_count", &max_owned_subtile_count, py::arg("tiles"), py::arg("world"),
         py::arg("stripes"));
+  m.def("run_owner_of", &run_owner_of, py::arg("t"), py::arg("world"), py::arg("run"));
+  m.def("run_owned_tile_count", &run_owned_tile_count, py::arg("tiles"), py::arg("world"), py::arg("rank"),
+        py::arg("run"));
+  m.def("run_max_owned_subtile_count", &run_max_owned_subtile_count, py::arg("tiles"), py::arg("world"),
+        py::arg("stripes"), py::arg("run"));
+  m.def("run_local_subtile", &run_local_subtile, py::arg("t"), py::arg("stripe"), py::arg("world"),
+        py::arg("stripes"), py::arg("run"));
+  m.def("run_subtile_tile", &run_subtile_tile, py::arg("l"), py::arg("owner"), py::arg("world"), py::arg("stripes"),
+        py::arg("run"));
+
+  py::class_<RowChunks>(m, "RowChunks", "Row chunks of a row-chunked plan (read-only).")
+      .def_readonly("count", &RowChunks::count)
+      .def_readonly("rows", &RowChunks::rows)
+      .def_readonly("m_tiles", &RowChunks::m_tiles);
+  // The C++ bool result becomes "(TilePlan, RowChunks) or None".
+  m.def(
+      "make_row_chunked_plan",
+      [](int64_t count, int64_t rows, int64_t n, int64_t k, int64_t base_m, int64_t base_n, int64_t base_k,
+         int64_t k_slices, int64_t sub_m) -> py::object {
+        TilePlan plan{};
+        RowChunks chunks{};
+        if (!make_row_chunked_plan(&plan, &chunks, count, rows, n, k, base_m, base_n, base_k, k_slices, sub_m)) {
+          return py::none();
+        }
+        return py::make_tuple(plan, chunks);
+      },
+      py::arg("count"), py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("base_m"), py::arg("base_n"),
+      py::arg("base_k"), py::arg("k_slices"), py::arg("sub_m"));
+  m.def("single_chunk", &single_chunk, py::arg("plan"));
+  m.def("chunk_of_tile_row", &chunk_of_tile_row, py::arg("chunks"), py::arg("mi"));
+  m.def("chunked_tile_row0", &chunked_tile_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"));
+  m.def("chunked_owner_row0", &chunked_owner_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
+        py::arg("world"));
+  m.def("chunked_tile_rows", &chunked_tile_rows, py::arg("plan"), py::arg("chunks"), py::arg("mi"));
+  m.def("chunked_stripe_rows", &chunked_stripe_rows, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
+        py::arg("stripe"));
+  m.def("chunk_ownership_run", &chunk_ownership_run, py::arg("plan"), py::arg("chunks"));
 
   m.def("queue_comm_block", &queue_comm_block, py::arg("q"), py::arg("comm_blocks"));
   m.def("comm_block_queue_count", &comm_block_queue_count, py::arg("c"), py::arg("compute_blocks"),
