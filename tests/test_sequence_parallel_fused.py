@@ -78,8 +78,10 @@ def fused_results(rank, world, seed, dtype, tiles):
     return checked
 
 
+# float16: computed in fp32 on CPUs without avx512_fp16/amx_fp16 (like this project's AMD EPYC hosts), so the gathered
+# rows of allgather_gemm are converted as they arrive (LocalGemm::refresh_rows).
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fused_matches_float64(ranks, world, dtype):
     counts = ranks(world).run(fused_results, random.randrange(1 << 20), dtype, SMALL_TILES, timeout_s=600)
     assert all(c == 48 for c in counts), counts
@@ -172,11 +174,12 @@ def random_stress_case(seed, step, world):
     return op, shape, dim, k, n, dtype, rng.random() < 0.5
 
 
-def stress(rank, world, seed, calls, comm_threads, slow_rank=None):
+def stress(rank, world, seed, calls, comm_threads, slow_rank=None, compute_threads="1"):
     """Back-to-back fused calls alternating gemm_reduce_scatter, allgather_gemm and gemm_allreduce with new inputs and
     shapes every call; returns how many results were wrong."""
     wrong = 0
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads):
+    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads,
+              TORCH_GEMM_AR_COMPUTE_THREADS=compute_threads):
         for step in range(calls):
             op, shape, dim, k, n, dtype, with_bias = random_stress_case(seed, step, world)
             s = seed * 7 + step
@@ -214,6 +217,14 @@ def test_back_to_back_stress(ranks, world, calls, comm_threads):
     wrong = ranks(world).run(stress, random.randrange(1 << 30), calls, comm_threads, slow_rank=world - 1,
                              timeout_s=900)
     assert wrong == [0] * world, f"wrong results per rank: {wrong}"
+
+
+def test_stress_with_several_compute_blocks(ranks):
+    """Two compute blocks (tiles dealt round-robin between them; allgather_gemm's wait for peer rows in each) and two
+    comm blocks."""
+    wrong = ranks(2).run(stress, random.randrange(1 << 30), 600, "2", slow_rank=0, compute_threads="2",
+                         timeout_s=900)
+    assert wrong == [0, 0], f"wrong results per rank: {wrong}"
 
 
 def stress_ignoring_epochs(rank, world, seed, calls, comm_threads):
