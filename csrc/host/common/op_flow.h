@@ -33,8 +33,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 
 // The middle of every op's flow on a group of two or more ranks: resolves `auto`, turns an unavailable `fused` into
 // this rank's error, and makes every rank agree (each raises the same error otherwise). Returns what to run.
+// `before_exchange` (may be empty) sees the chosen algorithm just before the agreement exchange.
 Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
-                           const at::Device& device);
+                           const at::Device& device, const std::function<void(Algorithm)>& before_exchange = {});
 
 // Runs `body` (the chosen algorithm of a call on a group of two or more ranks); a tuning call's time on this rank
 // goes to the `auto` tuner (the next call tells the other ranks).
