@@ -75,9 +75,9 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
     return run_local(call);
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
-  check_implemented(call, chosen, backend.run_fused != nullptr);
+  check_implemented(call, chosen, backend.run_fused_reduce_scatter != nullptr);
   return timed_for_tuner(call, *group, [&] {
-    if (chosen == Algorithm::Fused && call.m > 0) return backend.run_fused(call, *group);
+    if (chosen == Algorithm::Fused && call.m > 0) return backend.run_fused_reduce_scatter(call, *group);
     // Rank 0 adds the bias to its partial product, so the reduced sum holds it once in every chunk.
     auto partial = local_product(call.a2d, call, /*add_bias=*/group->getRank() == 0).view(call.out_shape);
     return reduce_scatter_along(partial, call.shard_dim, *group);
@@ -87,7 +87,7 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
 std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     const at::Tensor& a, const at::Tensor& b, std::string_view group_name, int64_t gather_dim,
     const std::optional<at::Tensor>& bias, bool return_gathered, std::string_view algorithm,
-    const BackendHooks& backend, const FusedAllgatherGemm& run_fused) {
+    const BackendHooks& backend) {
   auto group = resolve_group(group_name, kAllgatherName);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes, kAllgatherName);
   call.op = kOpAllgatherGemm;
@@ -101,11 +101,11 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     return with_gathered(run_local(call), a.clone());  // a fresh tensor: op outputs never alias inputs
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
-  check_implemented(call, chosen, run_fused != nullptr);
+  check_implemented(call, chosen, backend.run_fused_allgather != nullptr);
   at::Tensor gathered;
   auto out = timed_for_tuner(call, *group, [&] {
     if (chosen == Algorithm::Fused && call.m > 0) {
-      auto [result, all_rows] = run_fused(call, *group);
+      auto [result, all_rows] = backend.run_fused_allgather(call, *group);
       gathered = std::move(all_rows);
       return result;
     }

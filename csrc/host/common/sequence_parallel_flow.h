@@ -1,13 +1,11 @@
 // The device-independent flow of the sequence-parallel ops (pto::gemm_reduce_scatter, pto::allgather_gemm):
 // the gemm_allreduce argument checks plus the scatter/gather dim, the same agreement exchange, then the algorithm.
-// `fused` runs the backend's fused path (backend.run_fused for gemm_reduce_scatter, `run_fused` for
-// allgather_gemm); `auto` resolves through the backend hooks (and the measured tuner where the backend uses it).
+// `fused` runs the backend's run_fused_reduce_scatter / run_fused_allgather; `auto` resolves through the backend
+// hooks (and the measured tuner where the backend uses it).
 #pragma once
-#include <functional>
 #include <optional>
 #include <string_view>
 #include <tuple>
-#include <utility>
 
 #include "common/op_flow.h"
 
@@ -19,12 +17,9 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
                                    std::string_view algorithm, const BackendHooks& backend);
 
 // (all_gather(a, gather_dim) @ b (+ bias), the gathered a when `return_gathered`).
-// The fused all-gather GEMM of a backend: (out, gathered a), shaped as the op returns them.
-using FusedAllgatherGemm = std::function<std::pair<at::Tensor, at::Tensor>(const CallArgs&, c10d::ProcessGroup&)>;
-
 std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     const at::Tensor& a, const at::Tensor& b, std::string_view group_name, int64_t gather_dim,
     const std::optional<at::Tensor>& bias, bool return_gathered, std::string_view algorithm,
-    const BackendHooks& backend, const FusedAllgatherGemm& run_fused = {});
+    const BackendHooks& backend);
 
 }  // namespace gemm_ar

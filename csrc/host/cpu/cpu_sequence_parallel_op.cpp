@@ -12,10 +12,17 @@ namespace {
 
 std::string_view view_of(c10::string_view s) { return std::string_view(s.data(), s.size()); }
 
-// gemm_allreduce's CPU backend, except that `auto` never picks `chunked` (these ops have none).
+// gemm_allreduce's CPU backend with the engine's reduce-scatter and all-gather calls; `auto` never picks `chunked`
+// (these ops have none).
 const BackendHooks& cpu_sequence_parallel_backend() {
   static const BackendHooks hooks = [] {
     BackendHooks h = cpu_backend();
+    h.run_fused_reduce_scatter = [](const CallArgs& call, c10d::ProcessGroup& group) {
+      return engine_of_this_call(group).run(call);
+    };
+    h.run_fused_allgather = [](const CallArgs& call, c10d::ProcessGroup& group) {
+      return engine_of_this_call(group).run_allgather(call);
+    };
     h.choose_auto = [inner = h.choose_auto](const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
       const Algorithm chosen = inner(call, group, fused_available);
       return chosen == Algorithm::Chunked ? Algorithm::Sequential : chosen;
@@ -42,10 +49,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> allgather_gemm_cpu(
   std::tuple<at::Tensor, std::optional<at::Tensor>> result;
   with_call_engine(view_of(group_name), [&] {
     result = run_allgather_gemm(a, b, view_of(group_name), gather_dim, bias, return_gathered, view_of(algorithm),
-                                cpu_sequence_parallel_backend(),
-                                [](const CallArgs& call, c10d::ProcessGroup& group) {
-                                  return engine_of_this_call(group).run_allgather(call);
-                                });
+                                cpu_sequence_parallel_backend());
   });
   return result;
 }

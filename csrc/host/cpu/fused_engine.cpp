@@ -507,7 +507,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   return out.view(out_shape);
 }
 
-std::pair<at::Tensor, at::Tensor> FusedEngine::run_allgather(const CallArgs& call) {
+std::tuple<at::Tensor, at::Tensor> FusedEngine::run_allgather(const CallArgs& call) {
   const RowChunks chunks = sequence_chunks(call, world_, true);
   std::vector<int64_t> gathered_shape = call.out_shape;  // a's shape, its shard dim `world` times as large
   gathered_shape.back() = call.k;

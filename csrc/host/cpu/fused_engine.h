@@ -9,7 +9,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <utility>
+#include <tuple>
 #include <vector>
 
 #include "common/call_args.h"
@@ -49,7 +49,7 @@ class FusedEngine {
   // gemm_allreduce, or gemm_reduce_scatter (call.op): then this rank's chunk of the reduced product.
   at::Tensor run(const CallArgs& call, const RowBlockEpilogue& row_epilogue = {});
   // allgather_gemm: (all_gather(a) @ b (+ bias), the gathered a).
-  std::pair<at::Tensor, at::Tensor> run_allgather(const CallArgs& call);
+  std::tuple<at::Tensor, at::Tensor> run_allgather(const CallArgs& call);
 
  private:
   FusedEngine(c10d::ProcessGroup& group);
