@@ -212,8 +212,8 @@ SP_NEGATIVE_CONTROLS = {
 _CONTROL_CALLS = [
     dict(m=141, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=90, clobber_after=CLOBBER_FORGED_TAGS),
     dict(m=102, n=260, k=90, b_layout=B_ROW_MAJOR, bias=False, epoch=91, clobber_after=CLOBBER_FORGED_TAGS,
-         late_rank=1, late_us=30_000),
-    dict(m=270, n=200, k=60, b_layout=B_TRANSPOSED, bias=True, epoch=92, late_rank=1, late_us=30_000),
+         late_rank=1, late_us=300_000),
+    dict(m=270, n=200, k=60, b_layout=B_TRANSPOSED, bias=True, epoch=92, late_rank=1, late_us=300_000),
 ]
 
 

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <string>
+#include <tuple>
 
 #include "common/call_args.h"
 #include "common/rank_agreement.h"
@@ -26,6 +27,10 @@ struct BackendHooks {
   // `auto` decided by measurement (common/auto_tuner.h) where TORCH_GEMM_AR_AUTOTUNE allows; choose_auto then
   // only gives the choice while tracing-free fallbacks apply.
   bool measured_auto = false;
+  // `fused` of the sequence-parallel ops (common/sequence_parallel_flow.h), where the backend has it: the rank's
+  // chunk of the reduce-scatter; the product and the gathered a of the allgather.
+  std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&)> run_fused_reduce_scatter;
+  std::function<std::tuple<at::Tensor, at::Tensor>(const CallArgs&, c10d::ProcessGroup&)> run_fused_allgather;
 };
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name,

@@ -68,6 +68,9 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
     return run_local(call);
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
+  if (chosen == Algorithm::Fused && backend.run_fused_reduce_scatter) {
+    return backend.run_fused_reduce_scatter(call, *group);
+  }
   TORCH_CHECK(chosen == Algorithm::Sequential, call.op_name, ": internal error: algorithm ",
               algorithm_name(chosen), " has no implementation for this op");
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once in every chunk.
@@ -92,6 +95,10 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     return with_gathered(run_local(call), a.clone());  // a fresh tensor: op outputs never alias inputs
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
+  if (chosen == Algorithm::Fused && backend.run_fused_allgather) {
+    auto [out, gathered] = backend.run_fused_allgather(call, *group);
+    return with_gathered(std::move(out), gathered);
+  }
   TORCH_CHECK(chosen == Algorithm::Sequential, call.op_name, ": internal error: algorithm ",
               algorithm_name(chosen), " has no implementation for this op");
   auto gathered = all_gather_along(a, call.shard_dim, *group);
