@@ -1,15 +1,21 @@
 """A Llama-style decoder block (attention + SwiGLU MLP) with tensor parallelism over CPU ranks: unfused TP vs the same
-model converted by torch_gemm_ar.nn.replace_row_parallel.
+model converted by torch_gemm_ar.nn.replace_row_parallel (or replace_sequence_parallel).
 
-    torchrun --nproc-per-node 2 examples/tp_transformer.py                 # both TP styles
+    torchrun --nproc-per-node 2 examples/tp_transformer.py                 # all three TP styles
     torchrun --nproc-per-node 2 examples/tp_transformer.py --style plain --algorithm chunked
+    torchrun --nproc-per-node 2 examples/tp_transformer.py --style sp      # sequence parallelism
 
-Two ways of writing the unfused TP model, both converted in place:
+Three ways of writing the unfused TP model, each converted in place:
 - dtensor: torch.distributed.tensor.parallel.parallelize_module with ColwiseParallel for q/k/v/gate/up and
   RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model).
 - plain: Megatron-style layers written by hand (ColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
   all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]).
-Converted, the block fuses o_proj's all-reduce with the residual add and post_attention_layernorm
+- sp: DTensor with sequence parallelism (torch's Llama recipe): SequenceParallel on both norms, ColwiseParallel(
+  input_layouts=Shard(1)) for q/k/v/gate/up (all-gather of the sequence, then the GEMM) and RowwiseParallel(
+  output_layouts=Shard(1)) for o_proj/down_proj (the GEMM, then a reduce-scatter); the block's input and output are
+  each rank's chunk of the sequence. Converted by replace_sequence_parallel(model): allgather_gemm and
+  gemm_reduce_scatter.
+Converted (dtensor, plain), the block fuses o_proj's all-reduce with the residual add and post_attention_layernorm
 (RowParallelLinear.forward(x, residual, norm) -> torch_gemm_ar.gemm_allreduce_add_rmsnorm).
 For each style the script checks that the outputs agree, runs a few training steps (forward + backward + SGD) on
 both models and checks that the weights agree, then prints forward and training-step times side by side.
@@ -221,6 +227,20 @@ def tensor_parallel_dtensor(block: DecoderBlock, mesh) -> DecoderBlock:
     return parallelize_module(copy.deepcopy(block), mesh, plan)
 
 
+def tensor_parallel_sequence(block: DecoderBlock, mesh) -> DecoderBlock:
+    """A copy of `block` parallelized with sequence parallelism on [B, S, H] (unfused): input and output are this
+    rank's chunk of the sequence."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+    plan.update({name: ColwiseParallel(input_layouts=Shard(1)) for name in COLUMN_PARALLEL})
+    plan.update({name: RowwiseParallel(output_layouts=Shard(1)) for name in ROW_PARALLEL})
+    return parallelize_module(copy.deepcopy(block), mesh, plan)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local value of a parameter or gradient, DTensor or not."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -257,21 +277,28 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
     import torch_gemm_ar
 
     full = make_block(cfg, args.seed, dtype)
-    make_tp = (lambda: tensor_parallel_dtensor(full, mesh)) if style == "dtensor" else (
-        lambda: tensor_parallel_plain(full, group))
+    make_tp = {"dtensor": lambda: tensor_parallel_dtensor(full, mesh), "plain": lambda: tensor_parallel_plain(full, group),
+               "sp": lambda: tensor_parallel_sequence(full, mesh)}[style]
     unfused, converted = make_tp(), make_tp()
     # The optimizer is built before the conversion: the converted layers adopt the same Parameter objects.
     opt_unfused = torch.optim.SGD(unfused.parameters(), lr=args.lr, momentum=0.9)
     opt_converted = torch.optim.SGD(converted.parameters(), lr=args.lr, momentum=0.9)
-    patterns = None if style == "dtensor" else ROW_PARALLEL_PATTERNS
-    replaced = torch_gemm_ar.nn.replace_row_parallel(converted, group=group, patterns=patterns,
-                                                     algorithm=args.algorithm)
+    if style == "sp":
+        replaced = torch_gemm_ar.nn.replace_sequence_parallel(converted, algorithm=args.algorithm)
+    else:
+        patterns = None if style == "dtensor" else ROW_PARALLEL_PATTERNS
+        replaced = torch_gemm_ar.nn.replace_row_parallel(converted, group=group, patterns=patterns,
+                                                         algorithm=args.algorithm)
 
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same activations on every rank (replicated)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
 
     def batch():
         x = torch.randn(args.batch, args.seq, cfg.hidden, generator=generator).to(dtype)
-        return x, torch.randn(args.batch, args.seq, cfg.hidden, generator=generator).to(dtype)
+        target = torch.randn(args.batch, args.seq, cfg.hidden, generator=generator).to(dtype)
+        if style == "sp":  # this rank's chunk of the sequence
+            return x.chunk(world, dim=1)[rank].contiguous(), target.chunk(world, dim=1)[rank].contiguous()
+        return x, target
 
     with torch.no_grad():
         x, _ = batch()
@@ -306,7 +333,7 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--style", choices=["dtensor", "plain", "both"], default="both")
+    parser.add_argument("--style", choices=["dtensor", "plain", "sp", "all"], default="all")
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--batch", type=int, default=4)
@@ -333,8 +360,10 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     group = dist.group.WORLD
     mesh = None
-    styles = ["dtensor", "plain"] if args.style == "both" else [args.style]
-    if "dtensor" in styles:
+    styles = ["dtensor", "plain", "sp"] if args.style == "all" else [args.style]
+    if "sp" in styles and args.seq % world:
+        raise SystemExit(f"--seq {args.seq} must be divisible by the world size {world} for sequence parallelism")
+    if "dtensor" in styles or "sp" in styles:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))

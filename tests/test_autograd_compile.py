@@ -45,6 +45,10 @@ def grads_vs_unfused(rank, world, seed, dtype, three_d):
     tol = 1e-10 if dtype == torch.float64 else 2e-5
     for name, got, want in [("a", a.grad, a_ref.grad), ("b", b.grad, b_ref.grad), ("bias", c.grad, c_ref.grad)]:
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda s: f"grad {name}: {s}")
+    # b's gradient comes in b's own layout (here a transposed weight view, as nn.Linear's weight.t()), so
+    # AccumulateGrad takes it without copying it into the parameter's layout.
+    (grad_b,) = torch.autograd.grad((torch_gemm_ar.gemm_allreduce(a, b, bias=c) * upstream).sum(), (b,))
+    assert grad_b.stride() == b.stride(), (grad_b.stride(), b.stride())
 
 
 @pytest.mark.parametrize("world", [2, 3])

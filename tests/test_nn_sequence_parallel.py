@@ -59,6 +59,7 @@ def mlp_vs_full(rank, world, seed, dtype):
         # fc2's bias is replicated and each rank adds it to its own chunk: its gradient is this chunk's share.
         share = upstream_full.chunk(world, dim=dim)[rank].reshape(-1, hidden).sum(0)
         check_close(row.bias.grad, share, dtype, x_full.numel(), what + " grad fc2.bias")
+        assert row.bias.sequence_parallel is True, "the trainer must know to all-reduce this gradient"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 
+#include "common/weight_grad.h"
+
 namespace gemm_ar {
 namespace {
 
@@ -71,7 +73,7 @@ class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAll
     if (grad_total.defined()) {
       const at::Tensor grad2d = grad_total.to(out.scalar_type());
       if (ctx->needs_input_grad(0)) grad_a = at::matmul(grad2d, b.t()).reshape(a.sizes());
-      if (ctx->needs_input_grad(1)) grad_b = at::matmul(a.reshape({-1, a.size(-1)}).t(), grad2d);
+      if (ctx->needs_input_grad(1)) grad_b = grad_of_b(b, a.reshape({-1, a.size(-1)}), grad2d);
       if (ctx->needs_input_grad(2)) grad_residual = grad2d.reshape(out.sizes());
       // needs_input_grad counts tensor inputs only: a, b, residual, norm_weight, then bias when given.
       if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(4)) grad_bias = grad_total.sum(0).to(out.scalar_type());

@@ -4,6 +4,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "common/weight_grad.h"
+
 namespace gemm_ar {
 namespace {
 
@@ -37,7 +39,7 @@ class GemmAllreduceFunction : public torch::autograd::Function<GemmAllreduceFunc
     auto grad2d = grads[0].reshape({-1, grads[0].size(-1)});
     at::Tensor grad_a, grad_b, grad_bias;
     if (ctx->needs_input_grad(0)) grad_a = at::matmul(grad2d, b.t()).reshape(a.sizes());
-    if (ctx->needs_input_grad(1)) grad_b = at::matmul(a.reshape({-1, a.size(-1)}).t(), grad2d);
+    if (ctx->needs_input_grad(1)) grad_b = grad_of_b(b, a.reshape({-1, a.size(-1)}), grad2d);
     // needs_input_grad counts tensor inputs only: a, b, then bias when given.
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) grad_bias = grad2d.sum(0);
     return {grad_a, grad_b, at::Tensor(), grad_bias, at::Tensor()};

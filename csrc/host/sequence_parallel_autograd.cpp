@@ -7,6 +7,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "common/weight_grad.h"
+
 namespace gemm_ar {
 namespace {
 
@@ -61,7 +63,7 @@ class GemmReduceScatterFunction : public torch::autograd::Function<GemmReduceSca
           allgather_gemm_op().call(grad_chunk, b.t(), group_name, ctx->saved_data["dim"].toInt(), std::nullopt,
                                    /*return_gathered=*/ctx->needs_input_grad(1), algorithm);
       if (ctx->needs_input_grad(0)) grad_a = grad_a_full;
-      if (ctx->needs_input_grad(1)) grad_b = at::matmul(rows_of(a).t(), rows_of(*grad_gathered));
+      if (ctx->needs_input_grad(1)) grad_b = grad_of_b(b, rows_of(a), rows_of(*grad_gathered));
     }
     // The bias was added to this rank's chunk only.
     if (grad_chunk.defined() && want_bias) grad_bias = rows_of(grad_chunk).sum(0);
@@ -102,7 +104,7 @@ class AllgatherGemmFunction : public torch::autograd::Function<AllgatherGemmFunc
                                                ctx->saved_data["dim"].toInt(), std::nullopt,
                                                ctx->saved_data["algorithm"].toStringRef());
       }
-      if (ctx->needs_input_grad(1)) grad_b = at::matmul(rows_of(gathered).t(), rows_of(grad_out));
+      if (ctx->needs_input_grad(1)) grad_b = grad_of_b(b, rows_of(gathered), rows_of(grad_out));
       if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) grad_bias = rows_of(grad_out).sum(0);
     }
     return {grad_a, grad_b, at::Tensor(), at::Tensor(), grad_bias, at::Tensor()};

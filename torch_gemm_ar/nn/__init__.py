@@ -6,12 +6,18 @@
 - replace_row_parallel(model, group=, patterns=): converts an existing model's row-parallel layers in place, both
   DTensor ones (torch.distributed.tensor.parallel.RowwiseParallel, or transformers' tp_plan "rowwise" styles) and
   plain ones selected by name; returns a ReplaceReport (names replaced, and what was skipped and why).
+- replace_sequence_parallel(model): converts a DTensor plan's sequence-parallel layers in place
+  (ColwiseParallel(input_layouts=Shard(d)) -> allgather_gemm, RowwiseParallel(output_layouts=Shard(d)) ->
+  gemm_reduce_scatter).
 - DTensorRowParallelLinear: what a RowwiseParallel nn.Linear becomes (same parameters, inputs and outputs).
+- DTensorColumnParallelLinear: what a ColwiseParallel(input_layouts=Shard(d)) nn.Linear becomes.
 """
 from .column_parallel_linear import ColumnParallelLinear
+from .dtensor_column_parallel import DTensorColumnParallelLinear
 from .dtensor_row_parallel import DTensorRowParallelLinear
 from .replace import ReplaceReport, replace_row_parallel
+from .replace_sequence_parallel import replace_sequence_parallel
 from .row_parallel_linear import RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport", "RowParallelLinear",
-           "replace_row_parallel"]
+__all__ = ["ColumnParallelLinear", "DTensorColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport",
+           "RowParallelLinear", "replace_row_parallel", "replace_sequence_parallel"]

@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._ops import gemm_allreduce
+from .._ops import gemm_allreduce, gemm_reduce_scatter
 from ._add_norm import add_rmsnorm_after_reduction, check_norm
 from .row_parallel_linear import check_algorithm
 
@@ -90,13 +90,16 @@ def _transformers_rowwise(module: nn.Module, others: List[str]) -> Optional[Roww
     return RowwiseLayouts(mesh, (style.input_layouts,), (style.output_layouts,), bool(style.use_local_output))
 
 
-def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], List[str]]:
-    """(layouts, other_hooks): the layouts if RowwiseParallel's two hooks (torch) or transformers' RowwiseParallel
-    forward are on `module`, else None; other_hooks describes every forward hook that is not RowwiseParallel's
-    (they would be lost by a replacement)."""
+def read_style_hooks(module: nn.Module, style_name: str) -> Tuple[Optional[RowwiseLayouts], List[str], bool]:
+    """(layouts, other_hooks) for torch's `style_name` (RowwiseParallel or ColwiseParallel: both install a pre-hook
+    over partial(_prepare_input_fn, input_layouts, desired_input_layouts) and a hook over
+    partial(_prepare_output_fn, output_layouts, use_local_output)): the layouts if both hooks are on `module`, else
+    None; other_hooks describes every forward hook that is not the style's (a replacement would lose them); the
+    last value says whether either of the style's hooks was found."""
     style = sys.modules.get("torch.distributed.tensor.parallel.style")
-    input_fn = style.RowwiseParallel._prepare_input_fn if style is not None else None
-    output_fn = style.RowwiseParallel._prepare_output_fn if style is not None else None
+    cls = getattr(style, style_name, None) if style is not None else None
+    input_fn = cls._prepare_input_fn if cls is not None else None
+    output_fn = cls._prepare_output_fn if cls is not None else None
     pre, post, others = None, None, []
     for hook in module._forward_pre_hooks.values():
         found = _rowwise_partial(hook, input_fn) if input_fn is not None else None
@@ -111,12 +114,21 @@ def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], Lis
         else:
             others.append(f"forward hook {getattr(hook, '__qualname__', hook)!r}")
     if pre is None or post is None:
-        layouts = _transformers_rowwise(module, others) if pre is None and post is None else None
-        return layouts, others
+        return None, others, pre is not None or post is not None
     (pre_partial, mesh), (post_partial, _) = pre, post
     input_layouts, _desired = pre_partial.args
     output_layouts, use_local_output = post_partial.args
-    return RowwiseLayouts(mesh, tuple(input_layouts), tuple(output_layouts), bool(use_local_output)), others
+    return RowwiseLayouts(mesh, tuple(input_layouts), tuple(output_layouts), bool(use_local_output)), others, True
+
+
+def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], List[str]]:
+    """(layouts, other_hooks): the layouts if RowwiseParallel's two hooks (torch) or transformers' RowwiseParallel
+    forward are on `module`, else None; other_hooks describes every forward hook that is not RowwiseParallel's
+    (they would be lost by a replacement)."""
+    layouts, others, found = read_style_hooks(module, "RowwiseParallel")
+    if not found:
+        layouts = _transformers_rowwise(module, others)
+    return layouts, others
 
 
 def is_dtensor(t) -> bool:
@@ -124,9 +136,17 @@ def is_dtensor(t) -> bool:
     return dtensor_module is not None and isinstance(t, dtensor_module.DTensor)
 
 
+def sequence_shard_dim(layouts: Tuple[Any, ...]) -> Optional[int]:
+    """The dim of a single Shard(d) layout that shards rows (the sequence), not the last (feature) dim; else None."""
+    if len(layouts) != 1 or not layouts[0].is_shard() or layouts[0].dim == -1:
+        return None
+    return layouts[0].dim
+
+
 def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
-                     group_name: Optional[str]) -> List[str]:
-    """Why `module` cannot be replaced by a DTensorRowParallelLinear (empty list: it can)."""
+                     group_name: Optional[str], *, reduce_scatter: bool = False) -> List[str]:
+    """Why `module` cannot be replaced by a DTensorRowParallelLinear (empty list: it can). reduce_scatter: the
+    sequence-parallel form (output_layouts=Shard(d) on a row dim: gemm_reduce_scatter) instead of Replicate()."""
     from torch.distributed.tensor import Replicate, Shard
 
     if not isinstance(module, nn.Linear):
@@ -150,10 +170,14 @@ def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other
     mesh = layouts.mesh
     if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Replicate(),)):
         problems.append("its bias is not a Replicate() DTensor")
-    if tuple(layouts.output_layouts) != (Replicate(),):
+    if reduce_scatter and sequence_shard_dim(layouts.output_layouts) is None:
+        problems.append(f"its output_layouts is {layouts.output_layouts}, not Shard(d) on a sequence (row) dim: "
+                        "no reduce-scatter to fuse")
+    if not reduce_scatter and tuple(layouts.output_layouts) != (Replicate(),):
         problems.append(
             f"its output_layouts is {layouts.output_layouts}: a row-parallel GEMM followed by a reduce-scatter "
-            "(sequence parallelism), not by an all_reduce; gemm_allreduce fuses only output_layouts=Replicate()"
+            "(sequence parallelism), not by an all_reduce; gemm_allreduce fuses only output_layouts=Replicate() "
+            "(torch_gemm_ar.nn.replace_sequence_parallel converts the reduce-scatter form)"
         )
     world = mesh.size()
     if module.in_features % world:
@@ -166,11 +190,29 @@ def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other
     return problems
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the group (Megatron's copy_to_tensor_model_parallel
+    region). gemm_reduce_scatter's bias gradient is this rank's chunk's share (Megatron leaves the all-reduce of
+    sequence-parallel parameters' gradients to the trainer); a Replicate DTensor bias gets the whole sum, as
+    DTensor's own backward gives it."""
+
+    @staticmethod
+    def forward(ctx, t, group_name):
+        ctx.group_name = group_name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = torch.ops._c10d_functional.all_reduce(grad.contiguous(), "sum", ctx.group_name)
+        return torch.ops._c10d_functional.wait_tensor(reduced), None
+
+
 class DTensorRowParallelLinear(nn.Module):
-    """Stands in for an nn.Linear parallelized with RowwiseParallel(output_layouts=Replicate()): the same inputs,
-    outputs and Parameter objects (weight: Shard(1) DTensor, bias: Replicate DTensor), so optimizers, gradient
-    hooks and the state_dict (DTensor values under `weight` / `bias`) are unchanged. The local shard product and
-    the all_reduce run as one gemm_allreduce on the mesh's group.
+    """Stands in for an nn.Linear parallelized with RowwiseParallel: the same inputs, outputs and Parameter objects
+    (weight: Shard(1) DTensor, bias: Replicate DTensor), so optimizers, gradient hooks and the state_dict (DTensor
+    values under `weight` / `bias`) are unchanged. With output_layouts=Replicate() the local shard product and the
+    all_reduce run as one gemm_allreduce on the mesh's group; with output_layouts=Shard(d) on a sequence dim
+    (sequence parallelism) the product and the reduce-scatter run as one gemm_reduce_scatter.
     """
 
     def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
@@ -188,6 +230,10 @@ class DTensorRowParallelLinear(nn.Module):
         self.use_local_output = layouts.use_local_output
         self.group_name = layouts.mesh.get_group().group_name
         self.algorithm = check_algorithm(algorithm, "DTensorRowParallelLinear")
+        # None: all_reduce (Replicate output); else the output's sequence dim that the reduce-scatter splits.
+        self.scatter_dim = None if layouts.output_layouts[0].is_replicate() else sequence_shard_dim(
+            layouts.output_layouts)
+        self.fuses_add_rmsnorm = self.scatter_dim is None  # forward(x, residual, norm) needs the whole rows
 
     def _local_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's [..., in/world] slice, reached the way RowwiseParallel's pre-hook reaches Shard(-1)."""
@@ -204,8 +250,6 @@ class DTensorRowParallelLinear(nn.Module):
         x = DTensor.from_local(x, self.device_mesh, self.input_layouts, run_check=False)
         return x.redistribute(self.device_mesh, (Shard(last),)).to_local()
 
-    fuses_add_rmsnorm = True  # forward(x, residual, norm) is available
-
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, norm: Optional[nn.Module] = None):
         """`forward(x)`: as the parallelized nn.Linear. `forward(x, residual, norm)` with `norm` an nn.RMSNorm over
         out_features and `residual` a replicated tensor (local values): `(out, normed)` = (layer(x) + residual,
@@ -219,6 +263,8 @@ class DTensorRowParallelLinear(nn.Module):
         if local.shape[-1] != weight.shape[1]:
             raise ValueError(f"DTensorRowParallelLinear: the local input shard has {local.shape[-1]} features, the "
                              f"weight shard {weight.shape[1]}; input shape {tuple(local.shape)}")
+        if self.scatter_dim is not None:
+            return self._forward_reduce_scatter(local, weight, bias)
         lead = local.shape[:-1]
         if local.dim() not in (2, 3):  # the op takes 2-D or 3-D
             local = local.reshape(-1, local.shape[-1])
@@ -230,7 +276,26 @@ class DTensorRowParallelLinear(nn.Module):
 
         return DTensor.from_local(out, self.device_mesh, (Replicate(),), run_check=False)
 
+    def _forward_reduce_scatter(self, local, weight, bias):
+        if bias is not None and bias.requires_grad:
+            bias = _SumGradOverGroup.apply(bias, self.group_name)
+        dim = self.scatter_dim + local.dim() if self.scatter_dim < 0 else self.scatter_dim
+        if not 0 <= dim < local.dim() - 1 or local.dim() not in (2, 3):
+            raise ValueError(f"DTensorRowParallelLinear: output_layouts {self.output_layouts} needs a 2-D or 3-D "
+                             f"input whose dim {self.scatter_dim} is a sequence dim; input shape {tuple(local.shape)}")
+        out = gemm_reduce_scatter(local, weight.t(), self.group_name, scatter_dim=dim, bias=bias,
+                                  algorithm=self.algorithm)
+        if self.use_local_output:
+            return out
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(out, self.device_mesh, self.output_layouts, run_check=False)
+
     def _forward_add_norm(self, x, residual, norm):
+        if not self.fuses_add_rmsnorm:
+            raise ValueError(f"DTensorRowParallelLinear: forward(x, residual, norm) needs whole output rows, but this "
+                             f"layer reduce-scatters its output ({self.output_layouts}); call forward(x) and add "
+                             "and normalise the shard")
         check_norm("DTensorRowParallelLinear", norm, residual, self.out_features)
         local = self._local_shard(x)
         weight = self.weight.to_local()
@@ -249,5 +314,5 @@ class DTensorRowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"input_layouts={self.input_layouts}, use_local_output={self.use_local_output}, "
+                f"input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, use_local_output={self.use_local_output}, "
                 f"mesh_size={self.device_mesh.size()}, algorithm={self.algorithm!r}")

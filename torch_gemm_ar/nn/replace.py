@@ -34,6 +34,7 @@ from torch import nn
 
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
+from .dtensor_column_parallel import DTensorColumnParallelLinear
 from .dtensor_row_parallel import (
     DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_transformers_style, rowwise_problems,
 )
@@ -48,12 +49,14 @@ class ReplaceReport(list):
     """What replace_row_parallel did: the list of the names it replaced (compares equal to a plain list) and
     `skipped`, the (name, reason) of every other tensor-parallel module it saw. `str(report)` explains both."""
 
-    def __init__(self, replaced: Iterable[str] = (), skipped: Iterable = ()):
+    def __init__(self, replaced: Iterable[str] = (), skipped: Iterable = (), *,
+                 converter: str = "replace_row_parallel", ops: str = "gemm_allreduce"):
         super().__init__(replaced)
         self.skipped = list(skipped)
+        self.converter, self.ops = converter, ops
 
     def __str__(self) -> str:
-        lines = [f"replace_row_parallel: replaced {len(self)} module(s) with gemm_allreduce"
+        lines = [f"{self.converter}: replaced {len(self)} module(s) with {self.ops}"
                  + (": " + ", ".join(self) if self else "")]
         by_reason: Dict[str, List[str]] = {}
         for name, reason in self.skipped:
@@ -181,7 +184,7 @@ def _skipped(model: nn.Module, taken) -> List:
     """(name, reason) of every tensor-parallel module that is not a row-parallel candidate."""
     if "torch.distributed.tensor" not in sys.modules:
         return []  # nothing can be parallelized without it (see dtensor_row_parallel)
-    converted = (RowParallelLinear, DTensorRowParallelLinear)
+    converted = (RowParallelLinear, DTensorRowParallelLinear, DTensorColumnParallelLinear)
     skipped = []
     for name, module in model.named_modules():
         if id(module) in taken or isinstance(module, converted):
@@ -208,7 +211,7 @@ def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candid
     for name, module in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(module), []).append(name)
         modules[id(module)] = module
-    converted = (RowParallelLinear, DTensorRowParallelLinear)
+    converted = (RowParallelLinear, DTensorRowParallelLinear, DTensorColumnParallelLinear)
 
     if patterns is None:
         found = [i for i, m in modules.items() if not isinstance(m, converted) and read_rowwise_hooks(m)[0] is not None]

@@ -67,6 +67,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_features_per_rank, **factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **factory))
+            self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -145,6 +146,8 @@ class RowParallelLinear(nn.Module):
             layer.register_parameter("bias", None)
         else:
             layer.bias = bias
+            if layer.sequence_parallel:
+                bias.sequence_parallel = True  # its gradient is this rank's share (see the class docstring)
         return layer
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, norm: Optional[nn.Module] = None):

@@ -1,0 +1,110 @@
+"""Taking over an nn.Linear that torch.distributed.tensor.parallel.ColwiseParallel(input_layouts=Shard(d))
+parallelized: sequence parallelism's all-gather of the sequence followed by the column-parallel GEMM.
+
+ColwiseParallel installs the same two hooks as RowwiseParallel (read by read_style_hooks): the pre-hook turns the
+input into a DTensor with `input_layouts` and redistributes it to Replicate (the all-gather), the hook turns the
+Shard(-1) output into `output_layouts` and, with use_local_output, its local tensor. weight and bias are Shard(0).
+"""
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .._ops import allgather_gemm
+from .dtensor_row_parallel import RowwiseLayouts, is_dtensor, sequence_shard_dim
+from .row_parallel_linear import check_algorithm
+
+
+def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
+                              group_name: Optional[str] = None) -> List[str]:
+    """Why `module` cannot be replaced by a DTensorColumnParallelLinear (empty list: it can)."""
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(module, nn.Linear):
+        kind = type(module).__name__
+        return [f"it is a {kind}, not an nn.Linear (ColwiseParallel on {kind} is not an all-gather + GEMM)"]
+    weight, bias = module.weight, module.bias
+    if not is_dtensor(weight) or weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        placements = tuple(weight.placements) if is_dtensor(weight) else "a plain tensor"
+        return [f"its weight is {placements}, not Shard(0) on a 1-D mesh: not column-parallel"]
+    if layouts is None:
+        return ["ColwiseParallel's hooks are not on it, so its input and output handling is unknown"]
+    problems = []
+    if other_hooks:
+        problems.append("it has other hooks that a replacement would drop: " + ", ".join(other_hooks))
+    if sequence_shard_dim(layouts.input_layouts) is None:
+        problems.append(f"its input_layouts is {layouts.input_layouts}, not Shard(d) on a sequence (row) dim: no "
+                        "all-gather to fuse")
+    if tuple(layouts.output_layouts) != (Shard(-1),):
+        problems.append(f"its output_layouts is {layouts.output_layouts}; only the column shard Shard(-1) is fused "
+                        "(a gathered output is a second all-gather)")
+    if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Shard(0),)):
+        problems.append("its bias is not a Shard(0) DTensor")
+    world = layouts.mesh.size()
+    if module.out_features % world:
+        problems.append(f"out_features={module.out_features} is not divisible by the mesh size {world}: uneven "
+                        "column shards")
+    mesh_group = layouts.mesh.get_group()
+    if group_name is not None and mesh_group.group_name != group_name:
+        problems.append(f"it is sharded over the mesh's group {mesh_group.group_name!r}, but group= names "
+                        f"{group_name!r}: wrong group")
+    return problems
+
+
+class DTensorColumnParallelLinear(nn.Module):
+    """Stands in for an nn.Linear parallelized with ColwiseParallel(input_layouts=Shard(d)): the same inputs
+    (this rank's sequence shard, plain or DTensor), outputs (the whole sequence, this rank's output columns) and
+    Parameter objects (weight, bias: Shard(0) DTensors). The all-gather along d and the local GEMM run as one
+    allgather_gemm on the mesh's group; backward reduce-scatters the input gradient, as DTensor's does.
+    """
+
+    def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        if linear.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = linear.bias
+        self.device_mesh = layouts.mesh
+        self.input_layouts = layouts.input_layouts
+        self.output_layouts = layouts.output_layouts
+        self.use_local_output = layouts.use_local_output
+        self.gather_dim = sequence_shard_dim(layouts.input_layouts)
+        self.group_name = layouts.mesh.get_group().group_name
+        self.algorithm = check_algorithm(algorithm, "DTensorColumnParallelLinear")
+
+    def _local_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's sequence shard: a plain input is taken as input_layouts says (as ColwiseParallel's pre-hook
+        does); a DTensor input is resharded to Shard(d) first if it is laid out otherwise."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if isinstance(x, DTensor):
+            dim = self.gather_dim + x.dim() if self.gather_dim < 0 else self.gather_dim
+            if not (len(x.placements) == 1 and x.placements[0].is_shard(dim)):
+                x = x.redistribute(self.device_mesh, (Shard(dim),))
+            return x.to_local()
+        return x
+
+    def forward(self, x: torch.Tensor):
+        local = self._local_shard(x)
+        if local.dim() not in (2, 3):
+            raise ValueError(f"DTensorColumnParallelLinear: the input must be 2-D or 3-D; got {tuple(local.shape)}")
+        dim = self.gather_dim + local.dim() if self.gather_dim < 0 else self.gather_dim
+        weight = self.weight.to_local()  # [out/world, in]; its gradient comes back as a Shard(0) DTensor
+        if local.shape[-1] != weight.shape[1]:
+            raise ValueError(f"DTensorColumnParallelLinear: the input has {local.shape[-1]} features, the weight "
+                             f"{weight.shape[1]}; input shape {tuple(local.shape)}")
+        bias = None if self.bias is None else self.bias.to_local()
+        out = allgather_gemm(local, weight.t(), self.group_name, gather_dim=dim, bias=bias, algorithm=self.algorithm)
+        if self.use_local_output:
+            return out
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(out, self.device_mesh, self.output_layouts, run_check=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_layouts={self.input_layouts}, use_local_output={self.use_local_output}, "
+                f"mesh_size={self.device_mesh.size()}, algorithm={self.algorithm!r}")
