@@ -462,7 +462,7 @@ AICORE inline void sp_comm_block_main(const KernelArgs& args, int64_t block, boo
 }
 
 AICORE inline void sp_comm_main(__gm__ uint8_t* args_gm, uint32_t op) {
-  KernelArgs args;
+  KernelArgs args{};  // zeroed: g++ cannot see load_kernel_args fill it through the simulated cache
   load_kernel_args(args_gm, &args);
   const int64_t block = static_cast<int64_t>(get_block_idx());
   const int64_t launched = launched_block_count(args.comm_blocks);
