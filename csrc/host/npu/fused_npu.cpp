@@ -352,6 +352,7 @@ at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& gr
   const int64_t world = group.getSize();
   std::vector<int64_t> shape = call.out_shape;  // dim 0 (check_fused) split over the ranks
   shape[0] /= world;
+  if (call.m == 0) return at::empty(shape, call.b.options());  // M = 0 launches nothing (check_fused)
   at::Tensor out = at::empty({call.m / world, call.n}, call.b.options());
   launch_fused(call, group, kReduceScatterPair, out);
   return out.view(shape);
@@ -361,11 +362,14 @@ std::tuple<at::Tensor, at::Tensor> run_fused_allgather(const CallArgs& call, c10
   const int64_t world = group.getSize();
   std::vector<int64_t> shape = call.out_shape;  // dim 0 (check_fused) gathered from the ranks
   shape[0] *= world;
+  std::vector<int64_t> gathered_shape = shape;
+  gathered_shape.back() = call.k;
+  if (call.m == 0) {  // M = 0 launches nothing (check_fused)
+    return std::make_tuple(at::empty(shape, call.b.options()), at::empty(gathered_shape, call.b.options()));
+  }
   at::Tensor out = at::empty({world * call.m, call.n}, call.b.options());
   const at::Tensor scratch = launch_fused(call, group, kAllgatherPair, out);
   // The comm kernel leaves the gathered a (world * M x K, row-major) at the start of the scratch.
-  std::vector<int64_t> gathered_shape = shape;
-  gathered_shape.back() = call.k;
   const int64_t gathered_bytes = world * call.m * call.k * static_cast<int64_t>(c10::elementSize(call.dtype));
   at::Tensor gathered = scratch.narrow(0, 0, gathered_bytes).view(call.dtype).view(gathered_shape);
   return std::make_tuple(out.view(shape), gathered);
