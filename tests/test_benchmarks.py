@@ -215,8 +215,8 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
                                "flops_per_rank": 2 * 37 * 19 * 23}
     assert result["run"]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py --")
     rows = check_shape_summary(result, "float32", iters=2)
-    assert list(rows) == ["compute_only", "allreduce_only", "sequential", "chunked", "fused_sequential", "fused",
-                          "auto", "baseline"]
+    assert list(rows) == ["compute_only", "allreduce_only", "sequential", "sequential_portable", "chunked",
+                          "fused_sequential", "fused", "auto", "baseline"]
     assert rows["chunked"]["sequential_reference"] == "sequential"
     assert rows["chunked"]["speedup_vs_sequential"] > 0 and rows["chunked"]["overlap_efficiency"] is not None
     assert rows["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)

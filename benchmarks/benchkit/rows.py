@@ -1,6 +1,7 @@
 """The rows of a benchmark table: each is one way of getting all_reduce_sum(a_r @ b) + bias (or a part of it), run
 on the same rotated input sets. A row knows how to run one call, what its output must equal, which row is its
 compute-then-communicate counterpart (for speedup and overlap efficiency), and why it is absent when it is."""
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -15,6 +16,7 @@ ROW_ORDER = (
     "compute_only",
     "allreduce_only",
     "sequential",
+    "sequential_portable",
     "chunked",
     "fused_sequential",
     "fused",
@@ -54,6 +56,8 @@ def library_reduce_bytes(dtype, device: torch.device) -> int:
 def available_row_keys(device_type: str, dtype) -> List[str]:
     """The rows that make sense for this device and dtype, in table order."""
     keys = [k for k in ROW_ORDER if k != "npu_mm_all_reduce_base" or device_type == "npu"]
+    if device_type != "cpu":
+        keys.remove("sequential_portable")
     if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)):
         keys.remove("baseline_fp32")
     return keys
@@ -97,6 +101,21 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
     if "sequential" in keys:
         rows["sequential"] = Row("sequential", "sequential", SEQUENTIAL,
                                  library_call("sequential"), "reduced", reduce_bytes)
+    if "sequential_portable" in keys:
+        # The same algorithm on a group of the same ranks without the shared-memory engine, as for ranks on several
+        # hosts: the agreement goes over the group, and small outputs ride on it (one collective per call).
+        previous = os.environ.get("TORCH_GEMM_AR_CPU_ENGINE")
+        os.environ["TORCH_GEMM_AR_CPU_ENGINE"] = "0"
+        try:
+            portable = dist.new_group(list(range(env.world)))
+            lib.gemm_allreduce(sets[0].a, sets[0].b, portable, algorithm="sequential")  # sets the group up
+        finally:
+            if previous is None:
+                del os.environ["TORCH_GEMM_AR_CPU_ENGINE"]
+            else:
+                os.environ["TORCH_GEMM_AR_CPU_ENGINE"] = previous
+        rows["sequential_portable"] = Row("sequential_portable", "sequential (agreement over the group)",
+                                          SEQUENTIAL, library_call("sequential", portable), "reduced", reduce_bytes)
     if "chunked" in keys:
         rows["chunked"] = Row("chunked", "chunked", PIPELINED, library_call("chunked"),
                               "reduced", reduce_bytes, sequential_ref="sequential")

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "common/auto_tuner.h"
+#include "common/rank_agreement.h"
 #include "cpu/fused_call.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
@@ -16,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },
         "CPU fused engine: a deliberate bug for negative-control tests (one setup at a time in the process)");
+  m.def("_agreement_payload_calls", &gemm_ar::agreement_payload_calls,
+        "how many calls of this process got their result from the agreement exchange (tests)");
   auto& tuner = gemm_ar::AutoTuner::instance();
   m.def("_tuner_decisions", [&tuner] {
     pybind11::list out;

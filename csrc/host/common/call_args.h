@@ -11,6 +11,15 @@
 
 namespace gemm_ar {
 
+// A small `sequential` call's partial product riding on the agreement exchange over the process group, so that
+// the exchange and the all_reduce are one collective (common/rank_agreement.h). `data`: fp32, at most
+// kAgreementPayloadSlots elements; the exchange sums it over the ranks in place and sets `reduced`. Exchanges that
+// cannot carry it (the CPU engine's shared windows, device tensors) leave `reduced` false.
+struct AgreementPayload {
+  at::Tensor data;
+  bool reduced = false;
+};
+
 // What one rank can say about its own arguments before any data moves. `error` is empty when they are fine.
 struct CallArgs {
   at::Tensor a2d;                  // [M, K], a's leading dims flattened (a view when a allows it)
@@ -29,6 +38,7 @@ struct CallArgs {
   std::string tune_bucket;         // the tuner's name for this call's group and shape bucket
   std::string error;               // the local error message, if any
   int64_t error_code = 0;          // nonzero with `error`: which check failed (shared with peers)
+  AgreementPayload* payload = nullptr;  // set by the op flow for calls whose result may ride on the agreement
 };
 
 // The ops sharing this flow (signature field `op`).

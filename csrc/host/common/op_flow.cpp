@@ -20,7 +20,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 }
 
 Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
-                           const at::Device& device) {
+                           const at::Device& device, const std::function<void(Algorithm)>& before_exchange) {
   // Asked on every rank, bad arguments or not: on CPU the first call on a group sets up its shared windows.
   const std::string fused_reason = backend.fused_unavailable_reason(call, group);
   Algorithm chosen = call.algorithm;
@@ -37,6 +37,7 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
       chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen);
     }
   }
+  if (before_exchange) before_exchange(chosen);
   std::vector<CallSignature> all;
   try {
     all = backend.check_agreement ? backend.check_agreement(call, chosen, group)
@@ -76,8 +77,13 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);
   }
-  const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
+  // A small sequential call computes its partial product first, so that the agreement exchange sums it.
+  AgreementPayload payload;
+  const Algorithm chosen = choose_and_agree(call, *group, backend, a.device(), [&](Algorithm choice) {
+    carry_result_on_agreement(call, choice, group->getRank(), payload);
+  });
   if (call.m == 0) return at::empty(call.out_shape, b.options());
+  if (payload.reduced) return payload.data.to(call.dtype).view(call.out_shape);
   return timed_for_tuner(call, *group, [&]() -> at::Tensor {
     switch (chosen) {
       case Algorithm::Sequential: return run_sequential(call, *group);

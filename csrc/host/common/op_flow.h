@@ -38,8 +38,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 
 // The middle of every op's flow on a group of two or more ranks: resolves `auto`, turns an unavailable `fused` into
 // this rank's error, and makes every rank agree (each raises the same error otherwise). Returns what to run.
+// `before_exchange` (may be empty) sees the chosen algorithm just before the agreement exchange.
 Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
-                           const at::Device& device);
+                           const at::Device& device, const std::function<void(Algorithm)>& before_exchange = {});
 
 // `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
 // are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.

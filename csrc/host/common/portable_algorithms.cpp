@@ -1,6 +1,7 @@
 #include "common/portable_algorithms.h"
 
 #include "common/local_gemm.h"
+#include "common/rank_agreement.h"
 #include "common/settings.h"
 
 namespace gemm_ar {
@@ -27,10 +28,25 @@ at::Tensor run_local(const CallArgs& call) {
   return out.view(call.out_shape);
 }
 
-at::Tensor run_sequential(const CallArgs& call, c10d::ProcessGroup& group) {
-  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/group.getRank() == 0);
+at::Tensor sequential_partial(const CallArgs& call, int rank) {
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank == 0);
   auto out = at::empty({call.m, call.n}, call.b.options());
   gemm.compute(0, call.m, 0, call.n, out);
+  return out;
+}
+
+void carry_result_on_agreement(CallArgs& call, Algorithm chosen, int rank, AgreementPayload& payload) {
+  const int64_t elements = call.m * call.n;
+  if (chosen != Algorithm::Sequential || !call.error.empty() || call.tune_step >= 0 || !call.b.device().is_cpu() ||
+      call.dtype == at::kDouble || elements == 0 || elements > kAgreementPayloadSlots) {
+    return;  // fp64 is left out: its sum in fp32 would lose precision
+  }
+  payload.data = sequential_partial(call, rank).to(at::kFloat);
+  call.payload = &payload;
+}
+
+at::Tensor run_sequential(const CallArgs& call, c10d::ProcessGroup& group) {
+  auto out = sequential_partial(call, group.getRank());
   if (out.numel() > 0) start_allreduce(group, out)->wait(wait_timeout());
   return finish(call, out);
 }

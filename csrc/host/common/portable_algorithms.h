@@ -9,6 +9,14 @@ namespace gemm_ar {
 // matmul, then one all_reduce of the whole output.
 at::Tensor run_sequential(const CallArgs& call, c10d::ProcessGroup& group);
 
+// The [M, N] local product of `sequential`, the bias added on rank 0 only (the sum adds it once).
+at::Tensor sequential_partial(const CallArgs& call, int rank);
+
+// Sets call.payload to `payload` holding this rank's fp32 partial product when the call's result can ride on the
+// CPU agreement exchange (common/rank_agreement.h). Decided only from fields every rank's signature carries
+// (algorithm, M, N, dtype, tuning step) plus the device, so agreeing ranks all carry one or none.
+void carry_result_on_agreement(CallArgs& call, Algorithm chosen, int rank, AgreementPayload& payload);
+
 // M split into `chunks` row blocks: block i is multiplied while block i-1's async all_reduce is in flight.
 at::Tensor run_chunked(const CallArgs& call, c10d::ProcessGroup& group, int64_t chunks);
 

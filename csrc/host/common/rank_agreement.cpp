@@ -1,5 +1,6 @@
 #include "common/rank_agreement.h"
 
+#include <atomic>
 #include <cstring>
 #include <sstream>
 
@@ -99,23 +100,87 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
   return "";
 }
 
-std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
-  const int world = group.getSize();
-  const int rank = group.getRank();
-  // One row per rank; each rank fills only its own, so a SUM all_reduce is an all-gather.
-  auto table = at::zeros({world, kSignatureFields}, at::TensorOptions().dtype(at::kLong));
-  const CallSignature mine = call_signature(call, chosen);
-  for (int64_t f = 0; f < kSignatureFields; ++f) table[rank][f] = mine[f];
-  std::vector<at::Tensor> tensors{device.is_cpu() ? table : table.to(device)};
+namespace {
+
+constexpr int64_t kPiecesPerField = 4;  // 16-bit pieces of an int64 field: integers below 2^24 are exact in fp32
+constexpr int64_t kTableSlotsPerRank = kSignatureFields * kPiecesPerField;
+
+std::atomic<int64_t> payload_calls{0};
+
+// One SUM all_reduce of `tensor` in place (each rank writes only its own rows of a table: an all-gather).
+void exchange(c10d::ProcessGroup& group, at::Tensor& tensor) {
+  std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.timeout = wait_timeout();
   group.allreduce(tensors, options)->wait(options.timeout);
-  auto gathered = tensors[0].cpu();
+}
+
+std::vector<CallSignature> exchange_int64_table(c10d::ProcessGroup& group, const CallSignature& mine,
+                                                const at::Device& device) {
+  const int world = group.getSize();
+  // One row per rank; each rank fills only its own, so a SUM all_reduce is an all-gather.
+  auto table = at::zeros({world, kSignatureFields}, at::TensorOptions().dtype(at::kLong));
+  for (int64_t f = 0; f < kSignatureFields; ++f) table[group.getRank()][f] = mine[f];
+  at::Tensor moved = device.is_cpu() ? table : table.to(device);
+  exchange(group, moved);
+  auto gathered = moved.cpu();
   auto rows = gathered.accessor<int64_t, 2>();
   std::vector<CallSignature> all(world);
   for (int r = 0; r < world; ++r)
     for (int64_t f = 0; f < kSignatureFields; ++f) all[r][f] = rows[r][f];
-  std::string problem = diagnose_signatures(all, rank, call, group.getGroupName());
+  return all;
+}
+
+std::vector<CallSignature> exchange_cpu_buffer(c10d::ProcessGroup& group, const CallSignature& mine,
+                                               AgreementPayload* payload) {
+  const int world = group.getSize();
+  const int64_t table_slots = world * kTableSlotsPerRank;
+  auto buffer = at::zeros({table_slots + kAgreementPayloadSlots}, at::TensorOptions().dtype(at::kFloat));
+  float* slots = buffer.data_ptr<float>();
+  float* own = slots + group.getRank() * kTableSlotsPerRank;
+  for (int64_t f = 0; f < kSignatureFields; ++f) {
+    const auto bits = static_cast<uint64_t>(mine[f]);
+    for (int64_t p = 0; p < kPiecesPerField; ++p) own[f * kPiecesPerField + p] = static_cast<float>((bits >> (16 * p)) & 0xFFFF);
+  }
+  if (payload != nullptr && payload->data.defined()) {
+    TORCH_CHECK(payload->data.numel() <= kAgreementPayloadSlots && payload->data.scalar_type() == at::kFloat,
+                "gemm_allreduce: internal error: agreement payload too large or not fp32");
+    buffer.narrow(0, table_slots, payload->data.numel()).copy_(payload->data.reshape({-1}));
+  }
+  exchange(group, buffer);
+  const float* summed = buffer.data_ptr<float>();
+  std::vector<CallSignature> all(world);
+  for (int r = 0; r < world; ++r) {
+    for (int64_t f = 0; f < kSignatureFields; ++f) {
+      uint64_t bits = 0;
+      for (int64_t p = 0; p < kPiecesPerField; ++p)
+        bits |= static_cast<uint64_t>(summed[r * kTableSlotsPerRank + f * kPiecesPerField + p]) << (16 * p);
+      all[r][f] = static_cast<int64_t>(bits);
+    }
+  }
+  if (payload != nullptr && payload->data.defined()) {
+    payload->data.reshape({-1}).copy_(buffer.narrow(0, table_slots, payload->data.numel()));
+    payload->reduced = true;  // meaningful only if the signatures agree (checked next, before anyone uses it)
+  }
+  return all;
+}
+
+}  // namespace
+
+int64_t agreement_payload_calls() { return payload_calls.load(std::memory_order_relaxed); }
+
+std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
+  const CallSignature mine = call_signature(call, chosen);
+  std::vector<CallSignature> all = device.is_cpu() ? exchange_cpu_buffer(group, mine, call.payload)
+                                                   : exchange_int64_table(group, mine, device);
+  std::string problem = diagnose_signatures(all, group.getRank(), call, group.getGroupName());
+  if (call.payload != nullptr && call.payload->reduced) {
+    if (problem.empty()) {
+      payload_calls.fetch_add(1, std::memory_order_relaxed);  // a statistic for tests only: no ordering needed
+    } else {
+      call.payload->reduced = false;
+    }
+  }
   if (call.error_code == kFusedUnavailableError) TORCH_CHECK(problem.empty(), problem);
   TORCH_CHECK_VALUE(problem.empty(), problem);
   return all;

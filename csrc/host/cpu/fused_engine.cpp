@@ -213,13 +213,23 @@ FusedEngine::FusedEngine(c10d::ProcessGroup& group)
     return;
   }
   const std::string me = host_identity();
-  auto values = exchange_over_store(*store, "gemm_ar/hosts", rank_, world_, me + "|" + std::to_string(getpid()),
-                                    wait_timeout(), nullptr);
+  // TORCH_GEMM_AR_CPU_ENGINE=0 on any rank turns the engine off for the whole group (as if the ranks were on
+  // several hosts: `auto` then picks a portable algorithm), so it rides on the exchange every rank makes anyway.
+  const bool enabled = env_int("TORCH_GEMM_AR_CPU_ENGINE", 1, 0, 1) != 0;
+  auto values = exchange_over_store(*store, "gemm_ar/hosts", rank_, world_,
+                                    me + "|" + (enabled ? "1" : "0") + "|" + std::to_string(getpid()), wait_timeout(),
+                                    nullptr);
   std::vector<pid_t> pids(world_);
   for (int r = 0; r < world_; ++r) {
     const auto bar = values[r].rfind('|');
     pids[r] = static_cast<pid_t>(std::stol(values[r].substr(bar + 1)));
-    if (values[r].substr(0, bar) != me && unavailable_.empty()) {
+    values[r].resize(bar);
+    if (values[r].back() == '0' && unavailable_.empty()) {
+      unavailable_ = "the CPU fused engine is turned off by TORCH_GEMM_AR_CPU_ENGINE=0 (on rank " + std::to_string(r) +
+                     ")";
+    }
+    values[r].resize(values[r].size() - 2);  // drop "|1" / "|0": the host identity remains
+    if (values[r] != me && unavailable_.empty()) {
       unavailable_ = "the ranks of group '" + group_name_ + "' are not all on one host (rank " + std::to_string(r) +
                      " is elsewhere); the CPU fused engine needs shared memory";
     }
