@@ -68,16 +68,10 @@ def build_rows(env, sets, extras, algorithm):
         return lib.gemm_allreduce_add_rmsnorm(sets[i].a, sets[i].b, residual, weight, env.group, eps=EPS,
                                               algorithm=algorithm)
 
-    # The epilogue's store policy, set untimed before each call: the default (non-temporal stores for outputs
-    # above the cache threshold) against ordinary cached stores whatever the size.
-    set_streaming = lib._C._set_epilogue_streaming_bytes
     element = torch.empty(0, dtype=sets[0].a.dtype).element_size()
     return [Row("gemm_allreduce", "gemm_allreduce alone", PIPELINED, alone, "reduced", element),
             Row("unfused", "gemm_allreduce + add + F.rms_norm", PIPELINED, unfused, "reduced", element),
-            Row("fused_epilogue", "gemm_allreduce_add_rmsnorm", PIPELINED, fused, "reduced", element,
-                prepare=lambda i: set_streaming(-1)),
-            Row("fused_cached_stores", "gemm_allreduce_add_rmsnorm, cached stores", PIPELINED, fused, "reduced",
-                element, prepare=lambda i: set_streaming(1 << 62))]
+            Row("fused_epilogue", "gemm_allreduce_add_rmsnorm", PIPELINED, fused, "reduced", element)]
 
 
 def check(rows, reference, residual, weight):
@@ -115,16 +109,12 @@ def measure(env, shape, dtype, args):
                                    "max_rel_error": max(errs[row.key] for _, errs in every_rank)}
     med = {key: entry["median_s"] for key, entry in result["rows"].items()}
     result["ratios"] = {"fused_over_alone": med["fused_epilogue"] / med["gemm_allreduce"],
-                        "fused_over_unfused": med["fused_epilogue"] / med["unfused"],
-                        "cached_stores_over_alone": med["fused_cached_stores"] / med["gemm_allreduce"]}
-    lib_reset = env.library._C._set_epilogue_streaming_bytes
-    lib_reset(-1)
+                        "fused_over_unfused": med["fused_epilogue"] / med["unfused"]}
     return result
 
 
 def summary_table(results) -> str:
-    headers = ["shape", "alone us", "unfused us", "fused us", "fused/alone", "fused/unfused",
-               "cached stores/alone", "rel err (fused)"]
+    headers = ["shape", "alone us", "unfused us", "fused us", "fused/alone", "fused/unfused", "rel err (fused)"]
     body = []
     for r in results:
         s, rows, ratios = r["shape"], r["rows"], r["ratios"]
@@ -132,8 +122,7 @@ def summary_table(results) -> str:
         body.append([f"M{s['m']} K{s['k']} N{s['n']} {s['dtype']}",
                      *(f"{rows[key]['median_s'] * 1e6:,.1f}" for key in ("gemm_allreduce", "unfused", "fused_epilogue")),
                      f"{ratio:.3f}" + (" ok" if ratio <= TARGET_RATIO else " MISS"),
-                     f"{ratios['fused_over_unfused']:.3f}", f"{ratios['cached_stores_over_alone']:.3f}",
-                     f"{rows['fused_epilogue']['max_rel_error']:.1e}"])
+                     f"{ratios['fused_over_unfused']:.3f}", f"{rows['fused_epilogue']['max_rel_error']:.1e}"])
     return report.format_table(headers, body)
 
 

@@ -1,7 +1,6 @@
 // torch_gemm_ar._C: loading it registers the op (static initialisers of ops.cpp and the device kernels).
 #include <torch/extension.h>
 
-#include "common/add_rmsnorm.h"
 #include "common/auto_tuner.h"
 #include "common/rank_agreement.h"
 #include "cpu/fused_call.h"
@@ -18,9 +17,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },
         "CPU fused engine: a deliberate bug for negative-control tests (one setup at a time in the process)");
-  m.def("_set_epilogue_streaming_bytes", &gemm_ar::set_epilogue_streaming_bytes,
-        "add+RMSNorm epilogue: normed outputs of at least this many bytes use non-temporal stores (-1: default); "
-        "returns the previous threshold");
   m.def("_agreement_payload_calls", &gemm_ar::agreement_payload_calls,
         "how many calls of this process got their result from the agreement exchange (tests)");
   auto& tuner = gemm_ar::AutoTuner::instance();

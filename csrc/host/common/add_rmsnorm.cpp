@@ -4,13 +4,10 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
-#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -58,35 +55,11 @@ inline __attribute__((always_inline)) void scale_row(const T* __restrict__ out, 
   for (int64_t j = begin; j < end; ++j) normed[j] = Cast::store(Cast::load(out[j]) * rstd * Cast::load(weight[j]));
 }
 
-// The same values written with non-temporal 16-byte stores (SSE2: every x86-64 clone has them): lines that are
-// overwritten whole skip the read-for-ownership, a third of the epilogue's memory traffic on large outputs. The
-// caller fences (add_rmsnorm_rows) before the rows are handed over.
-template <class T, class Acc, class Cast>
-inline __attribute__((always_inline)) void scale_row_streaming(const T* __restrict__ out, const T* __restrict__ weight,
-                                                               T* __restrict__ normed, int64_t n, Acc rstd) {
-#if defined(__x86_64__)
-  constexpr int64_t kChunk = 256 / sizeof(T);  // computed into a buffer (vectorised), then streamed out
-  int64_t j = 0;
-  while (j < n && (reinterpret_cast<uintptr_t>(normed + j) & 15) != 0) ++j;  // head up to 16-byte alignment
-  scale_row<T, Acc, Cast>(out, weight, normed, 0, j, rstd);
-  alignas(64) T buffer[kChunk];
-  for (; j + kChunk <= n; j += kChunk) {
-    for (int64_t i = 0; i < kChunk; ++i) buffer[i] = Cast::store(Cast::load(out[j + i]) * rstd * Cast::load(weight[j + i]));
-    auto* dst = reinterpret_cast<__m128i*>(normed + j);
-    const auto* src = reinterpret_cast<const __m128i*>(buffer);
-    for (int64_t v = 0; v < static_cast<int64_t>(kChunk * sizeof(T) / 16); ++v) _mm_stream_si128(dst + v, _mm_load_si128(src + v));
-  }
-  scale_row<T, Acc, Cast>(out, weight, normed, j, n, rstd);
-#else
-  scale_row<T, Acc, Cast>(out, weight, normed, 0, n, rstd);
-#endif
-}
-
 // One row: 8 independent partial sums so the compiler can vectorise the square sum; their order is fixed.
 template <class T, class Acc, class Cast = Casts<T, Acc>>
 inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, const T* __restrict__ residual,
                                                            const T* __restrict__ weight, T* __restrict__ normed,
-                                                           int64_t n, Acc eps, bool stream) {
+                                                           int64_t n, Acc eps) {
   constexpr int kLanes = 8;
   Acc lanes[kLanes] = {};
   int64_t i = 0;
@@ -107,11 +80,7 @@ inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, 
   Acc sum = 0;
   for (int l = 0; l < kLanes; ++l) sum += lanes[l];
   const Acc rstd = Acc(1) / std::sqrt(sum / static_cast<Acc>(n) + eps);
-  if (stream) {
-    scale_row_streaming<T, Acc, Cast>(out, weight, normed, n, rstd);
-  } else {
-    scale_row<T, Acc, Cast>(out, weight, normed, 0, n, rstd);
-  }
+  scale_row<T, Acc, Cast>(out, weight, normed, 0, n, rstd);
 }
 
 // The wheel is built for any x86-64, so the row loops are also compiled for AVX2 and AVX-512 and picked at run
@@ -124,8 +93,8 @@ inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, 
 #endif
 
 GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_f32(float* out, const float* residual, const float* weight, float* normed,
-                                               int64_t n, float eps, bool stream) {
-  add_rmsnorm_row<float, float>(out, residual, weight, normed, n, eps, stream);
+                                               int64_t n, float eps) {
+  add_rmsnorm_row<float, float>(out, residual, weight, normed, n, eps);
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -155,7 +124,7 @@ __attribute__((target("avx2"))) inline __m128i narrow(__m256 x) {
 }
 
 __attribute__((target("avx2"))) void row(uint16_t* out, const uint16_t* residual, const uint16_t* weight,
-                                         uint16_t* normed, int64_t n, float eps, bool stream) {
+                                         uint16_t* normed, int64_t n, float eps) {
   __m256 lanes = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -182,12 +151,7 @@ __attribute__((target("avx2"))) void row(uint16_t* out, const uint16_t* residual
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m128i v = narrow(_mm256_mul_ps(_mm256_mul_ps(widen(out + j), scale), widen(weight + j)));
-    auto* dst = reinterpret_cast<__m128i*>(normed + j);
-    if (stream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-      _mm_stream_si128(dst, v);  // fenced by the caller (add_rmsnorm_rows)
-    } else {
-      _mm_storeu_si128(dst, v);
-    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(normed + j), v);
   }
   scale_row<at::BFloat16, float, Cast>(out16, reinterpret_cast<const at::BFloat16*>(weight),
                                       reinterpret_cast<at::BFloat16*>(normed), j, n, rstd);
@@ -197,55 +161,29 @@ __attribute__((target("avx2"))) void row(uint16_t* out, const uint16_t* residual
 #endif
 
 void add_rmsnorm_row_bf16(at::BFloat16* out, const at::BFloat16* residual, const at::BFloat16* weight,
-                          at::BFloat16* normed, int64_t n, float eps, bool stream) {
+                          at::BFloat16* normed, int64_t n, float eps) {
 #ifdef GEMM_AR_HAVE_AVX2_BF16_ROW
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2) {
     return avx2_bf16::row(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(residual),
-                          reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<uint16_t*>(normed), n, eps,
-                          stream);
+                          reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<uint16_t*>(normed), n, eps);
   }
 #endif
-  add_rmsnorm_row<at::BFloat16, float, BFloat16Bits>(out, residual, weight, normed, n, eps, stream);
+  add_rmsnorm_row<at::BFloat16, float, BFloat16Bits>(out, residual, weight, normed, n, eps);
 }
 
 template <class T, class Acc>
-void add_rmsnorm_row_any(T* out, const T* residual, const T* weight, T* normed, int64_t n, Acc eps, bool stream) {
+void add_rmsnorm_row_any(T* out, const T* residual, const T* weight, T* normed, int64_t n, Acc eps) {
   if constexpr (std::is_same_v<T, float>) {
-    add_rmsnorm_row_f32(out, residual, weight, normed, n, eps, stream);
+    add_rmsnorm_row_f32(out, residual, weight, normed, n, eps);
   } else if constexpr (std::is_same_v<T, at::BFloat16>) {
-    add_rmsnorm_row_bf16(out, residual, weight, normed, n, eps, stream);
+    add_rmsnorm_row_bf16(out, residual, weight, normed, n, eps);
   } else {
-    add_rmsnorm_row<T, Acc>(out, residual, weight, normed, n, eps, stream);
+    add_rmsnorm_row<T, Acc>(out, residual, weight, normed, n, eps);
   }
 }
 
-// Outputs at least this large are written with non-temporal stores: they would not stay in cache for the next
-// layer anyway. Default: the last-level cache size the OS reports, at most 16 MiB (VMs report the sum over every
-// core complex -- 384 MiB on our 2-core EPYC VMs -- while one complex has 32 MiB); settable for benchmarks/tests.
-std::atomic<int64_t> streaming_threshold{-1};
-
-int64_t default_streaming_threshold() {
-  static const int64_t bytes = [] {
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    const int64_t cap = int64_t{16} << 20;
-    return l3 > 0 ? std::min<int64_t>(l3, cap) : cap;
-  }();
-  return bytes;
-}
-
-int64_t streaming_threshold_bytes() {
-  const int64_t set = streaming_threshold.load(std::memory_order_relaxed);  // a setting, not a handoff
-  return set >= 0 ? set : default_streaming_threshold();
-}
-
 }  // namespace
-
-int64_t set_epilogue_streaming_bytes(int64_t bytes) {
-  const int64_t previous = streaming_threshold_bytes();
-  streaming_threshold.store(bytes, std::memory_order_relaxed);
-  return previous;
-}
 
 void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at::Tensor& norm_weight, double eps) {
   // Ranks mixing this op with plain gemm_allreduce on one call would disagree on more than the epilogue.
@@ -300,17 +238,10 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
     const scalar_t* residual = residual2d.const_data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     scalar_t* normed = normed2d.data_ptr<scalar_t>();
-    const bool stream = normed2d.numel() * normed2d.element_size() >= streaming_threshold_bytes();
     auto run = [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        add_rmsnorm_row_any<scalar_t, Acc>(out + r * n, residual + r * n, w, normed + r * n, n, static_cast<Acc>(eps),
-                                           stream);
+        add_rmsnorm_row_any<scalar_t, Acc>(out + r * n, residual + r * n, w, normed + r * n, n, static_cast<Acc>(eps));
       }
-#if defined(__x86_64__)
-      // Non-temporal stores are weakly ordered: fence them before the rows are handed to whoever reads them (the
-      // release that ends the call or the parallel region follows this on the same thread).
-      if (stream) _mm_sfence();
-#endif
     };
     if (parallel) {
       at::parallel_for(row0, row0 + rows, std::max<int64_t>(1, 32768 / n), run);  // ~32k elements per task

@@ -22,10 +22,6 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
 void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at::Tensor& weight, double eps,
                       at::Tensor& normed2d, int64_t row0, int64_t rows, bool parallel);
 
-// Output size (bytes of `normed`) from which the epilogue writes `normed` with non-temporal stores; -1 restores
-// the default (the last-level cache size, at most 16 MiB). Returns the previous threshold. Benchmarks and tests.
-int64_t set_epilogue_streaming_bytes(int64_t bytes);
-
 // A fused path that runs a per-row-block epilogue itself: it calls `epilogue(out, row0, rows)` exactly once for
 // every row of its [M, N] row-major output `out`, once those rows are final on this rank.
 using RowEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
