@@ -187,7 +187,7 @@ def test_rank_that_cannot_attach_poisons_its_output(simulator, tmp_path, op):
     _check_failed(simulator, FP16, cases[0], results, 0, codes, lambda r: 1, (0, 2))
 
 
-# ---- negative controls: each fence the sequence-parallel kernels add, removed (device_support.hpp, 40-47) ----
+# ---- negative controls: each fence the sequence-parallel kernels add, removed (device_support.hpp, 40-48) ----
 
 SP_NEGATIVE_CONTROLS = {
     # contribution flag raised with no release fence after the atomic add -> the ordering model counts it
@@ -206,6 +206,8 @@ SP_NEGATIVE_CONTROLS = {
     "ag_row_acquire": (46, SP_ALLGATHER),
     # the cube computes peers' rows without waiting for them -> stale rows, wrong data
     "ag_no_row_wait": (47, SP_ALLGATHER),
+    # prepared flags raised with no release fence after the owner zeroed its chunk -> the ordering model counts it
+    "rs_zero_unfenced": (48, SP_REDUCE_SCATTER),
 }
 # A new shape every call, the epoch through the device counter, the next call's tag in every word of windows and
 # scratch between calls, and rank 1 late in calls 1 and 2 (its peers' rows and adds must wait for it).

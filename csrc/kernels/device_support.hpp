@@ -72,6 +72,7 @@ enum NegativeControl : int {
   kControlAgPullUnfenced = 45,       // allgather: row-ready flag raised without a fence after the pulled rows
   kControlAgRowAcquire = 46,         // allgather compute: gathered rows loaded after their row-ready flag
   kControlAgNoRowWait = 47,          // allgather compute: peers' rows used without waiting for their flag
+  kControlRsZeroUnfenced = 48,       // reduce-scatter: prepared flags raised without a fence after the zeroing
 };
 #if defined(__CPU_SIM)
 inline int negative_control() {

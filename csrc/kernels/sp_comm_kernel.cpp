@@ -133,7 +133,7 @@ class SpCommBlock {
       publish_shard();
     }
     // Zeros (reduce-scatter) or published rows (allgather) reach GM before the flag.
-    if (op_ == kSpReduceScatter || site_kept(kControlAgPublishUnfenced)) release_fence();
+    if (site_kept(op_ == kSpReduceScatter ? kControlRsZeroUnfenced : kControlAgPublishUnfenced)) release_fence();
     for (int32_t i = 0; i < world_; ++i) {
       const int32_t peer = (me_ + 1 + i) % world_;
       raise_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_,

@@ -65,6 +65,7 @@ AICORE inline void compute_sp_items(const KernelArgs& args, int64_t block, uint3
       sub.a = args.a + static_cast<uint64_t>(r * p.m * args.lda * elem);
     } else if (r == args.rank) {
       sub.a = args.a;
+      sub.lda = args.lda;  // the caller's own stride (a peer's rows in the scratch are packed with stride k)
     } else {
       if (r != ready_shard || mi != ready_row) {
         if (site_kept(kControlAgNoRowWait) && !wait_row_ready(args, win, block, r, mi)) return;
