@@ -28,6 +28,8 @@ SOC_ARCHES = (
 KERNELS = (
     ("gemm_ar_compute", "csrc/kernels/gemm_compute_kernel.cpp", "cube"),
     ("gemm_ar_comm", "csrc/kernels/gemm_comm_kernel.cpp", "vec"),
+    ("gemm_ar_sp_compute", "csrc/kernels/sp_compute_kernel.cpp", "cube"),  # gemm_reduce_scatter / allgather_gemm
+    ("gemm_ar_sp_comm", "csrc/kernels/sp_comm_kernel.cpp", "vec"),
 )
 
 # Options of pto-isa's own AICore builds (kernels/manual/a2a3/gemm_ar/CMakeLists.txt).

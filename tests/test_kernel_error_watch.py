@@ -133,3 +133,12 @@ def test_an_unreported_failure_is_raised_at_interpreter_exit(tmp_path, reported)
         assert "a failed call was never reported before exit: call #1 on group 'tp' failed" in proc.stderr
         # A batch job must see the failure in its exit status too, not only in the log.
         assert proc.returncode == 1, f"exit status {proc.returncode} with an unreported failure: {proc.stderr}"
+
+
+@pytest.mark.parametrize("code,words", [(20, "waited too long for rank 2's rows 3 of a"),
+                                        (21, "waited too long for rank 2 to finish reading its shard")],
+                         ids=["rows", "consumed"])
+def test_sequence_parallel_kernel_failures_are_named(watch, code, words):
+    # gemm_ar::kErrTimeoutRows / kErrTimeoutConsumed, recorded by the allgather_gemm kernels (issue 12).
+    out = watch("first 4", "call", f"record 1 {code} 1 2 3")
+    assert words in out[2] and "NaN" in out[2], out

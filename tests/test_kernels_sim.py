@@ -32,6 +32,7 @@ B_ROW_MAJOR, B_TRANSPOSED = 0, 1  # gemm_ar::BLayoutCode
 ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced the call
 MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank's CommContext is built
 MESH_WRONG_CONTEXT, MESH_NO_CONTEXT = 3, 4  # rank 1's context names rank 0 / rank 1 gets none
+SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::SpOpCode: the sequence-parallel kernel pairs (sim_main.cpp op)
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word
 
@@ -71,6 +72,8 @@ def _build(tmp):
     jobs, objects = [], []
     for src in (os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
                 os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
+                os.path.join(ROOT, "csrc", "kernels", "sp_compute_kernel.cpp"),
+                os.path.join(ROOT, "csrc", "kernels", "sp_comm_kernel.cpp"),
                 os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp"),
                 os.path.join(ROOT, "csrc", "host", "npu", "ring_context.cpp")):
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
@@ -122,13 +125,15 @@ def _unit_roundoff(dtype, bf16_native):
 
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
-             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0):
+             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0, op=0):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
     clobber_after, late_rank, late_us, sig_rank/sig_word/sig_value, bad_rank/bad_code, out_fill, via_counter
-    (sim_main.cpp). Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
+    (sim_main.cpp). op: 0 gemm_allreduce, SP_REDUCE_SCATTER (m = the full M; reference = the sum, each rank checks
+    its chunk) or SP_ALLGATHER (m = each rank's shard; reference = the gathered product, "gathered" = the gathered
+    a). Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     rng = np.random.default_rng(seed)
     job_dir = str(tmp_path)
-    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology}",
+    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology} {op}",
              f"calls {len(calls)}"]
     cases = []
     for c, spec in enumerate(calls):
@@ -151,8 +156,12 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         if spec["bias"]:
             bias = rng.uniform(-1.0, 1.0, size=n).astype(np.float32)
             bias.tofile(os.path.join(job_dir, f"c{c}_bias.bin"))
-        reference = sum(a_r @ b for a_r in a_vals)
-        magnitude = sum(np.abs(a_r) @ np.abs(b) for a_r in a_vals)
+        if op == SP_ALLGATHER:
+            stacked = np.vstack(a_vals)
+            reference, magnitude = stacked @ b, np.abs(stacked) @ np.abs(b)
+        else:
+            reference = sum(a_r @ b for a_r in a_vals)
+            magnitude = sum(np.abs(a_r) @ np.abs(b) for a_r in a_vals)
         if bias is not None:
             reference = reference + bias.astype(np.float64)
             magnitude = magnitude + np.abs(bias.astype(np.float64))
@@ -163,7 +172,7 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
                      f"{spec.get('sig_rank', -1)} {spec.get('sig_word', -1)} {spec.get('sig_value', 0)} "
                      f"{spec.get('bad_rank', -1)} {spec.get('bad_code', 0)} {spec.get('out_fill', 255)} "
                      f"{int(spec.get('via_counter', False))}")
-        cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude))
+        cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude, a_vals=a_vals))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
@@ -188,7 +197,10 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         case["outputs"] = []
         for r in range(world):
             raw = np.fromfile(os.path.join(job_dir, f"c{c}_out{r}.bin"), dtype=np.uint16)
-            case["outputs"].append(raw.reshape(case["m"], case["ldo"]))
+            case["outputs"].append(raw.reshape(-1, case["ldo"]))  # rows: m, or the op's chunk / gathered rows
+        if op == SP_ALLGATHER:
+            case["gathered"] = [np.fromfile(os.path.join(job_dir, f"c{c}_gathered{r}.bin"), dtype=np.uint16)
+                                for r in range(world)]
     return cases, results
 
 

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
 PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
     "npu/fused_npu.cpp", "npu/npu_op.cpp", "common/op_flow.cpp", "common/call_args.cpp", "common/settings.cpp",
     "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp",
+    "common/sequence_parallel_flow.cpp",
 )]
 
 # Demangled undefined symbols that synchronise, copy synchronously, allocate outside the caching allocators or run a
@@ -61,11 +62,21 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::run_sequential": "the sequential algorithm (HCCL collectives are its job), never a fused call",
     "gemm_ar::run_chunked": "the chunked algorithm, never a fused call",
     "gemm_ar::run_local": "one-rank groups: a plain local GEMM",
+    "gemm_ar::carry_result_on_agreement": "sequential calls on CPU tensors only (returns at once otherwise)",
     "gemm_ar::call_signature": "pure: fills an array (rank_agreement.cpp)",
     "gemm_ar::signature_field_name": "pure: a table lookup (rank_agreement.cpp)",
     "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
     "gemm_ar::launch_gemm_compute": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_gemm_comm": "the bisheng launch shim: queues the kernel on the stream",
+    "gemm_ar::launch_rs_compute": "the bisheng launch shim: queues the kernel on the stream",
+    "gemm_ar::launch_rs_comm": "the bisheng launch shim: queues the kernel on the stream",
+    "gemm_ar::launch_ag_compute": "the bisheng launch shim: queues the kernel on the stream",
+    "gemm_ar::launch_ag_comm": "the bisheng launch shim: queues the kernel on the stream",
+    # The sequence-parallel ops' `sequential` algorithm (sequence_parallel_flow.cpp), never a fused call.
+    "gemm_ar::reduce_scatter_along": "the sequential reduce-scatter (an HCCL collective is its job)",
+    "gemm_ar::all_gather_along": "the sequential all-gather (an HCCL collective is its job)",
+    "gemm_ar::LocalGemm::LocalGemm": "the sequential algorithm's local product",
+    "gemm_ar::LocalGemm::compute": "the sequential algorithm's local product",
 }
 
 

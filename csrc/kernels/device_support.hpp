@@ -10,6 +10,7 @@
 
 #include "gemm_ar/kernel_args.hpp"
 #include "gemm_ar/protocol.hpp"
+#include "gemm_ar/sequence_parallel.hpp"
 
 #if defined(__CPU_SIM)
 #include <chrono>
@@ -60,6 +61,18 @@ enum NegativeControl : int {
   kControlPreparedAcquire = 21,      // wait_prepared: before the atomic add into the owner's zeroed subtile
   kControlContribAcquire = 22,       // try_item (own subtile): before the reduced subtile is read
   kControlArrivalAcquire = 23,       // try_item (peer's subtile): before the gathered subtile is read
+  // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
+  // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
+  kControlRsPayloadUnfenced = 40,    // reduce-scatter: contribution flag raised without a fence after the add
+  kControlRsPreparedAcquire = 41,    // reduce-scatter: atomic add into the owner's chunk after its prepared flag
+  kControlRsContribAcquire = 42,     // reduce-scatter: own chunk's subtile read after its contribution flags
+  kControlAgPublishUnfenced = 43,    // allgather: prepared ("published") flags raised without a fence after the
+                                     // shard's stores
+  kControlAgPublishedAcquire = 44,   // allgather: a peer's shard pulled after its published flag
+  kControlAgPullUnfenced = 45,       // allgather: row-ready flag raised without a fence after the pulled rows
+  kControlAgRowAcquire = 46,         // allgather compute: gathered rows loaded after their row-ready flag
+  kControlAgNoRowWait = 47,          // allgather compute: peers' rows used without waiting for their flag
+  kControlRsZeroUnfenced = 48,       // reduce-scatter: prepared flags raised without a fence after the zeroing
 };
 #if defined(__CPU_SIM)
 inline int negative_control() {
@@ -315,8 +328,9 @@ AICORE inline bool kernel_header_usable(const KernelArgs& args, int64_t launched
 }
 
 // The plan and the operands alone (not who runs it or where the windows are): enough to know `out` and its shape,
-// so that a call refused for its header can still poison its output (finding 5).
-AICORE inline bool kernel_operands_usable(const KernelArgs& args) {
+// so that a call refused for its header can still poison its output (finding 5). sp_op: 0 for gemm_allreduce's
+// kernels, else the SpOpCode whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
+AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op = 0) {
   const TilePlan& p = args.plan;
   if (args.magic != kKernelArgsMagic) return false;
   if (args.world < 1 || args.world > kMaxWorld || args.compute_blocks < 1 ||
@@ -345,7 +359,9 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args) {
     if (want[i] != got[i]) return false;
   }
   const KernelLayout layout =
-      make_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks);
+      sp_op == 0 ? make_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks)
+                 : make_sp_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks,
+                                         args.comm_blocks, sp_op);
   const int64_t* want_l = reinterpret_cast<const int64_t*>(&layout);
   const int64_t* got_l = reinterpret_cast<const int64_t*>(&args.layout);
   for (uint64_t i = 0; i < sizeof(KernelLayout) / sizeof(int64_t); ++i) {
@@ -354,8 +370,11 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args) {
   return true;
 }
 
-AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks) {
-  if (!kernel_header_usable(args, launched_blocks, expected_blocks) || !kernel_operands_usable(args)) return false;
+AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks,
+                                      uint32_t sp_op = 0) {
+  if (!kernel_header_usable(args, launched_blocks, expected_blocks) || !kernel_operands_usable(args, sp_op)) {
+    return false;
+  }
   // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
   if (args.comm_ctx == 0 || args.window_offset % kWindowAlign != 0) return false;
   return args.layout.window_bytes <= static_cast<int64_t>(args.window_bytes);

@@ -59,13 +59,17 @@ constexpr int kQueueIdRereads = 4;  // a mismatching id is read again this often
 // Consumer side: every queue {c, c + Q, ...} of one comm block, each drained in order.
 class QueueCursor {
  public:
-  AICORE inline void init(const KernelArgs& args, int64_t comm_block) {
+  // sp_op: 0 for gemm_allreduce's walk, else the SpOpCode whose walk the producers follow (sequence_parallel.hpp).
+  AICORE inline void init(const KernelArgs& args, int64_t comm_block, uint32_t sp_op = 0) {
+    sp_op_ = sp_op;
     count_ = static_cast<int32_t>(comm_block_queue_count(comm_block, args.compute_blocks, args.comm_blocks));
     for (int32_t k = 0; k < count_; ++k) {
       const int64_t q = comm_block_queue(comm_block, k, args.comm_blocks);
       queue_[k] = static_cast<int32_t>(q);
       head_[k] = 0;
-      length_[k] = static_cast<int32_t>(queue_length(args.plan, args.compute_blocks, q));
+      length_[k] = static_cast<int32_t>(
+          sp_op == 0 ? queue_length(args.plan, args.compute_blocks, q)
+                     : sp_block_item_count(args.plan, args.world, args.compute_blocks, q));
     }
     next_ = 0;
   }
@@ -79,7 +83,10 @@ class QueueCursor {
       __gm__ uint32_t* slot = queue_slot(args, queue_[k], head_[k]);
       if (!flag_raised(slot + 4, tag, tag_high)) continue;
       if (site_kept(kControlQueueAcquire)) acquire_fence();
-      const int64_t expected = queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k]);
+      const int64_t expected =
+          sp_op_ == 0 ? queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k])
+                      : sp_block_item(args.plan, args.world, args.rank, sp_op_, args.compute_blocks, queue_[k],
+                                      head_[k]);
       int64_t id = queue_read_id(slot);
       for (int attempt = 1; id != expected && attempt < kQueueIdRereads; ++attempt) {
         idle_pause();
@@ -119,6 +126,7 @@ class QueueCursor {
   int32_t length_[kMaxComputeBlocks];
   int32_t count_ = 0;
   int32_t next_ = 0;
+  uint32_t sp_op_ = 0;
   int64_t corrupt_ = -1;
 };
 

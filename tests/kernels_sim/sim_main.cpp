@@ -11,13 +11,14 @@
 //                           "unfenced_flags N" line (flags raised after an unfenced payload store) and an
 //                           "unfenced_accesses N" line (flag-guarded accesses with no acquire fence after the flag)
 //
-// job.txt: "world P Q dtype timeout_us window_offset seed topology", "calls C", then C lines
+// job.txt: "world P Q dtype timeout_us window_offset seed topology [op]", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
 //          sig_value bad_rank bad_code out_fill via_counter".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
 // c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
 // starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
-// (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them).
+// (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them; for
+// the allgather only the delay, since the others' compute kernels wait for its rows).
 // clobber_after 1 overwrites windows and scratch with random bytes after the call, 2 with the next call's tag in
 // every 32-bit word (data that forges single-word flags).
 // Call signatures (KernelArgs::signature) are what the NPU host publishes: word 0 the rank's error code, then M, K,
@@ -32,6 +33,9 @@
 // out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
 // via_counter 1: the epoch reaches the kernels through KernelArgs::epoch_counter (as on the NPU host, where a graph
 // replay repeats the KernelArgs bytes) while KernelArgs::epoch holds a different wrong value on every rank.
+// op (gemm_ar::SpOpCode, default 0 = gemm_allreduce): 1 runs GemmRsComputeKernel/GemmRsCommKernel (m is every
+// rank's full M, out<rank> its m / world rows), 2 runs AgGemmComputeKernel/AgGemmCommKernel (m is each rank's
+// shard, out<rank> world * m rows, and c<call>_gathered<rank>.bin the gathered a the host would return).
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -50,7 +54,9 @@
 #include <vector>
 
 #include "gemm_ar/kernel_args.hpp"
+#include "gemm_ar/sequence_parallel.hpp"
 #include "kernel_entry.h"
+#include "sp_kernel_entry.h"
 #include "npu/hccl_context_layout.h"
 #include "npu/ring_context.h"
 #include "sim_data_cache.hpp"
@@ -77,6 +83,7 @@ struct CallSpec {
 
 struct Job {
   int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
+  uint32_t op = 0;  // 0: gemm_allreduce; else the SpOpCode of a sequence-parallel kernel pair
   uint32_t dtype = 0, timeout_us = 0;
   uint64_t window_offset = 0, seed = 0;
   std::vector<CallSpec> calls;
@@ -123,7 +130,12 @@ Job read_job(const std::string& dir) {
   std::string word;
   int calls = 0;
   f >> job.world >> job.compute_blocks >> job.comm_blocks >> job.dtype >> job.timeout_us >> job.window_offset >>
-      job.seed >> job.topology >> word >> calls;
+      job.seed >> job.topology >> word;
+  if (word != "calls") {  // optional: the op (gemm_ar::SpOpCode; absent or 0 = gemm_allreduce)
+    job.op = static_cast<uint32_t>(std::stoul(word));
+    f >> word;
+  }
+  f >> calls;
   if (!f || word != "calls") {
     std::fprintf(stderr, "bad job.txt\n");
     std::exit(2);
@@ -157,7 +169,11 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.comm_blocks = job.comm_blocks;
   a.bias_rank = 0;
   a.wait_timeout_us = job.timeout_us;
-  if (!gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
+  // Sequence-parallel ops: a sub-problem is the chunk (reduce-scatter: m is every rank's full M) or the shard
+  // (allgather: m is each rank's shard).
+  const int64_t m_sub = job.op == gemm_ar::kSpReduceScatter ? s.m / job.world : s.m;
+  if (job.op != 0 ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
+                  : !gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
     std::fprintf(stderr, "plan_kernel_args rejected m=%lld n=%lld k=%lld\n", static_cast<long long>(s.m),
                  static_cast<long long>(s.n), static_cast<long long>(s.k));
     std::exit(2);
@@ -168,6 +184,7 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.signature[4] = job.dtype;
   a.signature[5] = s.has_bias;
   a.signature[6] = 3;  // Algorithm::Fused
+  a.signature[12] = job.op;  // kSigOp (the host's OpKind); word 13, the dim, is 0
   if (s.sig_rank >= 0 && rank == s.sig_rank && s.sig_word >= 0 && s.sig_word < gemm_ar::kSignatureWords) {
     a.signature[s.sig_word] = s.sig_value;
   }
@@ -280,7 +297,10 @@ int run(const std::string& dir) {
     for (int r = 0; r < world; ++r) {
       a_in[c].push_back(read_file(pre + "a" + std::to_string(r) + ".bin", static_cast<size_t>(s.m * s.lda) * elem));
       // 0xFF: the NaN pattern, unwritten stays NaN; 0 where a test wants to see the kernel's poison.
-      out[c].emplace_back(static_cast<size_t>(s.m * s.ldo) * elem, static_cast<unsigned char>(s.out_fill));
+      const int64_t out_rows = job.op == gemm_ar::kSpReduceScatter ? s.m / world
+                               : job.op == gemm_ar::kSpAllgather   ? s.m * world
+                                                                   : s.m;
+      out[c].emplace_back(static_cast<size_t>(out_rows * s.ldo) * elem, static_cast<unsigned char>(s.out_fill));
     }
   }
 
@@ -297,6 +317,7 @@ int run(const std::string& dir) {
     compute_cores[r].reset(new CoreCache[job.compute_blocks]);
     comm_cores[r].reset(new CoreCache[job.comm_blocks]);
   }
+  std::vector<std::vector<std::vector<unsigned char>>> gathered(calls, std::vector<std::vector<unsigned char>>(world));
   std::vector<std::atomic<int>> computed(calls);  // compute kernels finished, per call
   for (auto& n : computed) n.store(0);
   std::vector<int64_t> counters(world, 0);  // KernelArgs::epoch_counter, one per rank
@@ -325,9 +346,15 @@ int run(const std::string& dir) {
             a.epoch_counter = reinterpret_cast<uint64_t>(&counters[r]);
             a.epoch = s.epoch + 1000u + static_cast<uint32_t>(r);  // what a replay would carry: stale, per rank
           }
-          const auto run_compute = [&]() { return launch(GemmComputeKernel, job.compute_blocks, &a,
+          const auto compute_kernel = job.op == gemm_ar::kSpReduceScatter ? GemmRsComputeKernel
+                                      : job.op == gemm_ar::kSpAllgather   ? AgGemmComputeKernel
+                                                                          : GemmComputeKernel;
+          const auto comm_kernel = job.op == gemm_ar::kSpReduceScatter ? GemmRsCommKernel
+                                   : job.op == gemm_ar::kSpAllgather   ? AgGemmCommKernel
+                                                                       : GemmCommKernel;
+          const auto run_compute = [&]() { return launch(compute_kernel, job.compute_blocks, &a,
                                                          compute_cores[r].get()); };
-          const auto run_comm = [&]() { return launch(GemmCommKernel, job.comm_blocks, &a, comm_cores[r].get()); };
+          const auto run_comm = [&]() { return launch(comm_kernel, job.comm_blocks, &a, comm_cores[r].get()); };
           if (s.bad_rank == r) {
             std::vector<std::thread> comm = run_comm();
             for (auto& t : comm) t.join();
@@ -335,7 +362,10 @@ int run(const std::string& dir) {
           } else if (s.late_rank == r) {
             std::vector<std::thread> compute = run_compute();
             const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
-            while (computed[c].load() < others) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            // Allgather: the others' compute kernels need this rank's rows, so only the delay applies there.
+            while (job.op != gemm_ar::kSpAllgather && computed[c].load() < others) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            }
             std::this_thread::sleep_for(std::chrono::microseconds(s.late_us));
             std::vector<std::thread> comm = run_comm();
             for (auto& t : compute) t.join();
@@ -356,6 +386,12 @@ int run(const std::string& dir) {
             for (auto& t : second) {
               if (t.joinable()) t.join();
             }
+          }
+          if (job.op == gemm_ar::kSpAllgather && s.bad_rank != r) {
+            // The gathered a the host returns: the scratch's first world * m x k elements.
+            const size_t bytes = static_cast<size_t>(world * s.m * s.k) * elem;
+            gathered[c][r].assign(static_cast<unsigned char*>(scratch[r]->ptr),
+                                  static_cast<unsigned char*>(scratch[r]->ptr) + bytes);
           }
         }
         if (s.clobber_after) {
@@ -380,6 +416,10 @@ int run(const std::string& dir) {
     for (int r = 0; r < world; ++r) {
       write_file(dir + "/c" + std::to_string(c) + "_out" + std::to_string(r) + ".bin", out[c][r].data(),
                  out[c][r].size());
+      if (job.op == gemm_ar::kSpAllgather) {
+        write_file(dir + "/c" + std::to_string(c) + "_gathered" + std::to_string(r) + ".bin", gathered[c][r].data(),
+                   gathered[c][r].size());
+      }
     }
   }
   // Scalar stores that no dcci ever wrote back (strict cache model): each is a flag or record nobody could see.

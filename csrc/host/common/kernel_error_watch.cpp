@@ -27,6 +27,12 @@ std::string describe_kernel_error(const ErrorRecord& e, SignatureFieldName field
     case kErrTimeoutGather:
       os << " waited too long for rank " << e.peer << " to deliver reduced subtile " << e.item;
       break;
+    case kErrTimeoutRows:
+      os << " waited too long for rank " << e.peer << "'s rows " << e.item << " of a to arrive (all-gather)";
+      break;
+    case kErrTimeoutConsumed:
+      os << " waited too long for rank " << e.peer << " to finish reading its shard of a (all-gather)";
+      break;
     case kErrAborted: os << " stopped because another of its blocks failed"; break;
     case kErrQueueCorrupt:
       os << " found an unexpected tile id in ready queue " << (e.item >> 32) << ", slot " << (e.item & 0xffffffff);

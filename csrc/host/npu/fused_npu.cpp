@@ -16,7 +16,9 @@
 #include "common/rank_agreement.h"
 #include "common/settings.h"
 #include "gemm_ar/kernel_args.hpp"
+#include "gemm_ar/sequence_parallel.hpp"
 #include "kernel_launch.h"
+#include "sp_kernel_launch.h"
 #include "npu/sync_points.h"
 
 namespace gemm_ar::npu {
@@ -81,6 +83,13 @@ Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
   return ops;
 }
 
+// The sequence-parallel kernel pair a call runs (gemm_ar/sequence_parallel.hpp), 0 for gemm_allreduce's.
+uint32_t sp_op_of(const CallArgs& call) {
+  if (call.op == kOpGemmReduceScatter) return kSpReduceScatter;
+  if (call.op == kOpAllgatherGemm) return kSpAllgather;
+  return 0;
+}
+
 // Arguments that depend only on the call's sizes and the communicator: what check_fused and run_fused share.
 bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   *args = KernelArgs{};
@@ -90,7 +99,11 @@ bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   args->world = state.world;
   args->compute_blocks = state.compute_blocks;
   args->comm_blocks = state.comm_blocks;
-  return plan_kernel_args(args, call.m, call.n, call.k);
+  const uint32_t sp_op = sp_op_of(call);
+  if (sp_op == 0) return plan_kernel_args(args, call.m, call.n, call.k);
+  // A reduce-scatter's sub-problem is the rank's chunk of the rows, an allgather's the shard (this rank's a).
+  const int64_t m_sub = sp_op == kSpReduceScatter ? call.m / state.world : call.m;
+  return plan_sp_kernel_args(args, sp_op, m_sub, call.n, call.k);
 }
 
 std::string window_too_small(const CallArgs& call, const CommState& state, const KernelArgs& args,
@@ -220,6 +233,10 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   }
   if (!state.unavailable.empty()) return {state.unavailable_kind, state.unavailable};
   if (call.m == 0) return {};  // the op returns an empty tensor without running anything
+  if (sp_op_of(call) != 0 && call.shard_dim != 0) {
+    return {FusedBlocker::kShape, "the fused NPU kernels of " + call.op_name + " shard dim 0 only, not dim " +
+                                      std::to_string(call.shard_dim)};
+  }
   if (call.k == 0 || call.n == 0) {
     return {FusedBlocker::kShape, "K=" + std::to_string(call.k) + ", N=" + std::to_string(call.n) +
                                       ": an empty product has nothing to overlap"};
@@ -239,22 +256,38 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   return {};
 }
 
-at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+namespace {
+
+// The kernel pair of one op.
+struct KernelPair {
+  const char* compute_name;
+  void (*compute)(uint32_t, void*, void*);
+  const char* comm_name;
+  void (*comm)(uint32_t, void*, void*);
+};
+constexpr KernelPair kAllreducePair{"gemm_ar_compute", &launch_gemm_compute, "gemm_ar_comm", &launch_gemm_comm};
+constexpr KernelPair kReduceScatterPair{"gemm_ar_rs_compute", &launch_rs_compute, "gemm_ar_rs_comm", &launch_rs_comm};
+constexpr KernelPair kAllgatherPair{"gemm_ar_ag_compute", &launch_ag_compute, "gemm_ar_ag_comm", &launch_ag_comm};
+
+// Plans, uploads and launches one fused call of `pair` writing `out` (the op's [rows, N], contiguous, on b's
+// device), and returns the call's scratch (the allgather's gathered a lives at its start). check_fused must have
+// passed.
+at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const KernelPair& pair,
+                        const at::Tensor& out) {
   const at::Device device = call.b.device();
   c10_npu::NPUGuard device_guard(device);
   CommState& state = comm_state(group, device);
-  TORCH_CHECK(state.unavailable.empty(), "gemm_allreduce: fused NPU path unavailable: ", state.unavailable);
+  TORCH_CHECK(state.unavailable.empty(), call.op_name, ": fused NPU path unavailable: ", state.unavailable);
   std::lock_guard<std::mutex> lock(state.mutex);
   raise_recorded_error(state);
 
   KernelArgs args;
-  TORCH_CHECK(plan_call(call, state, &args), "gemm_allreduce: the fused NPU kernels cannot plan M=", call.m,
+  TORCH_CHECK(plan_call(call, state, &args), call.op_name, ": the fused NPU kernels cannot plan M=", call.m,
               ", N=", call.n, ", K=", call.k);
   const uint64_t needed = kHcclStagingReserveBytes + static_cast<uint64_t>(args.layout.window_bytes);
-  TORCH_CHECK(needed <= state.window_bytes, "gemm_allreduce: ", window_too_small(call, state, args, needed));
+  TORCH_CHECK(needed <= state.window_bytes, call.op_name, ": ", window_too_small(call, state, args, needed));
 
   const Operands ops = prepare_operands(call, args.plan);
-  auto out = at::empty({call.m, call.n}, call.b.options());
   const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
   // The kernels want the scratch kWindowAlign-aligned; the slack makes that true whatever the allocator returns.
   auto scratch_storage = at::empty({args.layout.scratch_bytes + kWindowAlign}, bytes);
@@ -287,12 +320,11 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   forked.record(compute_stream);
   forked.block(comm_stream);
 
-  enqueue_launch(compute_stream, "gemm_ar_compute", &launch_gemm_compute,
-                 static_cast<uint32_t>(state.compute_blocks), args_ptr);
+  enqueue_launch(compute_stream, pair.compute_name, pair.compute, static_cast<uint32_t>(state.compute_blocks),
+                 args_ptr);
   {
     c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
-    enqueue_launch(comm_stream, "gemm_ar_comm", &launch_gemm_comm, static_cast<uint32_t>(state.comm_blocks),
-                   args_ptr);
+    enqueue_launch(comm_stream, pair.comm_name, pair.comm, static_cast<uint32_t>(state.comm_blocks), args_ptr);
   }
   keep_alive_on(comm_stream, {args_device, scratch, out});
 
@@ -305,7 +337,42 @@ at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   refresh_error_record(state, compute_stream);
   // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp).
   if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) wait_and_raise_errors(state);
+  return scratch;
+}
+
+}  // namespace
+
+at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+  auto out = at::empty({call.m, call.n}, call.b.options());
+  launch_fused(call, group, kAllreducePair, out);
   return out.view(call.out_shape);
+}
+
+at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& group) {
+  const int64_t world = group.getSize();
+  std::vector<int64_t> shape = call.out_shape;  // dim 0 (check_fused) split over the ranks
+  shape[0] /= world;
+  if (call.m == 0) return at::empty(shape, call.b.options());  // M = 0 launches nothing (check_fused)
+  at::Tensor out = at::empty({call.m / world, call.n}, call.b.options());
+  launch_fused(call, group, kReduceScatterPair, out);
+  return out.view(shape);
+}
+
+std::tuple<at::Tensor, at::Tensor> run_fused_allgather(const CallArgs& call, c10d::ProcessGroup& group) {
+  const int64_t world = group.getSize();
+  std::vector<int64_t> shape = call.out_shape;  // dim 0 (check_fused) gathered from the ranks
+  shape[0] *= world;
+  std::vector<int64_t> gathered_shape = shape;
+  gathered_shape.back() = call.k;
+  if (call.m == 0) {  // M = 0 launches nothing (check_fused)
+    return std::make_tuple(at::empty(shape, call.b.options()), at::empty(gathered_shape, call.b.options()));
+  }
+  at::Tensor out = at::empty({world * call.m, call.n}, call.b.options());
+  const at::Tensor scratch = launch_fused(call, group, kAllgatherPair, out);
+  // The comm kernel leaves the gathered a (world * M x K, row-major) at the start of the scratch.
+  const int64_t gathered_bytes = world * call.m * call.k * static_cast<int64_t>(c10::elementSize(call.dtype));
+  at::Tensor gathered = scratch.narrow(0, 0, gathered_bytes).view(call.dtype).view(gathered_shape);
+  return std::make_tuple(out.view(shape), gathered);
 }
 
 std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {

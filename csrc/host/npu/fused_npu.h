@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <string>
+#include <tuple>
 
 #include "common/call_args.h"
 #include "common/rank_agreement.h"
@@ -26,6 +27,12 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group);
 // earlier call on the same communicator (a peer that never arrived) is raised here; with
 // TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 every call waits for its kernels and raises its own failure.
 at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group);
+
+// `fused` of the sequence-parallel ops (dim 0; check_fused must have passed): this rank's chunk of
+// reduce_scatter(a @ b (+ bias once)), and (all_gather(a) @ b (+ bias), the gathered a). Same error reporting as
+// run_fused.
+at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& group);
+std::tuple<at::Tensor, at::Tensor> run_fused_allgather(const CallArgs& call, c10d::ProcessGroup& group);
 
 // The NPU's rank agreement (BackendHooks::check_agreement; issue 9, finding 4). The group's first fused call, and
 // every call of another algorithm, exchange signatures over the process group (a host synchronisation). After that,

@@ -1,4 +1,5 @@
-// The NPU (PrivateUse1) kernel of pto::gemm_allreduce: the shared op flow with the HCCL process group for
+// The NPU (PrivateUse1) kernels of pto::gemm_allreduce, pto::gemm_reduce_scatter and pto::allgather_gemm: the
+// shared op flows with the HCCL process group for
 // `sequential` and `chunked`, the PTO kernels for `fused`, and the NPU `auto` policy.
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -7,6 +8,7 @@
 #include <set>
 
 #include "common/op_flow.h"
+#include "common/sequence_parallel_flow.h"
 #include "common/settings.h"
 #include "npu/fused_npu.h"
 
@@ -34,23 +36,29 @@ const char* blocker_name(FusedBlocker blocker) {
 }
 
 // One warning per kind of reason per process: a model calls the op thousands of times with the same problem.
-void warn_fallback_once(const FusedCheck& check) {
+void warn_fallback_once(const FusedCheck& check, const std::string& op_name, const char* fallback) {
   static std::mutex mutex;
-  static std::set<FusedBlocker> warned;
+  static std::set<std::pair<std::string, FusedBlocker>> warned;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!warned.insert(check.blocker).second) return;
+    if (!warned.insert({op_name, check.blocker}).second) return;
   }
-  TORCH_WARN("gemm_allreduce: algorithm='auto' uses 'chunked' instead of 'fused' on NPU (", blocker_name(check.blocker),
-             "): ", check.reason, ". This warning is shown once per reason.");
+  TORCH_WARN(op_name, ": algorithm='auto' uses '", fallback, "' instead of 'fused' on NPU (",
+             blocker_name(check.blocker), "): ", check.reason, ". This warning is shown once per reason.");
 }
 
 Algorithm choose_auto(const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
   const int64_t min_rows = env_int("TORCH_GEMM_AR_NPU_FUSED_MIN_ROWS", kDefaultFusedMinRows, 0, INT64_MAX);
   if (call.m < min_rows) return Algorithm::Sequential;
   if (fused_available) return Algorithm::Fused;
+  // The sequence-parallel ops have no `chunked`: their fallback is `sequential` (reason worded in the warning).
+  const bool sequence_parallel = call.op == kOpGemmReduceScatter || call.op == kOpAllgatherGemm;
+  if (sequence_parallel) {
+    warn_fallback_once(check_fused(call, group), call.op_name, "sequential");
+    return Algorithm::Sequential;
+  }
   // Asked again only to word the warning; the communicator is cached, so this is cheap and gives the same answer.
-  warn_fallback_once(check_fused(call, group));
+  warn_fallback_once(check_fused(call, group), call.op_name, "chunked");
   return Algorithm::Chunked;
 }
 
@@ -65,6 +73,8 @@ BackendHooks make_npu_backend() {
   hooks.choose_auto = &choose_auto;
   // After the group's first fused call, fused calls agree inside the comm kernel, not over the process group.
   hooks.check_agreement = &agree_fused;
+  hooks.run_fused_reduce_scatter = &run_fused_reduce_scatter;
+  hooks.run_fused_allgather = &run_fused_allgather;
   return hooks;
 }
 
@@ -81,7 +91,28 @@ at::Tensor gemm_allreduce_npu(const at::Tensor& a, const at::Tensor& b, c10::str
                             std::string_view(algorithm.data(), algorithm.size()), npu_backend());
 }
 
+std::string_view view_of(c10::string_view s) { return std::string_view(s.data(), s.size()); }
+
+at::Tensor gemm_reduce_scatter_npu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
+                                   int64_t scatter_dim, const std::optional<at::Tensor>& bias,
+                                   c10::string_view algorithm) {
+  c10::DeviceGuard device_guard(a.device());
+  return run_gemm_reduce_scatter(a, b, view_of(group_name), scatter_dim, bias, view_of(algorithm), npu_backend());
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> allgather_gemm_npu(
+    const at::Tensor& a, const at::Tensor& b, c10::string_view group_name, int64_t gather_dim,
+    const std::optional<at::Tensor>& bias, bool return_gathered, c10::string_view algorithm) {
+  c10::DeviceGuard device_guard(a.device());
+  return run_allgather_gemm(a, b, view_of(group_name), gather_dim, bias, return_gathered, view_of(algorithm),
+                            npu_backend());
+}
+
 }  // namespace
 }  // namespace gemm_ar::npu
 
-TORCH_LIBRARY_IMPL(pto, PrivateUse1, m) { m.impl("gemm_allreduce", &gemm_ar::npu::gemm_allreduce_npu); }
+TORCH_LIBRARY_IMPL(pto, PrivateUse1, m) {
+  m.impl("gemm_allreduce", &gemm_ar::npu::gemm_allreduce_npu);
+  m.impl("gemm_reduce_scatter", &gemm_ar::npu::gemm_reduce_scatter_npu);
+  m.impl("allgather_gemm", &gemm_ar::npu::allgather_gemm_npu);
+}

@@ -132,6 +132,9 @@ enum ErrorCode : int32_t {
   kErrSignatureMismatch = 8,// rank `peer` called with another signature (`item` = first differing word; -2: its
                             // slot stayed torn)
   kErrPeerRejected = 9,     // rank `peer` (possibly this one) rejected its arguments (`item` = its error code)
+  // The sequence-parallel kernels (gemm_ar/sequence_parallel.hpp); numbered apart so the list above can grow.
+  kErrTimeoutRows = 20,     // allgather compute: shard `peer`'s tile row `item` never arrived in the gathered a
+  kErrTimeoutConsumed = 21, // allgather: rank `peer` never finished pulling this rank's shard (comm block `item`)
 };
 
 struct KernelArgs {

@@ -1,0 +1,514 @@
+// GemmRsCommKernel / AgGemmCommKernel (vector cores): the communication of the sequence-parallel ops
+// (gemm_ar/sequence_parallel.hpp), with gemm_allreduce's flag discipline (128-bit tag flags on their own lines,
+// release_fence before a flag, acquire_fence after one, bounded waits, error record, NaN over `out` on failure).
+//
+// Both: comm block 0 publishes the call signature and every block compares its peers' (call_signature.hpp; the
+// signature carries the op and its dim, so ranks calling different ops stop here) before anything moves. Before
+// leaving, a block has seen prepared[owner][c] of every owner, so no write of this call into this rank's window is
+// still on its way when the next call starts.
+//
+// Reduce-scatter (RS only, no all-gather): comm block c
+//  1. zeroes the subtiles of this rank's chunk it copies out (ag_subtile(c, j, Q)) in its reduced buffer, then sets
+//     prepared[me][c] in every window;
+//  2. drains ready queues {c, c + Q, ...}: each stripe of stacked tile r * tiles + t goes by TSTORE<AtomicAdd>
+//     into rank r's reduced buffer once r's prepared flag is seen, then contrib[l][me] is set there;
+//  3. copies each of its subtiles of this rank's chunk to `out` once every rank's contrib flag is up.
+// Allgather: comm block c
+//  1. publishes tile rows mi = c, c + Q, ... of this rank's shard of a into its window (and into its gathered
+//     buffer), then sets prepared[me][c] ("published") in every window;
+//  2. pulls the same tile rows of every peer's shard (from me + 1 on) from the peer's window into its gathered
+//     buffer once the peer's prepared[peer][c] is seen, and raises row-ready[peer][mi] for its compute kernel;
+//     after the last one of a peer it sets consumed[me][c] in that peer's window;
+//  3. drains ready queues {c, c + Q, ...}, copying every finished tile to its rows of `out`;
+//  4. leaves only after consumed[peer][c] of every peer: nobody reads its shard any more, so the next call may
+//     overwrite it.
+#include <pto/pto-inst.hpp>
+
+#include "call_signature.hpp"
+#include "device_support.hpp"
+#include "ready_queue.hpp"
+#include "remote_window.hpp"
+#include "sp_kernel_entry.h"
+
+namespace gemm_ar {
+namespace device {
+namespace {
+
+constexpr int kSubM = static_cast<int>(kNpuSubM);
+constexpr int kBaseN = static_cast<int>(kNpuBaseN);
+
+template <typename T>
+using SubTile = pto::Tile<pto::TileType::Vec, T, kSubM, kBaseN, pto::BLayout::RowMajor, pto::DYNAMIC, pto::DYNAMIC>;
+
+constexpr uint32_t kUbSubtileBytes = kSubM * kBaseN * 2;
+constexpr uint32_t kUbMove = 0;                           // every copy's staging
+constexpr uint32_t kUbZeros = kUbMove + kUbSubtileBytes;  // a subtile of zeros (reduce-scatter prepare)
+static_assert(kUbZeros + kUbSubtileBytes <= 192 * 1024, "UB overflow");
+
+// A block of rows x cols (at most sub_m x base_n) of a padded pad_m x pad_n sub-problem buffer.
+struct Span {
+  int64_t row0, col0, rows, cols;
+};
+
+AICORE inline Span stripe_span(const TilePlan& p, int64_t t, int64_t stripe) {
+  const int64_t mi = tile_row(p, t);
+  const int64_t ni = tile_col(p, t);
+  return {mi * p.base_m + stripe * p.sub_m, ni * p.base_n, stripe_rows(p, mi, stripe), tile_cols(p, ni)};
+}
+
+template <typename T>
+class SpCommBlock {
+ public:
+  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op) : args_(args), c_(block), op_(op) {}
+
+  // False (error already recorded) when the device context does not match the arguments.
+  AICORE inline bool attach() {
+    if (!win_.init(args_)) {
+      report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
+      return false;
+    }
+    me_ = args_.rank;
+    world_ = args_.world;
+    tag_ = signal_tag(args_.epoch);
+    tag_high_ = signal_tag_high(args_.epoch);
+    return true;
+  }
+
+  // The call-signature agreement, as in gemm_allreduce's comm kernel (call_signature.hpp).
+  AICORE inline bool agree(bool usable) {
+    int64_t mine[kSignatureWords];
+    for (int64_t w = 0; w < kSignatureWords; ++w) mine[w] = args_.signature[w];
+    if (!usable && args_.signature_only == 0 && mine[0] == 0) mine[0] = kSignatureKernelRejected;
+    if (c_ == 0) publish_signature(win_, args_, mine);
+    const SignatureVerdict verdict = check_signatures(win_, args_, mine);
+    if (verdict.code == kErrNone) return true;
+    if (verdict.code != kErrAborted) {
+      report_error(args_, verdict.code, verdict.peer, verdict.item, static_cast<int32_t>(c_), 1);
+    }
+    return false;
+  }
+
+  // Rows of `out`: the chunk (reduce-scatter) or every shard's rows (allgather).
+  AICORE inline int64_t out_rows() const {
+    return op_ == kSpReduceScatter ? args_.plan.m : static_cast<int64_t>(args_.world) * args_.plan.m;
+  }
+
+  // NaN over all of `out`, after this block's own last store there (issue 9, finding 5).
+  AICORE inline void poison() {
+    if (args_.out == 0) return;
+    pipe_barrier(PIPE_ALL);  // nothing of this block may still be using the staging UB
+    SubTile<T> nans(kSubM, kBaseN);
+    TASSIGN(nans, kUbMove);
+    TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
+    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    const int64_t rows = out_rows();
+    const int64_t n = args_.plan.n;
+    for (int64_t r0 = 0; r0 < rows; r0 += kSubM) {
+      for (int64_t c0 = 0; c0 < n; c0 += kBaseN) {
+        const int64_t h = rows - r0 < kSubM ? rows - r0 : kSubM;
+        const int64_t w = n - c0 < kBaseN ? n - c0 : kBaseN;
+        SubTile<T> view(static_cast<unsigned>(h), static_cast<unsigned>(w));
+        TASSIGN(view, kUbMove);
+        auto out = nd_view<T>(gm_at<T>(args_.out, 0) + r0 * args_.ldo + c0, h, w, args_.ldo);
+        TSTORE(out, view);
+      }
+    }
+    pipe_barrier(PIPE_ALL);
+  }
+
+  AICORE inline void init_call() {
+    queues_.init(args_, c_, op_);
+    own_next_ = 0;
+    own_seen_ = 0;
+    pull_step_ = 1;
+    pull_row_ = c_;
+  }
+
+  // Step 1 of either op.
+  AICORE inline void prepare() {
+    if (op_ == kSpReduceScatter) {
+      zero_own_chunk();
+    } else {
+      publish_shard();
+    }
+    // Zeros (reduce-scatter) or published rows (allgather) reach GM before the flag.
+    if (site_kept(op_ == kSpReduceScatter ? kControlRsZeroUnfenced : kControlAgPublishUnfenced)) release_fence();
+    for (int32_t i = 0; i < world_; ++i) {
+      const int32_t peer = (me_ + 1 + i) % world_;
+      raise_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_,
+                 tag_high_);
+    }
+  }
+
+  // Steps 2 and 3 (and 4): one polling loop, bounded by wait_timeout_us without progress. False when the call
+  // failed (recorded by this block or by the one that failed first).
+  AICORE inline bool run() {
+    bool drained = queues_.done();
+    uint64_t last_progress = now_us();
+    const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
+    int32_t announced = 0;  // owners whose prepared[owner][c] flag I have seen
+    int32_t consumed = op_ == kSpAllgather ? 0 : world_;  // peers seen done with my shard (allgather)
+    if (consumed == me_) ++consumed;
+    while (!drained || !own_done() || !pulls_done() || announced < world_ || consumed < world_) {
+      bool progress = false;
+      if (!drained) {
+        const int64_t t = queues_.poll(args_, tag_, tag_high_);
+        if (t == -2) {
+          report_error(args_, kErrQueueCorrupt, -1, queues_.corrupt_item(), static_cast<int32_t>(c_), 1);
+          return false;
+        }
+        if (t >= 0) {
+          if (op_ == kSpReduceScatter ? !reduce_scatter_tile(t) : !copy_out_tile(t)) return false;
+          progress = true;
+          drained = queues_.done();
+        }
+      }
+      if (op_ == kSpReduceScatter) {
+        while (!own_done() && try_own_subtile()) progress = true;
+      } else {
+        while (!pulls_done() && try_pull()) progress = true;
+        while (consumed < world_ && flag_raised(consumed_flag(consumed), tag_, tag_high_)) {
+          if (++consumed == me_) ++consumed;
+          progress = true;
+        }
+      }
+      while (announced < world_ && flag_raised(prepared_flag(announced), tag_, tag_high_)) {
+        ++announced;
+        progress = true;
+      }
+      if (progress) {
+        last_progress = now_us();
+        continue;
+      }
+      if (aborted(args_)) return false;
+      if (now_us() - last_progress > timeout) {
+        report_stall(drained, announced, consumed);
+        return false;
+      }
+      idle_pause();
+    }
+    // The next call may overwrite my shard: the peers' reads of it (seen through consumed) come first.
+    acquire_fence();
+    return true;
+  }
+
+ private:
+  AICORE inline __gm__ T* reduced(int32_t rank, const Span& s) const {
+    return win_.at<T>(rank, args_.layout.reduced_offset) + s.row0 * args_.plan.pad_n + s.col0;
+  }
+
+  AICORE inline __gm__ T* partial(int32_t sub, const Span& s) const {
+    const TilePlan& p = args_.plan;
+    return gm_at<T>(args_.scratch, args_.layout.partial_offset) + sub * p.pad_m * p.pad_n + s.row0 * p.pad_n + s.col0;
+  }
+
+  // Rank `shard`'s rows of a: in its window (ld k), or in this rank's gathered buffer (scratch offset 0, ld k).
+  AICORE inline __gm__ T* shard_in_window(int32_t rank, int64_t row) const {
+    return win_.at<T>(rank, args_.layout.reduced_offset) + row * args_.plan.k;
+  }
+  AICORE inline __gm__ T* gathered(int32_t shard, int64_t row) const {
+    return gm_at<T>(args_.scratch, 0) + (shard * args_.plan.m + row) * args_.plan.k;
+  }
+
+  AICORE inline __gm__ uint32_t* prepared_flag(int32_t owner) const {
+    return win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, c_, world_));
+  }
+  AICORE inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
+    return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
+  }
+  // In `rank`'s window: "source has pulled the tile rows comm block c handles of rank's shard".
+  AICORE inline __gm__ uint32_t* consumed_flag(int32_t source, int32_t rank) const {
+    return win_.at<uint32_t>(rank, sp_consumed_flag_offset(args_.layout, source, c_, args_.comm_blocks));
+  }
+  AICORE inline __gm__ uint32_t* consumed_flag(int32_t source) const { return consumed_flag(source, me_); }
+  AICORE inline __gm__ uint32_t* row_ready_flag(int32_t shard, int64_t mi) const {
+    return win_.at<uint32_t>(me_, sp_row_ready_flag_offset(args_.layout, shard, mi, args_.plan.m_tiles));
+  }
+
+  // rows x cols from src (ld src_ld) to dst (ld dst_ld) and, if dst2 != nullptr, to dst2 (ld dst_ld) through UB.
+  AICORE inline void move(__gm__ T* src, int64_t src_ld, __gm__ T* dst, __gm__ T* dst2, int64_t dst_ld,
+                          int64_t rows, int64_t cols) {
+    SubTile<T> tile(static_cast<unsigned>(rows), static_cast<unsigned>(cols));
+    TASSIGN(tile, kUbMove);
+    auto from = nd_view<T>(src, rows, cols, src_ld);
+    TLOAD(tile, from);
+    set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+    wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+    auto to = nd_view<T>(dst, rows, cols, dst_ld);
+    TSTORE(to, tile);
+    if (dst2 != nullptr) {
+      auto to2 = nd_view<T>(dst2, rows, cols, dst_ld);
+      TSTORE(to2, tile);
+    }
+    set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+    wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+  }
+
+  // Rows [row0, row0 + rows) x all k columns, in sub_m x base_n pieces.
+  AICORE inline void move_rows(__gm__ T* src, int64_t src_ld, __gm__ T* dst, __gm__ T* dst2, int64_t rows) {
+    const int64_t k = args_.plan.k;
+    for (int64_t r0 = 0; r0 < rows; r0 += kSubM) {
+      for (int64_t c0 = 0; c0 < k; c0 += kBaseN) {
+        const int64_t h = rows - r0 < kSubM ? rows - r0 : kSubM;
+        const int64_t w = k - c0 < kBaseN ? k - c0 : kBaseN;
+        move(src + r0 * src_ld + c0, src_ld, dst + r0 * k + c0, dst2 == nullptr ? nullptr : dst2 + r0 * k + c0, k,
+             h, w);
+      }
+    }
+  }
+
+  // ---- reduce-scatter ----
+
+  AICORE inline int64_t own_count() const {
+    if (op_ != kSpReduceScatter) return 0;
+    return ag_subtile_count(c_, args_.plan.tiles * args_.plan.stripes, args_.comm_blocks);
+  }
+  AICORE inline bool own_done() const { return own_next_ >= own_count(); }
+
+  AICORE inline void zero_own_chunk() {
+    SubTile<T> zeros(kSubM, kBaseN);
+    TASSIGN(zeros, kUbZeros);
+    TEXPANDS(zeros, static_cast<T>(0));
+    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    const TilePlan& p = args_.plan;
+    for (int64_t j = 0; j < own_count(); ++j) {
+      const int64_t l = ag_subtile(c_, j, args_.comm_blocks);
+      const Span s = stripe_span(p, l / p.stripes, l % p.stripes);
+      if (s.rows == 0) continue;
+      SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+      TASSIGN(view, kUbZeros);
+      auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, p.pad_n);
+      TSTORE(dst, view);
+      note_payload_store();
+    }
+  }
+
+  // Bounded wait for rank `owner`'s comm block ag_block_of(l) to have zeroed chunk-local subtile l in this call.
+  AICORE inline bool wait_prepared(int32_t owner, int64_t l) {
+    const int64_t block = ag_block_of(l, args_.comm_blocks);
+    __gm__ uint32_t* flag =
+        win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, block, world_));
+    const uint64_t start = now_us();
+    const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
+    while (!flag_raised(flag, tag_, tag_high_)) {
+      if (aborted(args_)) return false;
+      if (now_us() - start > timeout) {
+        report_error(args_, kErrTimeoutPrepare, owner, block, static_cast<int32_t>(c_), 1);
+        return false;
+      }
+      idle_pause();
+    }
+    if (site_kept(kControlRsPreparedAcquire)) acquire_fence();
+    return true;
+  }
+
+  // Stacked tile r * tiles + t: every stripe into rank r's chunk by atomic add, then its contribution flag.
+  AICORE inline bool reduce_scatter_tile(int64_t stacked) {
+    const TilePlan& p = args_.plan;
+    const int32_t owner = static_cast<int32_t>(stacked / p.tiles);
+    const int64_t t = stacked % p.tiles;
+    for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
+      const Span s = stripe_span(p, t, stripe);
+      if (s.rows == 0) continue;  // all padding: nobody adds or copies it
+      const int64_t l = t * p.stripes + stripe;
+      if (!wait_prepared(owner, l)) return false;
+      SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
+      TASSIGN(tile, kUbMove);
+      auto src = nd_view<T>(partial(owner, s), s.rows, s.cols, p.pad_n);
+      TLOAD(tile, src);
+      set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
+      note_guarded_access();  // the owner's prepared flag: its zeroing comes first
+      TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
+      note_payload_store();
+      set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      if (site_kept(kControlRsPayloadUnfenced)) release_fence();
+      raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
+    }
+    return true;
+  }
+
+  // The next subtile of my chunk this block copies out, once every rank's contribution is in. Flags never go back
+  // within a call, so each is read once when set (own_seen_ resumes).
+  AICORE inline bool try_own_subtile() {
+    const TilePlan& p = args_.plan;
+    const int64_t l = ag_subtile(c_, own_next_, args_.comm_blocks);
+    const Span s = stripe_span(p, l / p.stripes, l % p.stripes);
+    if (s.rows != 0) {
+      while (own_seen_ < world_ && flag_raised(contrib_flag(me_, l, own_seen_), tag_, tag_high_)) ++own_seen_;
+      if (own_seen_ < world_) return false;
+      if (site_kept(kControlRsContribAcquire)) acquire_fence();
+      note_guarded_access();  // every contribution flag of this subtile
+      move(reduced(me_, s), p.pad_n, gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, nullptr, args_.ldo,
+           s.rows, s.cols);
+    }
+    ++own_next_;
+    own_seen_ = 0;
+    return true;
+  }
+
+  // ---- allgather ----
+
+  // Tile rows c, c + Q, ... of my shard: to my window (the peers pull them) and to my gathered buffer.
+  AICORE inline void publish_shard() {
+    const TilePlan& p = args_.plan;
+    for (int64_t mi = c_; mi < p.m_tiles; mi += args_.comm_blocks) {
+      const int64_t row0 = mi * p.base_m;
+      move_rows(gm_at<T>(args_.a, 0) + row0 * args_.lda, args_.lda, shard_in_window(me_, row0),
+                gathered(me_, row0), tile_rows(p, mi));
+      note_payload_store();
+    }
+  }
+
+  AICORE inline bool pulls_done() const { return op_ != kSpAllgather || pull_step_ >= world_; }
+
+  // The next tile row to pull (peer me + pull_step_, row pull_row_), once that peer has published it. After a
+  // peer's last row (or when this block has none of its rows), tells the peer its shard is no longer read.
+  AICORE inline bool try_pull() {
+    const TilePlan& p = args_.plan;
+    const int32_t peer = (me_ + pull_step_) % world_;
+    if (pull_row_ < p.m_tiles) {
+      if (!flag_raised(win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, peer, c_, world_)),
+                       tag_, tag_high_)) {
+        return false;
+      }
+      if (site_kept(kControlAgPublishedAcquire)) acquire_fence();
+      const int64_t row0 = pull_row_ * p.base_m;
+      note_guarded_access();  // the peer's published rows
+      move_rows(shard_in_window(peer, row0), p.k, gathered(peer, row0), nullptr, tile_rows(p, pull_row_));
+      note_payload_store();
+      if (site_kept(kControlAgPullUnfenced)) release_fence();  // also ends my reads of the peer's window
+      raise_flag(row_ready_flag(peer, pull_row_), tag_, tag_high_);
+      pull_row_ += args_.comm_blocks;
+      if (pull_row_ < p.m_tiles) return true;
+    }
+    raise_flag(consumed_flag(me_, peer), tag_, tag_high_);
+    ++pull_step_;
+    pull_row_ = c_;
+    return true;
+  }
+
+  // Stacked tile r * tiles + t of the product: every stripe to rows r * m_sub + ... of `out`.
+  AICORE inline bool copy_out_tile(int64_t stacked) {
+    const TilePlan& p = args_.plan;
+    const int32_t shard = static_cast<int32_t>(stacked / p.tiles);
+    const int64_t t = stacked % p.tiles;
+    for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
+      const Span s = stripe_span(p, t, stripe);
+      if (s.rows == 0) continue;
+      __gm__ T* out = gm_at<T>(args_.out, 0) + (shard * p.m + s.row0) * args_.ldo + s.col0;
+      move(partial(shard, s), p.pad_n, out, nullptr, args_.ldo, s.rows, s.cols);
+    }
+    return true;
+  }
+
+  // Names what this block waits for, root causes first: a rank that never started the call, this rank's own
+  // compute, then the peers' contributions (reduce-scatter) or their published rows and their reads of my shard.
+  AICORE inline void report_stall(bool drained, int32_t announced, int32_t consumed) {
+    const int32_t block = static_cast<int32_t>(c_);
+    if (announced < world_) {
+      report_error(args_, kErrTimeoutPrepare, announced, c_, block, 1);
+      return;
+    }
+    if (!pulls_done()) {
+      report_error(args_, kErrTimeoutPrepare, (me_ + pull_step_) % world_, c_, block, 1);
+      return;
+    }
+    if (!drained) {
+      report_error(args_, kErrTimeoutCompute, -1, queues_.first_pending(), block, 1);
+      return;
+    }
+    if (!own_done()) {
+      report_error(args_, kErrTimeoutReduce, own_seen_, ag_subtile(c_, own_next_, args_.comm_blocks), block, 1);
+      return;
+    }
+    report_error(args_, kErrTimeoutConsumed, consumed, c_, block, 1);
+  }
+
+  const KernelArgs& args_;
+  const int64_t c_;
+  const uint32_t op_;
+  RemoteWindows win_;
+  QueueCursor queues_;
+  int32_t me_ = 0;
+  int32_t world_ = 1;
+  uint32_t tag_ = 0;
+  uint32_t tag_high_ = 0;
+  int64_t own_next_ = 0;   // reduce-scatter: index (j) of the next subtile of my chunk to copy out
+  int32_t own_seen_ = 0;   // its contribution flags seen so far
+  int32_t pull_step_ = 1;  // allgather: pulling from peer me + pull_step_ (done at world)
+  int64_t pull_row_ = 0;   // its next tile row
+};
+
+template <uint32_t DType>
+AICORE inline void sp_comm_block_main(const KernelArgs& args, int64_t block, bool usable, uint32_t op) {
+  SpCommBlock<typename ElemOf<DType>::type> comm(args, block, op);
+  if (!comm.attach()) {
+    if (usable) comm.poison();  // the device context does not match: no result will come (finding 5)
+    return;
+  }
+  if (!comm.agree(usable)) {
+    if (usable) comm.poison();
+    return;
+  }
+  if (!usable) return;  // signature-only call, agreed: nothing to move
+  comm.init_call();
+  comm.prepare();
+  if (!comm.run()) comm.poison();
+}
+
+AICORE inline void sp_comm_main(__gm__ uint8_t* args_gm, uint32_t op) {
+  KernelArgs args{};  // zeroed: g++ cannot see load_kernel_args fill it through the simulated cache
+  load_kernel_args(args_gm, &args);
+  const int64_t block = static_cast<int64_t>(get_block_idx());
+  const int64_t launched = launched_block_count(args.comm_blocks);
+  // Without a usable header this rank cannot even tell its peers; they time out waiting for its signature.
+  if (!kernel_header_usable(args, launched, args.comm_blocks)) {
+    if (block == 0) {
+      report_error(args, kErrBadArgs, -1, -1, 0, 1);
+      if (kernel_operands_usable(args, op)) {
+        if (args.dtype == kDTypeBFloat16) {
+          SpCommBlock<bfloat16_t>(args, 0, op).poison();
+        } else {
+          SpCommBlock<half>(args, 0, op).poison();
+        }
+      }
+    }
+    return;
+  }
+  if (block >= args.comm_blocks) return;
+  const bool usable = kernel_args_usable(args, launched, args.comm_blocks, op);
+  if (usable && args.dtype == kDTypeBFloat16) {
+    sp_comm_block_main<kDTypeBFloat16>(args, block, usable, op);
+  } else {
+    sp_comm_block_main<kDTypeFloat16>(args, block, usable, op);
+  }
+}
+
+}  // namespace
+}  // namespace device
+}  // namespace gemm_ar
+
+__global__ AICORE void GemmRsCommKernel(__gm__ uint8_t* args_gm) {
+  gemm_ar::device::sp_comm_main(args_gm, gemm_ar::kSpReduceScatter);
+}
+
+__global__ AICORE void AgGemmCommKernel(__gm__ uint8_t* args_gm) {
+  gemm_ar::device::sp_comm_main(args_gm, gemm_ar::kSpAllgather);
+}
+
+#if !defined(__CPU_SIM)
+#include "sp_kernel_launch.h"
+
+void gemm_ar::launch_rs_comm(uint32_t block_dim, void* stream, void* args_device) {
+  GemmRsCommKernel<<<block_dim, nullptr, stream>>>(reinterpret_cast<__gm__ uint8_t*>(args_device));
+}
+
+void gemm_ar::launch_ag_comm(uint32_t block_dim, void* stream, void* args_device) {
+  AgGemmCommKernel<<<block_dim, nullptr, stream>>>(reinterpret_cast<__gm__ uint8_t*>(args_device));
+}
+#endif
