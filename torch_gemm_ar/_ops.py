@@ -54,7 +54,7 @@ def gemm_reduce_scatter(
 
     a: [M, K] or [B, S, K], this rank's K-shard (row-parallel). scatter_dim: a row dim of the output (not the last);
     its size must be divisible by the world size. algorithm: auto, sequential (matmul, then reduce_scatter_tensor) or
-    fused (CPU engine: each rank reduces the tiles of its own output chunk while the GEMM runs; not yet on NPU).
+    fused (CPU engine: each rank reduces the tiles of its own output chunk while the GEMM runs; NPU: docs/ascend.md).
     Backward: an all-gather of the gradient (allgather_gemm).
     """
     return torch.ops.pto.gemm_reduce_scatter(
@@ -76,7 +76,7 @@ def allgather_gemm(
 
     a: [M, K] or [B, S, K], this rank's sequence shard (equal shapes on every rank). gather_dim: a row dim of a (not
     K). algorithm: auto, sequential (all_gather_into_tensor, then matmul) or fused (CPU engine: the local rows are
-    multiplied while the peers' shards are copied from shared memory; not yet on NPU). Backward: a reduce-scatter of
+    multiplied while the peers' shards are copied from shared memory; NPU: docs/ascend.md). Backward: a reduce-scatter of
     a's gradient (gemm_reduce_scatter); gathered_a is returned without gradient.
     """
     out, gathered = torch.ops.pto.allgather_gemm(
