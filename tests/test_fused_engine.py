@@ -14,25 +14,12 @@ import torch.distributed as dist
 import torch_gemm_ar
 from torch_gemm_ar.engine_mode import ignore_epochs_for_testing
 from inputs import TOLERANCE, bias_vector, reference, shard, weight
+from scoped_env import scoped_env
 
 # Small tiles so that small shapes still make many tiles, subtiles, owners and queue entries.
 SMALL_TILES = "16,32,8"
 
 
-class _env:
-    def __init__(self, **values):
-        self.values = values
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.values}
-        os.environ.update(self.values)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def random_case(seed, step, world):
@@ -46,7 +33,7 @@ def stress(rank, world, seed, calls, slow_rank=None, comm_threads="0"):
     """Back-to-back fused calls, each with new inputs and a new shape; returns how many results were wrong.
     comm_threads "0": comm work between tiles on the caller's thread; "N": N comm threads (N comm blocks)."""
     wrong = 0
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads):
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads):
         for step in range(calls):
             m, k, n, dtype, with_bias, transposed = random_case(seed, step, world)
             shards = [shard(seed + step, r, m, k, dtype) for r in range(world)]
@@ -87,7 +74,7 @@ def test_negative_control_stress_catches_ignored_epochs(ranks, comm_threads):
 def alternate_groups(rank, world, seed):
     reverse = dist.new_group(list(range(world)))  # same ranks, second group: its own windows and call counter
     pair = dist.new_group([0, 1])
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
         for step in range(120):
             m, k, n, dtype, with_bias, transposed = random_case(seed, step, world)
             shards = [shard(seed + step, r, m, k, dtype) for r in range(world)]
@@ -118,7 +105,7 @@ def kill_mid_call(rank, world, victim, timeout_s):
     if rank == victim:
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
     start = time.monotonic()
-    with _env(TORCH_GEMM_AR_TIMEOUT_S=str(timeout_s)):
+    with scoped_env(TORCH_GEMM_AR_TIMEOUT_S=str(timeout_s)):
         try:
             for _ in range(50):
                 torch_gemm_ar.gemm_allreduce(shards[rank], b, algorithm="fused")

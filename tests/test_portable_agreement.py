@@ -2,7 +2,6 @@
 all_reduce of a fixed size, and a small `sequential` call's partial product rides on it, so such a call is one
 collective. Run with the CPU engine turned off (TORCH_GEMM_AR_CPU_ENGINE=0), as on ranks spread over hosts: results
 against float64, which calls carry their result, and disagreeing or bad calls still failing on every rank."""
-import os
 import random
 
 import pytest
@@ -11,18 +10,16 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from expect import raises
+from scoped_env import scoped_env
 
 SLOTS = 16384  # kAgreementPayloadSlots
 
 
 def portable_group(world):
     """A fresh group whose engine is off (the variable is read when the group's engine is set up)."""
-    os.environ["TORCH_GEMM_AR_CPU_ENGINE"] = "0"
-    try:
+    with scoped_env(TORCH_GEMM_AR_CPU_ENGINE="0"):
         group = dist.new_group(list(range(world)))
         torch_gemm_ar.gemm_allreduce(torch.ones(1, 1), torch.ones(1, 1), group, algorithm="sequential")
-    finally:
-        del os.environ["TORCH_GEMM_AR_CPU_ENGINE"]
     return group
 
 

@@ -12,25 +12,12 @@ import torch_gemm_ar
 from torch_gemm_ar.engine_mode import ignore_epochs_for_testing
 from inputs import TOLERANCE, assert_matches
 from test_sequence_parallel_ops import SIZES, allgather_grads, layouts, randn, reduce_scatter_grads
+from scoped_env import scoped_env
 
 # Small tiles so that small shapes still make many tiles, tile rows per chunk, stripes and comm items.
 SMALL_TILES = "16,32,8"
 
 
-class _env:
-    def __init__(self, **values):
-        self.values = values
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.values}
-        os.environ.update(self.values)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def reduce_scatter_case(rank, world, seed, dtype, shape_of, dim, k, n, with_bias, algorithm="fused"):
@@ -63,7 +50,7 @@ def allgather_case(rank, world, seed, dtype, shape_of, dim, k, n, with_bias, alg
 def fused_results(rank, world, seed, dtype, tiles):
     """Every layout and size through both fused ops; returns how many cases were checked."""
     checked = 0
-    with _env(TORCH_GEMM_AR_CPU_TILE=tiles):
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=tiles):
         for li, (shape_of, dim) in enumerate(layouts(world)):
             for ki, (k, n) in enumerate(SIZES):
                 for with_bias in (False, True):
@@ -122,7 +109,7 @@ def test_fused_return_value_forms_and_empty_inputs(ranks):
 
 
 def fused_grads(rank, world, seed, dtype, shard_shape, dim):
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
         whole = list(shard_shape)
         whole[dim] *= world
         reduce_scatter_grads(rank, world, seed, dtype, tuple(whole), dim, algorithm="fused")
@@ -178,7 +165,7 @@ def stress(rank, world, seed, calls, comm_threads, slow_rank=None, compute_threa
     """Back-to-back fused calls alternating gemm_reduce_scatter, allgather_gemm and gemm_allreduce with new inputs and
     shapes every call; returns how many results were wrong."""
     wrong = 0
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads,
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads,
               TORCH_GEMM_AR_COMPUTE_THREADS=compute_threads):
         for step in range(calls):
             op, shape, dim, k, n, dtype, with_bias = random_stress_case(seed, step, world)

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from .._ops import allgather_gemm
-from .dtensor_row_parallel import RowwiseLayouts, is_dtensor, sequence_shard_dim
-from .row_parallel_linear import check_algorithm
+from .dtensor_row_parallel import (
+    RowwiseLayouts, adopt_parallelized_linear, is_dtensor, parallelized_linear_repr, sequence_shard_dim,
+)
 
 
 def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
@@ -60,20 +61,8 @@ class DTensorColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        if linear.bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = linear.bias
-        self.device_mesh = layouts.mesh
-        self.input_layouts = layouts.input_layouts
-        self.output_layouts = layouts.output_layouts
-        self.use_local_output = layouts.use_local_output
+        adopt_parallelized_linear(self, linear, layouts, algorithm)
         self.gather_dim = sequence_shard_dim(layouts.input_layouts)
-        self.group_name = layouts.mesh.get_group().group_name
-        self.algorithm = check_algorithm(algorithm, "DTensorColumnParallelLinear")
 
     def _local_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's sequence shard: a plain input is taken as input_layouts says (as ColwiseParallel's pre-hook
@@ -105,6 +94,4 @@ class DTensorColumnParallelLinear(nn.Module):
         return DTensor.from_local(out, self.device_mesh, self.output_layouts, run_check=False)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"input_layouts={self.input_layouts}, use_local_output={self.use_local_output}, "
-                f"mesh_size={self.device_mesh.size()}, algorithm={self.algorithm!r}")
+        return parallelized_linear_repr(self, with_output_layouts=False)

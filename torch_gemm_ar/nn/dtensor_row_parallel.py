@@ -190,6 +190,31 @@ def rowwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other
     return problems
 
 
+def adopt_parallelized_linear(module: nn.Module, linear: nn.Linear, layouts: RowwiseLayouts, algorithm: str) -> None:
+    """What a DTensor stand-in takes over from the parallelized nn.Linear: its sizes, the same Parameter objects and
+    the style's mesh, layouts and group."""
+    module.in_features = linear.in_features
+    module.out_features = linear.out_features
+    module.weight = linear.weight
+    if linear.bias is None:
+        module.register_parameter("bias", None)
+    else:
+        module.bias = linear.bias
+    module.device_mesh = layouts.mesh
+    module.input_layouts = layouts.input_layouts
+    module.output_layouts = layouts.output_layouts
+    module.use_local_output = layouts.use_local_output
+    module.group_name = layouts.mesh.get_group().group_name
+    module.algorithm = check_algorithm(algorithm, type(module).__name__)
+
+
+def parallelized_linear_repr(module: nn.Module, *, with_output_layouts: bool) -> str:
+    output = f"output_layouts={module.output_layouts}, " if with_output_layouts else ""
+    return (f"in_features={module.in_features}, out_features={module.out_features}, bias={module.bias is not None}, "
+            f"input_layouts={module.input_layouts}, {output}use_local_output={module.use_local_output}, "
+            f"mesh_size={module.device_mesh.size()}, algorithm={module.algorithm!r}")
+
+
 class _SumGradOverGroup(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient over the group (Megatron's copy_to_tensor_model_parallel
     region). gemm_reduce_scatter's bias gradient is this rank's chunk's share (Megatron leaves the all-reduce of
@@ -217,19 +242,7 @@ class DTensorRowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.weight = linear.weight
-        if linear.bias is None:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = linear.bias
-        self.device_mesh = layouts.mesh
-        self.input_layouts = layouts.input_layouts
-        self.output_layouts = layouts.output_layouts
-        self.use_local_output = layouts.use_local_output
-        self.group_name = layouts.mesh.get_group().group_name
-        self.algorithm = check_algorithm(algorithm, "DTensorRowParallelLinear")
+        adopt_parallelized_linear(self, linear, layouts, algorithm)
         # None: all_reduce (Replicate output); else the output's sequence dim that the reduce-scatter splits.
         self.scatter_dim = None if layouts.output_layouts[0].is_replicate() else sequence_shard_dim(
             layouts.output_layouts)
@@ -313,6 +326,4 @@ class DTensorRowParallelLinear(nn.Module):
         return tuple(DTensor.from_local(t, self.device_mesh, (Replicate(),), run_check=False) for t in (out, normed))
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, use_local_output={self.use_local_output}, "
-                f"mesh_size={self.device_mesh.size()}, algorithm={self.algorithm!r}")
+        return parallelized_linear_repr(self, with_output_layouts=True)
