@@ -173,3 +173,49 @@ def test_ranks_whose_tuning_drifts_apart_raise_then_retune_together(ranks, tmp_p
     results = ranks(2).run(drift_apart, str(tmp_path / "tune.json"))
     assert [len(d) for d in results] == [1, 1], results
     assert results[0][0]["algorithm"] == results[1][0]["algorithm"]
+
+
+def tune_with_deferred_clock(rank, world, seed, cache_path, calls):
+    previous = _C._set_deferred_tuner_clock(1)
+    try:
+        return tune_by_calls(rank, world, seed, cache_path, calls)[0]
+    finally:
+        _C._set_deferred_tuner_clock(previous)
+
+
+def test_a_device_clock_read_at_the_next_call_tunes_alike(ranks, tmp_path):
+    """The NPU's path (each tuning call's clock read at the bucket's next call), run on the host's clock."""
+    reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
+    decisions = ranks(2).run(tune_with_deferred_clock, random.randrange(1 << 20), str(tmp_path / "t.json"), 3 * reps + 2)
+    assert all(len(d) == 1 for d in decisions), decisions
+    assert decisions[0][0]["algorithm"] == decisions[1][0]["algorithm"], decisions
+    times = decisions[0][0]["slowest_rank_best_us"]
+    assert set(times) == {"fused", "sequential", "chunked"}, times
+    # A clock that was never read would leave 0 us: every candidate must have been timed.
+    assert all(t > 0 for t in times.values()), times
+
+
+def unreadable_clock_on_rank_1(rank, world, seed, cache_path):
+    fresh_tuner(cache_path)
+    previous = _C._set_deferred_tuner_clock(2 if rank == 1 else 1)
+    errors = []
+    try:
+        for i in range(4):
+            try:
+                checked_auto_call(rank, world, seed + i, 100, 40, 90)
+            except RuntimeError as e:
+                errors.append((i, type(e).__name__, str(e)))
+    finally:
+        _C._set_deferred_tuner_clock(previous)
+    checked_auto_call(rank, world, seed + 9, 100, 40, 90)  # the group goes on afterwards
+    return errors
+
+
+def test_a_device_clock_that_cannot_be_read_raises_on_every_rank(ranks, tmp_path):
+    results = ranks(2).run(unreadable_clock_on_rank_1, random.randrange(1 << 20), str(tmp_path / "t.json"))
+    # The first tuning call's clock is read by the second call: that call raises on both ranks, not only rank 1.
+    for rank, errors in enumerate(results):
+        assert errors and errors[0][0] == 1, (rank, errors)
+        assert all(name == "RuntimeError" for _, name, _ in errors), errors
+    assert "timing the previous tuning call" in results[1][0][2], results[1]
+    assert "did not finish in time" in results[0][0][2] and "rank 1" in results[0][0][2], results[0]

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from inputs import TOLERANCE, bias_vector, reference, shard, weight
-from test_fused_engine import SMALL_TILES, _env, shm_entries
+from scoped_env import scoped_env
+from test_fused_engine import SMALL_TILES, shm_entries
 
 
 def check(out, shards, b, bias=None):
@@ -73,7 +74,7 @@ def thread_count():
 
 
 def two_groups_first_calls_together(rank, world, seed, rounds):
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
         return _two_groups_first_calls_together(rank, world, seed, rounds)
 
 
@@ -122,7 +123,7 @@ def crossed_first_calls(rank, world, process_wide_lock):
                 fused_checked(rank, world, 70 + i, groups[i], m=30, n=20 + i)
             return body
 
-        with _env(TORCH_GEMM_AR_TIMEOUT_S="6"):
+        with scoped_env(TORCH_GEMM_AR_TIMEOUT_S="6"):
             errors = run_threads([caller(0), caller(1)], timeout_s=60)
     finally:
         _C._set_process_wide_setup_lock(previous)
@@ -222,7 +223,7 @@ def test_fused_against_sequential_from_threads_disagree(ranks):
 def groups_come_and_go(rank, world, seed, rounds):
     fused_checked(rank, world, seed)  # the world group's engine exists throughout
     counts = []
-    with _env(TORCH_GEMM_AR_COMM_THREADS="2"):
+    with scoped_env(TORCH_GEMM_AR_COMM_THREADS="2"):
         for r in range(rounds):
             group = dist.new_group(list(range(world)))
             fused_checked(rank, world, seed + r, group, m=64, n=200)
@@ -312,7 +313,7 @@ def interrupted_then_exit(rank, world, victim, timeout_s):
             os._exit(130)  # the rank exits (as an uncaught KeyboardInterrupt would end it)
         return "not interrupted"
     start = time.monotonic()
-    with _env(TORCH_GEMM_AR_TIMEOUT_S=str(timeout_s)):
+    with scoped_env(TORCH_GEMM_AR_TIMEOUT_S=str(timeout_s)):
         try:
             for seed in range(2, 50):
                 fused_checked(rank, world, seed, m=300, n=200)
@@ -354,7 +355,7 @@ def rss_mib():
 def long_run(rank, world, seed, calls):
     rng = random.Random(seed)
     rss = []
-    with _env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES):
         for step in range(calls):
             m, k, n = rng.randint(1, 120), rng.randint(1, 48), rng.randint(1, 130)
             dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
@@ -376,7 +377,7 @@ def test_long_run_stays_correct_and_memory_stops_growing():
     from rank_pool import RankPool
 
     calls = 40000
-    with _env(TORCH_GEMM_AR_OUTPUT_CACHE_MB="16"):
+    with scoped_env(TORCH_GEMM_AR_OUTPUT_CACHE_MB="16"):
         pool = RankPool(2)
     try:
         results = pool.run(long_run, random.randrange(1 << 20), calls, timeout_s=900)

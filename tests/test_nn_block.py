@@ -119,8 +119,8 @@ def block_equivalence(rank, world, seed, style, bias, algorithm):
 @pytest.mark.parametrize("style", ["plain", "dtensor", "sp"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_forward_backward_match_unfused_and_float64(ranks, world, style, bias):
-    # The sequence-parallel ops have no `chunked` (their collective is one phase already).
-    choices = ["sequential", "auto", "auto", "auto"] if style == "sp" else ["sequential", "chunked", "fused", "auto"]
+    # The sequence-parallel ops have no `chunked` (their collective is one phase already): fused twice instead.
+    choices = ["sequential", "fused", "fused", "auto"] if style == "sp" else ["sequential", "chunked", "fused", "auto"]
     algorithm = choices[(2 * (world - 2) + bias) % 4]
     ranks(world).run(block_equivalence, random.randrange(1 << 30), style, bias, algorithm)
 
@@ -132,7 +132,7 @@ def training_steps(rank, world, seed, style, steps):
     # SGD rather than Adam: Adam's normalisation would blow rounding-level gradient differences up to lr.
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in (unfused, converted)]
     # Converted after the optimizer was built: it must keep driving the same parameters.
-    convert(style, converted, "chunked" if style == "dtensor" else "sequential")
+    convert(style, converted, {"dtensor": "chunked", "plain": "sequential", "sp": "fused"}[style])
     g = torch.Generator().manual_seed(seed + 2)
     for _ in range(steps):
         x = local_rows(style, torch.randn(BATCH, seq_len(style, world), cfg.hidden, generator=g), rank, world)

@@ -66,6 +66,8 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::call_signature": "pure: fills an array (rank_agreement.cpp)",
     "gemm_ar::signature_field_name": "pure: a table lookup (rank_agreement.cpp)",
     "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
+    "gemm_ar::npu::start_npu_clock": "auto's tuning calls only (a bucket's first few calls): records a timing event",
+    "gemm_ar::npu::npu_stream_capturing": "a capture-status query (no device wait)",
     "gemm_ar::launch_gemm_compute": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_gemm_comm": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_rs_compute": "the bisheng launch shim: queues the kernel on the stream",

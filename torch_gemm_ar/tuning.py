@@ -53,10 +53,11 @@ def calls_to_decide() -> int:
 
 
 def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.dtype = torch.float32, *,
-         bias: bool = False) -> List[dict]:
+         bias: bool = False, device: Optional[torch.device] = None) -> List[dict]:
     """Decides `auto` for each (M, K, N) on `group` now, with random inputs: M rows, this rank's K (the shard),
-    N outputs. Collective: every rank of the group calls it with the same arguments. Returns the decisions taken
-    (none for buckets already decided in this process or with a single candidate)."""
+    N outputs, on `device` (default CPU; pass the rank's NPU to tune its calls there, timed by device events).
+    Collective: every rank of the group calls it with the same arguments. Returns the decisions taken (none for
+    buckets already decided in this process or with a single candidate)."""
     shapes = [tuple(int(v) for v in s) for s in shapes]
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
@@ -67,9 +68,9 @@ def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.
     calls = calls_to_decide()  # every sample, then the deciding call; the same count on every rank
     generator = torch.Generator().manual_seed(0)
     for m, k, n in shapes:
-        a = torch.randn(m, k, generator=generator).to(dtype)
-        b = torch.randn(k, n, generator=generator).to(dtype)
-        bias_t = torch.randn(n, generator=generator).to(dtype) if bias else None
+        a = torch.randn(m, k, generator=generator).to(device=device, dtype=dtype)
+        b = torch.randn(k, n, generator=generator).to(device=device, dtype=dtype)
+        bias_t = torch.randn(n, generator=generator).to(device=device, dtype=dtype) if bias else None
         for _ in range(calls):
             gemm_allreduce(a, b, group, bias=bias_t, algorithm="auto")
     return decisions()[before:]

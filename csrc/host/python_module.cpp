@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },
         "CPU fused engine: a deliberate bug for negative-control tests (one setup at a time in the process)");
+  m.def("_set_deferred_tuner_clock", [&switches](int mode) { return switches.deferred_tuner_clock.exchange(mode); },
+        "tests: 1 times auto's tuning calls as the NPU does (a clock read at the next call), 2 makes reading it fail");
   m.def("_agreement_payload_calls", &gemm_ar::agreement_payload_calls,
         "how many calls of this process got their result from the agreement exchange (tests)");
   auto& tuner = gemm_ar::AutoTuner::instance();

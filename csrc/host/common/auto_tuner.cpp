@@ -86,6 +86,7 @@ struct TuneBucket {
   int64_t step = 0;                     // next tuning step (0: the bucket is met by its next call)
   std::vector<std::vector<double>> samples;  // per candidate: the slowest rank's seconds of each run
   double last_seconds = 0;              // this rank's time of the previous step
+  std::function<double()> pending_seconds;  // ... when a device clock still has to be read (record_pending)
   bool decided = false;
   Algorithm decision = Algorithm::Sequential;
   uint64_t last_used = 0;               // the group's call clock: least recently used buckets go first
@@ -251,12 +252,18 @@ int64_t reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
 }  // namespace
 
 Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                                      Algorithm static_choice) {
+                                      Algorithm static_choice, bool may_tune) {
   if (call.m == 0 || !call.error.empty()) return static_choice;  // nothing to measure
   State& st = *state_;
-  std::lock_guard<std::mutex> lock(st.mutex);
   const at::Device device = call.b.defined() ? call.b.device() : at::Device(at::kCPU);
   const std::string key = bucket_key(call, group.getSize(), device, fused_available);
+  if (!may_tune) {  // a decision made earlier in this process, else the static policy; no tuning state is touched
+    std::lock_guard<std::mutex> lock(st.mutex);
+    const TuneBucket* known = st.find(group, key);
+    return known != nullptr && known->decided ? known->decision : static_choice;
+  }
+  if (!resolve_pending_time(call, group, key)) return static_choice;  // call.error says why, on every rank
+  std::lock_guard<std::mutex> lock(st.mutex);
   call.tune_bucket = key;
   TuneBucket& bucket = st.bucket(group, key);
   if (bucket.decided) return bucket.decision;
@@ -345,9 +352,40 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
 }
 
 void AutoTuner::record(const CallArgs& call, c10d::ProcessGroup& group, double seconds) {
+  record(call, group, seconds, call.tune_bucket);
+}
+
+void AutoTuner::record(const CallArgs&, c10d::ProcessGroup& group, double seconds, const std::string& key) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  TuneBucket* bucket = state_->find(group, key);
+  if (bucket != nullptr && !bucket->decided) bucket->last_seconds = seconds;
+}
+
+void AutoTuner::record_pending(const CallArgs& call, c10d::ProcessGroup& group, std::function<double()> seconds) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   TuneBucket* bucket = state_->find(group, call.tune_bucket);
-  if (bucket != nullptr && !bucket->decided) bucket->last_seconds = seconds;
+  if (bucket != nullptr && !bucket->decided) bucket->pending_seconds = std::move(seconds);
+}
+
+bool AutoTuner::resolve_pending_time(CallArgs& call, c10d::ProcessGroup& group, const std::string& key) {
+  std::function<double()> pending;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TuneBucket* bucket = state_->find(group, key);
+    if (bucket == nullptr || !bucket->pending_seconds) return true;
+    pending = std::move(bucket->pending_seconds);
+    bucket->pending_seconds = nullptr;
+  }
+  double seconds = 0;
+  try {
+    seconds = pending();  // may wait for the device (bounded): outside the lock, other groups' calls go on
+  } catch (const std::exception& e) {
+    call.error_code = kTuningClockError;
+    call.error = call.op_name + ": timing the previous tuning call of this shape on the device failed: " + e.what();
+    return false;
+  }
+  record(call, group, seconds, key);
+  return true;
 }
 
 void AutoTuner::reset(const CallArgs& call, c10d::ProcessGroup& group) {

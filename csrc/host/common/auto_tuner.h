@@ -29,13 +29,16 @@ class AutoTuner {
 
   // Asked before the agreement of an auto call: the decided algorithm, or Auto while the bucket is still being
   // met or tuned (then the call's tune_* fields are set, and after_agreement chooses from every rank's signature).
+  // may_tune=false (a graph being captured): only a decision already made in this process, else static_choice.
   Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                             Algorithm static_choice);
+                             Algorithm static_choice, bool may_tune = true);
   // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
   // what this call runs (the next candidate, or the decision once every sample is in).
   Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);
   // This rank's time of the tuning call that just ran.
   void record(const CallArgs& call, c10d::ProcessGroup& group, double seconds);
+  // The same, known later (a device clock): `seconds` is asked, outside the tuner's lock, at the bucket's next call.
+  void record_pending(const CallArgs& call, c10d::ProcessGroup& group, std::function<double()> seconds);
   // Forgets the tuning state of the call's bucket (the ranks disagreed about it: start again, together).
   void reset(const CallArgs& call, c10d::ProcessGroup& group);
 
@@ -46,6 +49,9 @@ class AutoTuner {
 
  private:
   struct State;
+  void record(const CallArgs& call, c10d::ProcessGroup& group, double seconds, const std::string& bucket_key);
+  // Reads the bucket's pending device time, if any, into its last_seconds; false (call.error set) when it fails.
+  bool resolve_pending_time(CallArgs& call, c10d::ProcessGroup& group, const std::string& bucket_key);
   AutoTuner();
   State* state_;  // never freed: calls may run during static destruction
 };

@@ -45,6 +45,7 @@ const char* error_code_summary(int64_t code) {
     case kAlgorithmUnavailableError: return "algorithm not implemented for this op";
     case kBadResidualError: return "invalid `residual` (must have shape a.shape[:-1] + [N], a's dtype and device)";
     case kBadNormWeightError: return "invalid `norm_weight` (must be 1-D [N], a's dtype and device)";
+    case kTuningClockError: return "an earlier tuning call's kernels did not finish in time";
     default: return "invalid arguments";
   }
 }

@@ -65,6 +65,9 @@ constexpr int64_t kAlgorithmUnavailableError = 11;  // an algorithm this op does
 // Error codes of the add+RMSNorm epilogue's extra arguments (common/add_rmsnorm.cpp).
 constexpr int64_t kBadResidualError = 12;
 constexpr int64_t kBadNormWeightError = 13;
+// A device clock of an earlier tuning call could not be read (its kernels did not finish in time): every rank
+// raises (RuntimeError), none waits in the agreement for it.
+constexpr int64_t kTuningClockError = 14;
 
 // Short description of an error code, used when another rank reports it.
 const char* error_code_summary(int64_t code);

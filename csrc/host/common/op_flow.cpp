@@ -34,7 +34,8 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
   } else if (call.error.empty() && chosen == Algorithm::Auto) {
     chosen = backend.choose_auto(call, group, fused_reason.empty());
     if (backend.measured_auto && AutoTuner::enabled()) {
-      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen);
+      const bool may_tune = !(backend.capturing && backend.capturing());
+      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune);
     }
   }
   if (before_exchange) before_exchange(chosen);
@@ -53,8 +54,17 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
   return chosen;
 }
 
-at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const std::function<at::Tensor()>& body) {
+at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
+                           const std::function<at::Tensor()>& body) {
   if (call.tune_step < 0) return body();
+  std::shared_ptr<DeviceClock> clock = backend.start_device_clock ? backend.start_device_clock() : nullptr;
+  if (clock) {
+    at::Tensor out = body();
+    clock->stop();
+    // Read at the bucket's next call, when the device has (almost always) run this one: no wait here.
+    AutoTuner::instance().record_pending(call, group, [clock] { return clock->seconds(); });
+    return out;
+  }
   const auto start = std::chrono::steady_clock::now();
   at::Tensor out = body();
   AutoTuner::instance().record(call, group, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -79,7 +89,7 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
   });
   if (call.m == 0) return at::empty(call.out_shape, b.options());
   if (payload.reduced) return payload.data.to(call.dtype).view(call.out_shape);
-  return timed_for_tuner(call, *group, [&]() -> at::Tensor {
+  return timed_for_tuner(call, *group, backend, [&]() -> at::Tensor {
     switch (chosen) {
       case Algorithm::Sequential: return run_sequential(call, *group);
       case Algorithm::Chunked: return run_chunked(call, *group, chunk_count());

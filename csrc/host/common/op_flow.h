@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 
@@ -11,6 +12,16 @@
 #include "common/rank_agreement.h"
 
 namespace gemm_ar {
+
+// A tuning call's clock on the device, for backends whose calls return before the device has run them (NPU: timing
+// events on the caller's stream). Started before the call's work is queued, stopped after it; seconds() is asked at
+// the bucket's next call and may wait for the device, bounded by TORCH_GEMM_AR_TIMEOUT_S (then it raises).
+class DeviceClock {
+ public:
+  virtual ~DeviceClock() = default;
+  virtual void stop() = 0;
+  virtual double seconds() = 0;
+};
 
 struct BackendHooks {
   c10::DeviceType device_type;
@@ -27,6 +38,12 @@ struct BackendHooks {
   // `auto` decided by measurement (common/auto_tuner.h) where TORCH_GEMM_AR_AUTOTUNE allows; choose_auto then
   // only gives the choice while tracing-free fallbacks apply.
   bool measured_auto = false;
+  // Starts a DeviceClock on the current stream; empty: tuning calls are timed on the host (the CPU backends, whose
+  // calls have finished when they return).
+  std::function<std::unique_ptr<DeviceClock>()> start_device_clock;
+  // True while the current stream is being captured into a graph: no tuning then (a captured tuning step would be
+  // replayed forever); the decision already made, else choose_auto's. Empty: never capturing.
+  std::function<bool()> capturing;
   // `fused` of the sequence-parallel ops (common/sequence_parallel_flow.h), where the backend has it: the rank's
   // chunk of the reduce-scatter; the product and the gathered a of the allgather.
   std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&)> run_fused_reduce_scatter;
@@ -43,8 +60,9 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
                            const at::Device& device, const std::function<void(Algorithm)>& before_exchange = {});
 
 // Runs `body` (the chosen algorithm of a call on a group of two or more ranks); a tuning call's time on this rank
-// goes to the `auto` tuner (the next call tells the other ranks).
-at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const std::function<at::Tensor()>& body);
+// (on the host, or the backend's DeviceClock) goes to the `auto` tuner (the next call tells the other ranks).
+at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
+                           const std::function<at::Tensor()>& body);
 
 // `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
 // are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.

@@ -184,6 +184,15 @@ std::vector<CallSignature> exchange_cpu_buffer(c10d::ProcessGroup& group, const 
 
 }  // namespace
 
+bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, const CallArgs& mine) {
+  const auto not_an_argument = [](int64_t code) { return code == kFusedUnavailableError || code == kTuningClockError; };
+  if (mine.error_code != 0) return !not_an_argument(mine.error_code);  // this rank's own message is raised
+  for (const auto& s : all) {
+    if (not_an_argument(s[kSigError])) return false;
+  }
+  return true;
+}
+
 int64_t agreement_payload_calls() { return payload_calls.load(std::memory_order_relaxed); }
 
 std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
@@ -198,8 +207,9 @@ std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const Ca
       call.payload->reduced = false;
     }
   }
-  if (call.error_code == kFusedUnavailableError) TORCH_CHECK(problem.empty(), problem);
-  TORCH_CHECK_VALUE(problem.empty(), problem);
+  if (problem.empty()) return all;
+  if (agreement_problem_is_value_error(all, call)) TORCH_CHECK_VALUE(false, problem);
+  TORCH_CHECK(false, problem);
   return all;
 }
 

@@ -40,6 +40,10 @@ CallSignature call_signature(const CallArgs& call, Algorithm chosen);
 std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank, const CallArgs& mine,
                                 const std::string& group_name);
 
+// Whether diagnose_signatures' problem is a bad argument or a disagreement (ValueError) rather than a failure that
+// is not the caller's input, on this rank or another (RuntimeError: fused unavailable, a tuning clock unreadable).
+bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, const CallArgs& mine);
+
 // Exchanges signatures with one small all_reduce on `group` (bounded by TORCH_GEMM_AR_TIMEOUT_S) and throws the
 // diagnosis, if any, on every rank. Returns every rank's signature.
 // On CPU the exchange is one fp32 buffer of a fixed size -- the signature table, each field in 16-bit pieces

@@ -76,7 +76,7 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
   }
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
   check_implemented(call, chosen, backend.run_fused_reduce_scatter != nullptr);
-  return timed_for_tuner(call, *group, [&] {
+  return timed_for_tuner(call, *group, backend, [&] {
     if (chosen == Algorithm::Fused && call.m > 0) return backend.run_fused_reduce_scatter(call, *group);
     // Rank 0 adds the bias to its partial product, so the reduced sum holds it once in every chunk.
     auto partial = local_product(call.a2d, call, /*add_bias=*/group->getRank() == 0).view(call.out_shape);
@@ -103,7 +103,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device());
   check_implemented(call, chosen, backend.run_fused_allgather != nullptr);
   at::Tensor gathered;
-  auto out = timed_for_tuner(call, *group, [&] {
+  auto out = timed_for_tuner(call, *group, backend, [&] {
     if (chosen == Algorithm::Fused && call.m > 0) {
       auto [result, all_rows] = backend.run_fused_allgather(call, *group);
       gathered = std::move(all_rows);

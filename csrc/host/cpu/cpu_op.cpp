@@ -2,6 +2,9 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
+#include <chrono>
+#include <memory>
+
 #include "common/op_flow.h"
 #include "common/rank_agreement.h"
 #include "cpu/auto_policy.h"
@@ -20,8 +23,31 @@ FusedEngine& engine_of_this_call(c10d::ProcessGroup& group) {
   return *current_engine;
 }
 
-const BackendHooks& cpu_backend() {
-  static const BackendHooks hooks{
+namespace {
+
+// EngineSwitches::deferred_tuner_clock: the NPU's deferred tuning clock, run on the host for the tests.
+class DeferredHostClock final : public DeviceClock {
+ public:
+  explicit DeferredHostClock(bool fails) : fails_(fails), start_(std::chrono::steady_clock::now()) {}
+  void stop() override { stop_ = std::chrono::steady_clock::now(); }
+  double seconds() override {
+    TORCH_CHECK(!fails_, "the call's kernels did not finish (a deliberate failure: _set_deferred_tuner_clock(2))");
+    return std::chrono::duration<double>(stop_ - start_).count();
+  }
+
+ private:
+  bool fails_;
+  std::chrono::steady_clock::time_point start_, stop_;
+};
+
+std::unique_ptr<DeviceClock> start_deferred_host_clock() {
+  const int mode = engine_switches().deferred_tuner_clock.load(std::memory_order_relaxed);
+  if (mode == 0) return nullptr;  // the host's own timing
+  return std::make_unique<DeferredHostClock>(mode == 2);
+}
+
+BackendHooks make_cpu_backend() {
+  BackendHooks hooks{
       c10::DeviceType::CPU,
       {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble},
       [](const CallArgs&, c10d::ProcessGroup& group) { return engine_of_this_call(group).unavailable_reason(); },
@@ -36,6 +62,14 @@ const BackendHooks& cpu_backend() {
       },
       /*measured_auto=*/true,
   };
+  hooks.start_device_clock = &start_deferred_host_clock;
+  return hooks;
+}
+
+}  // namespace
+
+const BackendHooks& cpu_backend() {
+  static const BackendHooks hooks = make_cpu_backend();
   return hooks;
 }
 

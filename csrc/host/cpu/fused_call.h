@@ -51,6 +51,9 @@ struct EngineSwitches {
   // A deliberate bug for a negative-control test: one process-wide lock held while a group's setup waits for its
   // peers (groups set up from two threads at once can then deadlock across ranks).
   std::atomic<bool> process_wide_setup_lock{false};
+  // Tests of the NPU's tuning clock on the host: 1 times tuning calls with a DeviceClock read at the bucket's next
+  // call (the NPU path, on the host's clock); 2 as 1, but reading the clock fails (kernels that never finished).
+  std::atomic<int> deferred_tuner_clock{0};
 };
 EngineSwitches& engine_switches();
 

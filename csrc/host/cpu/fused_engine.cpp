@@ -292,7 +292,7 @@ std::vector<CallSignature> FusedEngine::check_every_signature(const CallArgs& ca
     raise(e.what(), false);
   }
   const std::string problem = diagnose_signatures(all, rank_, call, group_name_);
-  if (!problem.empty()) raise(problem, true);
+  if (!problem.empty()) raise(problem, agreement_problem_is_value_error(all, call));
   return all;
 }
 

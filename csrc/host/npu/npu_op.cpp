@@ -10,6 +10,7 @@
 #include "common/op_flow.h"
 #include "common/sequence_parallel_flow.h"
 #include "common/settings.h"
+#include "npu/device_clock.h"
 #include "npu/fused_npu.h"
 
 namespace gemm_ar::npu {
@@ -73,6 +74,10 @@ BackendHooks make_npu_backend() {
   hooks.choose_auto = &choose_auto;
   // After the group's first fused call, fused calls agree inside the comm kernel, not over the process group.
   hooks.check_agreement = &agree_fused;
+  // `auto` by measurement, as on CPU, each tuning call timed by events on the device (issue 11).
+  hooks.measured_auto = true;
+  hooks.start_device_clock = &start_npu_clock;
+  hooks.capturing = &npu_stream_capturing;
   hooks.run_fused_reduce_scatter = &run_fused_reduce_scatter;
   hooks.run_fused_allgather = &run_fused_allgather;
   return hooks;
