@@ -106,6 +106,14 @@ void bind_ownership_and_schedule(py::module_& m) {
       py::arg("base_k"), py::arg("k_slices"), py::arg("sub_m"));
   m.def("single_chunk", &single_chunk, py::arg("plan"));
   m.def("chunk_of_tile_row", &chunk_of_tile_row, py::arg("chunks"), py::arg("mi"));
+  m.def("chunk_tile_count", &chunk_tile_count, py::arg("plan"), py::arg("chunks"));
+  m.def("chunk_tile_row", &chunk_tile_row, py::arg("chunks"), py::arg("g"), py::arg("i"));
+  m.def("chunk_tile", &chunk_tile, py::arg("plan"), py::arg("chunks"), py::arg("g"), py::arg("t"));
+  m.def("chunk_of_tile", &chunk_of_tile, py::arg("plan"), py::arg("chunks"), py::arg("t"));
+  m.def("chunk_owner", &chunk_owner, py::arg("g"), py::arg("world"));
+  m.def("chunked_owner_rows", &chunked_owner_rows, py::arg("chunks"), py::arg("world"), py::arg("rank"));
+  m.def("chunked_owner_padded_row0", &chunked_owner_padded_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
+        py::arg("world"));
   m.def("chunked_tile_row0", &chunked_tile_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"));
   m.def("chunked_owner_row0", &chunked_owner_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
         py::arg("world"));
