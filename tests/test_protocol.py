@@ -373,6 +373,32 @@ def test_every_queue_drained_by_exactly_one_comm_block():
         assert counts == sorted(counts, reverse=True)  # low comm blocks drain the most queues
 
 
+def test_sequence_parallel_walk():
+    """The NPU sequence-parallel kernels' compute order over a row-chunked plan of one chunk per rank: every tile
+    exactly once, chunk by chunk (reduce-scatter: from the next rank's chunk on, its own last; allgather: its own
+    first), each chunk's tiles in zig-zag order; compute block b takes items b, b + P, ..."""
+    rng = random.Random(24)
+    cases = [(1, 5, 7, 1), (2, 300, 520, 3), (4, 1, 1, 5)]
+    cases += [(rng.randint(1, 6), rng.randint(1, 60), rng.randint(1, 60), rng.randint(1, 7)) for _ in range(40)]
+    for world, rows, n, blocks in cases:
+        plan, chunks = P.make_row_chunked_plan(world, rows, n, 3, 16, 16, 1, 1, 4)
+        assert P.sp_chunks_usable(chunks, world) and not P.sp_chunks_usable(chunks, world + 1)
+        per_chunk = P.chunk_tile_count(plan, chunks)
+        for op in (P.kSpReduceScatter, P.kSpAllgather):
+            for me in range(world):
+                first = me + 1 if op == P.kSpReduceScatter else me
+                want = [((first + step) % world) * per_chunk + P.zigzag_tile(i, plan.n_tiles)
+                        for step in range(world) for i in range(per_chunk)]
+                order = [P.sp_item_tile(plan, chunks, me, op, item) for item in range(plan.tiles)]
+                assert order == want and sorted(order) == list(range(plan.tiles))
+                assert P.chunk_of_tile(plan, chunks, order[-1 if op == P.kSpReduceScatter else 0]) == me
+                for b in range(blocks + 1):
+                    count = P.sp_block_item_count(plan, blocks, b)
+                    walked = [P.sp_block_item(plan, chunks, me, op, blocks, b, j) for j in range(count)]
+                    assert walked == (order[b::blocks] if b < blocks else [])
+
+
+
 def test_every_owned_subtile_gathered_by_exactly_one_comm_block():
     rng = random.Random(41)
     cases = [(0, 1), (1, 1), (1, 4), (4, 1), (5, 8), (64, 4)]

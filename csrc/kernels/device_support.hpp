@@ -25,6 +25,10 @@ namespace device {
 
 using GmBytes = __gm__ uint8_t*;
 
+// NPU tile sizes (kernel_args.hpp) as int template arguments of tile types, for the cube and the vector kernels.
+constexpr int kBaseN = static_cast<int>(kNpuBaseN);
+constexpr int kSubM = static_cast<int>(kNpuSubM);
+
 constexpr uint32_t kDefaultWaitTimeoutUs = 30u * 1000u * 1000u;  // used when KernelArgs::wait_timeout_us == 0
 constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 system counter runs at 50 MHz
 

@@ -25,7 +25,7 @@
 //     overwrite it.
 #include <pto/pto-inst.hpp>
 
-#include "call_signature.hpp"
+#include "comm_block.hpp"
 #include "device_support.hpp"
 #include "ready_queue.hpp"
 #include "remote_window.hpp"
@@ -34,17 +34,6 @@
 namespace gemm_ar {
 namespace device {
 namespace {
-
-constexpr int kSubM = static_cast<int>(kNpuSubM);
-constexpr int kBaseN = static_cast<int>(kNpuBaseN);
-
-template <typename T>
-using SubTile = pto::Tile<pto::TileType::Vec, T, kSubM, kBaseN, pto::BLayout::RowMajor, pto::DYNAMIC, pto::DYNAMIC>;
-
-constexpr uint32_t kUbSubtileBytes = kSubM * kBaseN * 2;
-constexpr uint32_t kUbMove = 0;                           // every copy's staging
-constexpr uint32_t kUbZeros = kUbMove + kUbSubtileBytes;  // a subtile of zeros (reduce-scatter prepare)
-static_assert(kUbZeros + kUbSubtileBytes <= 192 * 1024, "UB overflow");
 
 // Stripe `stripe` of a plan tile: its tile row, where it starts in the tile row and in the columns, and its valid
 // rows x cols (at most sub_m x base_n; rows 0 when it lies wholly in the chunk's padding).
@@ -58,68 +47,19 @@ AICORE inline Span stripe_span(const TilePlan& p, const RowChunks& c, int64_t t,
   return {mi, stripe * p.sub_m, ni * p.base_n, chunked_stripe_rows(p, c, mi, stripe), tile_cols(p, ni)};
 }
 
+// Attach, agree and the poison come from CommBlockBase (comm_block.hpp).
 template <typename T>
-class SpCommBlock {
+class SpCommBlock : public CommBlockBase {
  public:
-  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op) : args_(args), c_(block), op_(op) {}
+  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op) : CommBlockBase(args, block), op_(op) {}
 
-  // False (error already recorded) when the device context does not match the arguments.
-  AICORE inline bool attach() {
-    if (!win_.init(args_)) {
-      report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
-      return false;
-    }
-    me_ = args_.rank;
-    world_ = args_.world;
-    run_ = chunk_ownership_run(args_.plan, args_.chunks);
-    tag_ = signal_tag(args_.epoch);
-    tag_high_ = signal_tag_high(args_.epoch);
-    return true;
-  }
-
-  // The call-signature agreement, as in gemm_allreduce's comm kernel (call_signature.hpp).
-  AICORE inline bool agree(bool usable) {
-    int64_t mine[kSignatureWords];
-    for (int64_t w = 0; w < kSignatureWords; ++w) mine[w] = args_.signature[w];
-    if (!usable && args_.signature_only == 0 && mine[0] == 0) mine[0] = kSignatureKernelRejected;
-    if (c_ == 0) publish_signature(win_, args_, mine);
-    const SignatureVerdict verdict = check_signatures(win_, args_, mine);
-    if (verdict.code == kErrNone) return true;
-    if (verdict.code != kErrAborted) {
-      report_error(args_, verdict.code, verdict.peer, verdict.item, static_cast<int32_t>(c_), 1);
-    }
-    return false;
-  }
-
-  // Rows of `out`: this rank's chunk (reduce-scatter; one chunk per rank) or every chunk's rows (allgather).
-  AICORE inline int64_t out_rows() const { return op_ == kSpReduceScatter ? args_.chunks.rows : args_.plan.m; }
-
-  // NaN over all of `out`, after this block's own last store there (issue 9, finding 5).
-  AICORE inline void poison() {
-    if (args_.out == 0) return;
-    pipe_barrier(PIPE_ALL);  // nothing of this block may still be using the staging UB
-    SubTile<T> nans(kSubM, kBaseN);
-    TASSIGN(nans, kUbMove);
-    TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    const int64_t rows = out_rows();
-    const int64_t n = args_.plan.n;
-    for (int64_t r0 = 0; r0 < rows; r0 += kSubM) {
-      for (int64_t c0 = 0; c0 < n; c0 += kBaseN) {
-        const int64_t h = rows - r0 < kSubM ? rows - r0 : kSubM;
-        const int64_t w = n - c0 < kBaseN ? n - c0 : kBaseN;
-        SubTile<T> view(static_cast<unsigned>(h), static_cast<unsigned>(w));
-        TASSIGN(view, kUbMove);
-        auto out = nd_view<T>(gm_at<T>(args_.out, 0) + r0 * args_.ldo + c0, h, w, args_.ldo);
-        TSTORE(out, view);
-      }
-    }
-    pipe_barrier(PIPE_ALL);
-  }
+  // NaN over all of `out`: this rank's chunk (reduce-scatter; one chunk per rank) or every chunk's rows
+  // (allgather).
+  AICORE inline void poison() { poison_rows<T>(op_ == kSpReduceScatter ? args_.chunks.rows : args_.plan.m); }
 
   AICORE inline void init_call() {
     queues_.init(args_, c_, op_);
+    run_ = chunk_ownership_run(args_.plan, args_.chunks);
     own_next_ = 0;
     own_seen_ = 0;
     pull_step_ = 1;
@@ -447,16 +387,9 @@ class SpCommBlock {
     report_error(args_, kErrTimeoutConsumed, consumed, c_, block, 1);
   }
 
-  const KernelArgs& args_;
-  const int64_t c_;
   const uint32_t op_;
-  RemoteWindows win_;
   QueueCursor queues_;
-  int32_t me_ = 0;
-  int32_t world_ = 1;
   int64_t run_ = 1;        // ownership run: a chunk's tiles (row_chunks.hpp, chunk_ownership_run)
-  uint32_t tag_ = 0;
-  uint32_t tag_high_ = 0;
   int64_t own_next_ = 0;   // reduce-scatter: index (j) of the next subtile of my chunk to copy out
   int32_t own_seen_ = 0;   // its contribution flags seen so far
   int32_t pull_step_ = 1;  // allgather: pulling from peer me + pull_step_ (done at world)
@@ -466,18 +399,7 @@ class SpCommBlock {
 template <uint32_t DType>
 AICORE inline void sp_comm_block_main(const KernelArgs& args, int64_t block, bool usable, uint32_t op) {
   SpCommBlock<typename ElemOf<DType>::type> comm(args, block, op);
-  if (!comm.attach()) {
-    if (usable) comm.poison();  // the device context does not match: no result will come (finding 5)
-    return;
-  }
-  if (!comm.agree(usable)) {
-    if (usable) comm.poison();
-    return;
-  }
-  if (!usable) return;  // signature-only call, agreed: nothing to move
-  comm.init_call();
-  comm.prepare();
-  if (!comm.run()) comm.poison();
+  run_comm_block(comm, usable);
 }
 
 AICORE inline void sp_comm_main(__gm__ uint8_t* args_gm, uint32_t op) {

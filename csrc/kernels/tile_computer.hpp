@@ -15,7 +15,6 @@
 namespace gemm_ar {
 namespace device {
 constexpr int kBaseM = static_cast<int>(kNpuBaseM);
-constexpr int kBaseN = static_cast<int>(kNpuBaseN);
 constexpr int kBaseK = static_cast<int>(kNpuBaseK);
 constexpr int kSlices = static_cast<int>(kNpuKSlices);
 constexpr int kStepK = kBaseK * kSlices;
