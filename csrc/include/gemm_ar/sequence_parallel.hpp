@@ -33,10 +33,8 @@
 #pragma once
 #include <cstdint>
 
-#include "comm_schedule.hpp"
 #include "kernel_args.hpp"
 #include "ownership.hpp"
-#include "partition.hpp"
 #include "row_chunks.hpp"
 #include "swizzle.hpp"
 
@@ -58,6 +56,7 @@ GEMM_AR_FN bool sp_chunks_usable(const RowChunks& c, int64_t world) { return c.c
 // peers' shards in the order they are pulled.
 GEMM_AR_FN int64_t sp_item_tile(const TilePlan& plan, const RowChunks& c, int64_t me, uint32_t op, int64_t item) {
   const int64_t per_chunk = chunk_tile_count(plan, c);
+  if (per_chunk <= 0 || c.count <= 0) return 0;  // no items: nothing to walk
   const int64_t step = item / per_chunk;
   const int64_t g = op == kSpReduceScatter ? (me + 1 + step) % c.count : (me + step) % c.count;
   return chunk_tile(plan, c, g, zigzag_tile(item % per_chunk, plan.n_tiles));
