@@ -277,6 +277,37 @@ def test_ownership_in_runs():
         assert P.run_owned_tile_count(tiles, world, world, run) == 0
 
 
+def _check_chunk_numbering(plan, chunks, one, world):
+    """Tile t of chunk g is the plan's tile g * (tiles of one chunk) + t, with the per-chunk plan's row and column;
+    chunk g's rank holds its chunks one after another, padded buffers keeping each chunk's padding."""
+    per_chunk = one.m_tiles * one.n_tiles
+    assert P.chunk_tile_count(plan, chunks) == per_chunk
+    run = P.chunk_ownership_run(plan, chunks)
+    seen = []
+    for g in range(chunks.count):
+        owner = g % world
+        assert P.chunk_owner(g, world) == owner
+        for i in range(chunks.m_tiles):
+            mi = P.chunk_tile_row(chunks, g, i)
+            assert mi == g * one.m_tiles + i and P.chunk_of_tile_row(chunks, mi) == g
+            assert P.chunked_owner_padded_row0(plan, chunks, mi, world) == ((g // world) * one.m_tiles + i) * one.base_m
+        for t in range(per_chunk):
+            tile = P.chunk_tile(plan, chunks, g, t)
+            seen.append(tile)
+            assert P.chunk_of_tile(plan, chunks, tile) == g
+            assert P.tile_row(plan, tile) == g * one.m_tiles + P.tile_row(one, t)
+            assert P.tile_col(plan, tile) == P.tile_col(one, t)
+            assert P.run_owner_of(tile, world, run) == owner
+            # The owner-local tile id (run ownership) sits where the padded owner row says.
+            local_tile = P.run_local_subtile(tile, 0, world, 1, run)
+            assert local_tile // one.n_tiles * one.base_m == P.chunked_owner_padded_row0(plan, chunks,
+                                                                                         P.tile_row(plan, tile), world)
+    assert seen == list(range(plan.tiles))  # the chunks' tiles are consecutive runs, in chunk order
+    for rank in range(world + 1):
+        owned = sum(1 for g in range(chunks.count) if g % world == rank)
+        assert P.chunked_owner_rows(chunks, world, rank) == owned * chunks.rows
+
+
 def test_row_chunked_plans():
     """Every chunk gets its own tile rows (no tile straddles two chunks), the rows of a tile row are where the plain
     per-chunk plan puts them, chunk g belongs to rank g % world and its rows sit at (g // world) * rows there, and
@@ -308,6 +339,7 @@ def test_row_chunked_plans():
         run = P.chunk_ownership_run(plan, chunks)
         for t in range(plan.tiles):
             assert P.run_owner_of(t, world, run) == P.chunk_of_tile_row(chunks, P.tile_row(plan, t)) % world
+        _check_chunk_numbering(plan, chunks, one, world)
     plain = P.make_tile_plan(100, 50, 3, 16, 16, 1, 1, 4)
     single = P.single_chunk(plain)
     assert (single.count, single.rows, single.m_tiles) == (1, 100, plain.m_tiles)
@@ -339,6 +371,32 @@ def test_every_queue_drained_by_exactly_one_comm_block():
             assert P.queue_comm_block(q, comm_blocks) == c
         counts = [P.comm_block_queue_count(c, compute_blocks, comm_blocks) for c in range(comm_blocks)]
         assert counts == sorted(counts, reverse=True)  # low comm blocks drain the most queues
+
+
+def test_sequence_parallel_walk():
+    """The NPU sequence-parallel kernels' compute order over a row-chunked plan of one chunk per rank: every tile
+    exactly once, chunk by chunk (reduce-scatter: from the next rank's chunk on, its own last; allgather: its own
+    first), each chunk's tiles in zig-zag order; compute block b takes items b, b + P, ..."""
+    rng = random.Random(24)
+    cases = [(1, 5, 7, 1), (2, 300, 520, 3), (4, 1, 1, 5)]
+    cases += [(rng.randint(1, 6), rng.randint(1, 60), rng.randint(1, 60), rng.randint(1, 7)) for _ in range(40)]
+    for world, rows, n, blocks in cases:
+        plan, chunks = P.make_row_chunked_plan(world, rows, n, 3, 16, 16, 1, 1, 4)
+        assert P.sp_chunks_usable(chunks, world) and not P.sp_chunks_usable(chunks, world + 1)
+        per_chunk = P.chunk_tile_count(plan, chunks)
+        for op in (P.kSpReduceScatter, P.kSpAllgather):
+            for me in range(world):
+                first = me + 1 if op == P.kSpReduceScatter else me
+                want = [((first + step) % world) * per_chunk + P.zigzag_tile(i, plan.n_tiles)
+                        for step in range(world) for i in range(per_chunk)]
+                order = [P.sp_item_tile(plan, chunks, me, op, item) for item in range(plan.tiles)]
+                assert order == want and sorted(order) == list(range(plan.tiles))
+                assert P.chunk_of_tile(plan, chunks, order[-1 if op == P.kSpReduceScatter else 0]) == me
+                for b in range(blocks + 1):
+                    count = P.sp_block_item_count(plan, blocks, b)
+                    walked = [P.sp_block_item(plan, chunks, me, op, blocks, b, j) for j in range(count)]
+                    assert walked == (order[b::blocks] if b < blocks else [])
+
 
 
 def test_every_owned_subtile_gathered_by_exactly_one_comm_block():

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "gemm_ar/protocol.hpp"
+#include "gemm_ar/sequence_parallel.hpp"
 
 namespace py = pybind11;
 
@@ -106,6 +107,14 @@ void bind_ownership_and_schedule(py::module_& m) {
       py::arg("base_k"), py::arg("k_slices"), py::arg("sub_m"));
   m.def("single_chunk", &single_chunk, py::arg("plan"));
   m.def("chunk_of_tile_row", &chunk_of_tile_row, py::arg("chunks"), py::arg("mi"));
+  m.def("chunk_tile_count", &chunk_tile_count, py::arg("plan"), py::arg("chunks"));
+  m.def("chunk_tile_row", &chunk_tile_row, py::arg("chunks"), py::arg("g"), py::arg("i"));
+  m.def("chunk_tile", &chunk_tile, py::arg("plan"), py::arg("chunks"), py::arg("g"), py::arg("t"));
+  m.def("chunk_of_tile", &chunk_of_tile, py::arg("plan"), py::arg("chunks"), py::arg("t"));
+  m.def("chunk_owner", &chunk_owner, py::arg("g"), py::arg("world"));
+  m.def("chunked_owner_rows", &chunked_owner_rows, py::arg("chunks"), py::arg("world"), py::arg("rank"));
+  m.def("chunked_owner_padded_row0", &chunked_owner_padded_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
+        py::arg("world"));
   m.def("chunked_tile_row0", &chunked_tile_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"));
   m.def("chunked_owner_row0", &chunked_owner_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
         py::arg("world"));
@@ -193,6 +202,18 @@ void bind_layout(py::module_& m) {
   m.def("queue_entry_offset", &queue_entry_offset, py::arg("layout"), py::arg("b"), py::arg("j"));
 }
 
+// The NPU sequence-parallel kernels' walk over a row-chunked plan (sequence_parallel.hpp).
+void bind_sequence_parallel(py::module_& m) {
+  m.attr("kSpReduceScatter") = static_cast<uint32_t>(kSpReduceScatter);
+  m.attr("kSpAllgather") = static_cast<uint32_t>(kSpAllgather);
+  m.def("sp_chunks_usable", &sp_chunks_usable, py::arg("chunks"), py::arg("world"));
+  m.def("sp_item_tile", &sp_item_tile, py::arg("plan"), py::arg("chunks"), py::arg("me"), py::arg("op"),
+        py::arg("item"));
+  m.def("sp_block_item_count", &sp_block_item_count, py::arg("plan"), py::arg("compute_blocks"), py::arg("b"));
+  m.def("sp_block_item", &sp_block_item, py::arg("plan"), py::arg("chunks"), py::arg("me"), py::arg("op"),
+        py::arg("compute_blocks"), py::arg("b"), py::arg("j"));
+}
+
 }  // namespace
 
 void bind_protocol(py::module_& m) {
@@ -201,6 +222,7 @@ void bind_protocol(py::module_& m) {
   bind_partition_and_swizzle(sub);
   bind_ownership_and_schedule(sub);
   bind_layout(sub);
+  bind_sequence_parallel(sub);
 }
 
 }  // namespace gemm_ar

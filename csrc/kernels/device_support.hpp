@@ -25,6 +25,10 @@ namespace device {
 
 using GmBytes = __gm__ uint8_t*;
 
+// NPU tile sizes (kernel_args.hpp) as int template arguments of tile types, for the cube and the vector kernels.
+constexpr int kBaseN = static_cast<int>(kNpuBaseN);
+constexpr int kSubM = static_cast<int>(kNpuSubM);
+
 constexpr uint32_t kDefaultWaitTimeoutUs = 30u * 1000u * 1000u;  // used when KernelArgs::wait_timeout_us == 0
 constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 system counter runs at 50 MHz
 
@@ -327,6 +331,17 @@ AICORE inline bool kernel_header_usable(const KernelArgs& args, int64_t launched
   return fixed_window_bytes(args.world) <= static_cast<int64_t>(args.window_bytes);
 }
 
+// Field-by-field equality of two structs of int64_t fields (kernel_args.hpp asserts their sizes).
+template <typename Words>
+AICORE inline bool same_words(const Words& want, const Words& got) {
+  const int64_t* w = reinterpret_cast<const int64_t*>(&want);
+  const int64_t* g = reinterpret_cast<const int64_t*>(&got);
+  for (uint64_t i = 0; i < sizeof(Words) / sizeof(int64_t); ++i) {
+    if (w[i] != g[i]) return false;
+  }
+  return true;
+}
+
 // The plan and the operands alone (not who runs it or where the windows are): enough to know `out` and its shape,
 // so that a call refused for its header can still poison its output (finding 5). sp_op: 0 for gemm_allreduce's
 // kernels, else the SpOpCode whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
@@ -350,24 +365,20 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0) return false;
   // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
   if (args.scratch % kWindowAlign != 0) return false;
-  // The plan and layout must be exactly what the shared functions give for these sizes and counts.
+  // Row chunks: gemm_allreduce has one, the sequence-parallel ops one per rank (sequence_parallel.hpp).
+  if (sp_op == 0 ? args.chunks.count != 1 : !sp_chunks_usable(args.chunks, args.world)) return false;
+  // The plan, chunks and layout must be exactly what the shared functions give for these sizes and counts.
   TilePlan plan{};
-  if (!make_tile_plan(&plan, p.m, p.n, p.k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)) return false;
-  const int64_t* want = reinterpret_cast<const int64_t*>(&plan);
-  const int64_t* got = reinterpret_cast<const int64_t*>(&p);
-  for (uint64_t i = 0; i < sizeof(TilePlan) / sizeof(int64_t); ++i) {
-    if (want[i] != got[i]) return false;
+  RowChunks chunks{};
+  if (!make_row_chunked_plan(&plan, &chunks, args.chunks.count, args.chunks.rows, p.n, p.k, kNpuBaseM, kNpuBaseN,
+                             kNpuBaseK, kNpuKSlices, kNpuSubM)) {
+    return false;
   }
   const KernelLayout layout =
-      sp_op == 0 ? make_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks)
-                 : make_sp_kernel_layout(p, dtype_bytes(args.dtype), args.world, args.compute_blocks,
+      sp_op == 0 ? make_kernel_layout(plan, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks)
+                 : make_sp_kernel_layout(plan, chunks, dtype_bytes(args.dtype), args.world, args.compute_blocks,
                                          args.comm_blocks, sp_op);
-  const int64_t* want_l = reinterpret_cast<const int64_t*>(&layout);
-  const int64_t* got_l = reinterpret_cast<const int64_t*>(&args.layout);
-  for (uint64_t i = 0; i < sizeof(KernelLayout) / sizeof(int64_t); ++i) {
-    if (want_l[i] != got_l[i]) return false;
-  }
-  return true;
+  return same_words(plan, p) && same_words(chunks, args.chunks) && same_words(layout, args.layout);
 }
 
 AICORE inline bool kernel_args_usable(const KernelArgs& args, int64_t launched_blocks, int64_t expected_blocks,

@@ -27,7 +27,7 @@
 // over all of `out` after its own last store there; issue 9, finding 5), so a failure cannot pass for a result.
 #include <pto/pto-inst.hpp>
 
-#include "call_signature.hpp"
+#include "comm_block.hpp"
 #include "device_support.hpp"
 #include "kernel_entry.h"
 #include "ready_queue.hpp"
@@ -37,22 +37,7 @@ namespace gemm_ar {
 namespace device {
 namespace {
 
-constexpr int kSubM = static_cast<int>(kNpuSubM);
-constexpr int kBaseN = static_cast<int>(kNpuBaseN);
 constexpr int kListWindow = 64;  // items of the gather list polled at once (one bit each)
-
-using pto::BLayout;
-using pto::DYNAMIC;
-using pto::TileType;
-
-// One subtile (sub_m x base_n at most) in UB.
-template <typename T>
-using SubTile = pto::Tile<TileType::Vec, T, kSubM, kBaseN, BLayout::RowMajor, DYNAMIC, DYNAMIC>;
-
-constexpr uint32_t kUbSubtileBytes = kSubM * kBaseN * 2;
-constexpr uint32_t kUbMove = 0;                     // RS, AG and copy-out staging
-constexpr uint32_t kUbZeros = kUbMove + kUbSubtileBytes;  // a subtile of zeros for prepare
-static_assert(kUbZeros + kUbSubtileBytes <= 192 * 1024, "UB overflow");
 
 // Where a subtile lives in the padded pad_m x pad_n buffers and how much of it is real.
 struct SubtileSpan {
@@ -72,39 +57,11 @@ AICORE inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t str
   return s;
 }
 
+// Step 0 (attach, agree) and the poison come from CommBlockBase (comm_block.hpp).
 template <typename T>
-class CommBlock {
+class CommBlock : public CommBlockBase {
  public:
-  AICORE inline CommBlock(const KernelArgs& args, int64_t block) : args_(args), c_(block) {}
-
-  // False (error already recorded) when the device context does not match the arguments.
-  AICORE inline bool attach() {
-    if (!win_.init(args_)) {
-      report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
-      return false;
-    }
-    me_ = args_.rank;
-    world_ = args_.world;
-    tag_ = signal_tag(args_.epoch);
-    tag_high_ = signal_tag_high(args_.epoch);
-    return true;
-  }
-
-  // Step 0. `usable`: this kernel found its own arguments usable; if not, it says so in word 0 of its signature
-  // so that every rank stops. False (error recorded unless another block of this rank failed first) on any
-  // difference.
-  AICORE inline bool agree(bool usable) {
-    int64_t mine[kSignatureWords];
-    for (int64_t w = 0; w < kSignatureWords; ++w) mine[w] = args_.signature[w];
-    if (!usable && args_.signature_only == 0 && mine[0] == 0) mine[0] = kSignatureKernelRejected;
-    if (c_ == 0) publish_signature(win_, args_, mine);
-    const SignatureVerdict verdict = check_signatures(win_, args_, mine);
-    if (verdict.code == kErrNone) return true;
-    if (verdict.code != kErrAborted) {
-      report_error(args_, verdict.code, verdict.peer, verdict.item, static_cast<int32_t>(c_), 1);
-    }
-    return false;
-  }
+  AICORE inline CommBlock(const KernelArgs& args, int64_t block) : CommBlockBase(args, block) {}
 
   // The plan-dependent state; only for a call whose arguments were found usable.
   AICORE inline void init_call() {
@@ -121,29 +78,8 @@ class CommBlock {
     for (int k = 0; k < kListWindow; ++k) sources_seen_[k] = 0;
   }
 
-  // Finding 5: NaN over every element of `out` (all of it: every rank writes the whole result). Called by a block
-  // that gives up, after its own last store to `out`, so whatever it wrote before is overwritten too.
-  AICORE inline void poison() {
-    if (args_.out == 0) return;
-    pipe_barrier(PIPE_ALL);  // nothing of this block may still be using the staging UB
-    SubTile<T> nans(kSubM, kBaseN);
-    TASSIGN(nans, kUbMove);
-    TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    const TilePlan& p = args_.plan;
-    for (int64_t t = 0; t < p.tiles; ++t) {
-      for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
-        const SubtileSpan s = subtile_span(p, t, stripe);
-        if (s.rows == 0) continue;
-        SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
-        TASSIGN(view, kUbMove);
-        auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
-        TSTORE(out, view);
-      }
-    }
-    pipe_barrier(PIPE_ALL);
-  }
+  // Finding 5: NaN over every element of `out` (all of it: every rank writes the whole result).
+  AICORE inline void poison() { poison_rows<T>(args_.plan.m); }
 
   AICORE inline void prepare() {
     SubTile<T> zeros(kSubM, kBaseN);
@@ -411,14 +347,7 @@ class CommBlock {
     report_error(args_, kErrTimeoutGather, -1, list_base_, block, 1);
   }
 
-  const KernelArgs& args_;
-  const int64_t c_;
-  RemoteWindows win_;
   QueueCursor queues_;
-  int32_t me_ = 0;
-  int32_t world_ = 1;
-  uint32_t tag_ = 0;
-  uint32_t tag_high_ = 0;
   int64_t list_len_ = 0;
   int64_t list_base_ = 0;
   uint64_t list_done_ = 0;                 // bit k: item list_base_ + k is finished
@@ -437,18 +366,7 @@ AICORE inline void poison_only(const KernelArgs& args) {
 template <uint32_t DType>
 AICORE inline void comm_block_main(const KernelArgs& args, int64_t block, bool usable) {
   CommBlock<typename ElemOf<DType>::type> comm(args, block);
-  if (!comm.attach()) {
-    if (usable) comm.poison();  // the device context does not match: no result will come (finding 5)
-    return;
-  }
-  if (!comm.agree(usable)) {
-    if (usable) comm.poison();
-    return;
-  }
-  if (!usable) return;  // signature-only call, agreed: nothing to move
-  comm.init_call();
-  comm.prepare();
-  if (!comm.run()) comm.poison();
+  run_comm_block(comm, usable);
 }
 
 }  // namespace

@@ -69,7 +69,7 @@ class QueueCursor {
       head_[k] = 0;
       length_[k] = static_cast<int32_t>(
           sp_op == 0 ? queue_length(args.plan, args.compute_blocks, q)
-                     : sp_block_item_count(args.plan, args.world, args.compute_blocks, q));
+                     : sp_block_item_count(args.plan, args.compute_blocks, q));
     }
     next_ = 0;
   }
@@ -85,7 +85,7 @@ class QueueCursor {
       if (site_kept(kControlQueueAcquire)) acquire_fence();
       const int64_t expected =
           sp_op_ == 0 ? queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k])
-                      : sp_block_item(args.plan, args.world, args.rank, sp_op_, args.compute_blocks, queue_[k],
+                      : sp_block_item(args.plan, args.chunks, args.rank, sp_op_, args.compute_blocks, queue_[k],
                                       head_[k]);
       int64_t id = queue_read_id(slot);
       for (int attempt = 1; id != expected && attempt < kQueueIdRereads; ++attempt) {

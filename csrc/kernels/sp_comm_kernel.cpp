@@ -8,23 +8,24 @@
 // still on its way when the next call starts.
 //
 // Reduce-scatter (RS only, no all-gather): comm block c
-//  1. zeroes the subtiles of this rank's chunk it copies out (ag_subtile(c, j, Q)) in its reduced buffer, then sets
-//     prepared[me][c] in every window;
-//  2. drains ready queues {c, c + Q, ...}: each stripe of stacked tile r * tiles + t goes by TSTORE<AtomicAdd>
-//     into rank r's reduced buffer once r's prepared flag is seen, then contrib[l][me] is set there;
+//  1. zeroes the owner-local subtiles of this rank's chunk it copies out (ag_subtile(c, j, Q)) in its reduced
+//     buffer, then sets prepared[me][c] in every window;
+//  2. drains ready queues {c, c + Q, ...}: each stripe of a tile of chunk g goes by TSTORE<AtomicAdd> into rank
+//     g's reduced buffer once g's prepared flag is seen, then contrib[l][me] is set there (l: owner-local subtile,
+//     ownership in runs of a chunk's tiles);
 //  3. copies each of its subtiles of this rank's chunk to `out` once every rank's contrib flag is up.
 // Allgather: comm block c
-//  1. publishes tile rows mi = c, c + Q, ... of this rank's shard of a into its window (and into its gathered
+//  1. publishes tile rows i = c, c + Q, ... of this rank's shard of a into its window (and into its gathered
 //     buffer), then sets prepared[me][c] ("published") in every window;
 //  2. pulls the same tile rows of every peer's shard (from me + 1 on) from the peer's window into its gathered
-//     buffer once the peer's prepared[peer][c] is seen, and raises row-ready[peer][mi] for its compute kernel;
-//     after the last one of a peer it sets consumed[me][c] in that peer's window;
+//     buffer once the peer's prepared[peer][c] is seen, and raises the row-ready flag of the plan's tile row for its
+//     compute kernel; after the last one of a peer it sets consumed[me][c] in that peer's window;
 //  3. drains ready queues {c, c + Q, ...}, copying every finished tile to its rows of `out`;
 //  4. leaves only after consumed[peer][c] of every peer: nobody reads its shard any more, so the next call may
 //     overwrite it.
 #include <pto/pto-inst.hpp>
 
-#include "call_signature.hpp"
+#include "comm_block.hpp"
 #include "device_support.hpp"
 #include "ready_queue.hpp"
 #include "remote_window.hpp"
@@ -34,91 +35,31 @@ namespace gemm_ar {
 namespace device {
 namespace {
 
-constexpr int kSubM = static_cast<int>(kNpuSubM);
-constexpr int kBaseN = static_cast<int>(kNpuBaseN);
-
-template <typename T>
-using SubTile = pto::Tile<pto::TileType::Vec, T, kSubM, kBaseN, pto::BLayout::RowMajor, pto::DYNAMIC, pto::DYNAMIC>;
-
-constexpr uint32_t kUbSubtileBytes = kSubM * kBaseN * 2;
-constexpr uint32_t kUbMove = 0;                           // every copy's staging
-constexpr uint32_t kUbZeros = kUbMove + kUbSubtileBytes;  // a subtile of zeros (reduce-scatter prepare)
-static_assert(kUbZeros + kUbSubtileBytes <= 192 * 1024, "UB overflow");
-
-// A block of rows x cols (at most sub_m x base_n) of a padded pad_m x pad_n sub-problem buffer.
+// Stripe `stripe` of a plan tile: its tile row, where it starts in the tile row and in the columns, and its valid
+// rows x cols (at most sub_m x base_n; rows 0 when it lies wholly in the chunk's padding).
 struct Span {
-  int64_t row0, col0, rows, cols;
+  int64_t mi, row_in_tile, col0, rows, cols;
 };
 
-AICORE inline Span stripe_span(const TilePlan& p, int64_t t, int64_t stripe) {
+AICORE inline Span stripe_span(const TilePlan& p, const RowChunks& c, int64_t t, int64_t stripe) {
   const int64_t mi = tile_row(p, t);
   const int64_t ni = tile_col(p, t);
-  return {mi * p.base_m + stripe * p.sub_m, ni * p.base_n, stripe_rows(p, mi, stripe), tile_cols(p, ni)};
+  return {mi, stripe * p.sub_m, ni * p.base_n, chunked_stripe_rows(p, c, mi, stripe), tile_cols(p, ni)};
 }
 
+// Attach, agree and the poison come from CommBlockBase (comm_block.hpp).
 template <typename T>
-class SpCommBlock {
+class SpCommBlock : public CommBlockBase {
  public:
-  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op) : args_(args), c_(block), op_(op) {}
+  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op) : CommBlockBase(args, block), op_(op) {}
 
-  // False (error already recorded) when the device context does not match the arguments.
-  AICORE inline bool attach() {
-    if (!win_.init(args_)) {
-      report_error(args_, kErrBadArgs, -1, -1, static_cast<int32_t>(c_), 1);
-      return false;
-    }
-    me_ = args_.rank;
-    world_ = args_.world;
-    tag_ = signal_tag(args_.epoch);
-    tag_high_ = signal_tag_high(args_.epoch);
-    return true;
-  }
-
-  // The call-signature agreement, as in gemm_allreduce's comm kernel (call_signature.hpp).
-  AICORE inline bool agree(bool usable) {
-    int64_t mine[kSignatureWords];
-    for (int64_t w = 0; w < kSignatureWords; ++w) mine[w] = args_.signature[w];
-    if (!usable && args_.signature_only == 0 && mine[0] == 0) mine[0] = kSignatureKernelRejected;
-    if (c_ == 0) publish_signature(win_, args_, mine);
-    const SignatureVerdict verdict = check_signatures(win_, args_, mine);
-    if (verdict.code == kErrNone) return true;
-    if (verdict.code != kErrAborted) {
-      report_error(args_, verdict.code, verdict.peer, verdict.item, static_cast<int32_t>(c_), 1);
-    }
-    return false;
-  }
-
-  // Rows of `out`: the chunk (reduce-scatter) or every shard's rows (allgather).
-  AICORE inline int64_t out_rows() const {
-    return op_ == kSpReduceScatter ? args_.plan.m : static_cast<int64_t>(args_.world) * args_.plan.m;
-  }
-
-  // NaN over all of `out`, after this block's own last store there (issue 9, finding 5).
-  AICORE inline void poison() {
-    if (args_.out == 0) return;
-    pipe_barrier(PIPE_ALL);  // nothing of this block may still be using the staging UB
-    SubTile<T> nans(kSubM, kBaseN);
-    TASSIGN(nans, kUbMove);
-    TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    const int64_t rows = out_rows();
-    const int64_t n = args_.plan.n;
-    for (int64_t r0 = 0; r0 < rows; r0 += kSubM) {
-      for (int64_t c0 = 0; c0 < n; c0 += kBaseN) {
-        const int64_t h = rows - r0 < kSubM ? rows - r0 : kSubM;
-        const int64_t w = n - c0 < kBaseN ? n - c0 : kBaseN;
-        SubTile<T> view(static_cast<unsigned>(h), static_cast<unsigned>(w));
-        TASSIGN(view, kUbMove);
-        auto out = nd_view<T>(gm_at<T>(args_.out, 0) + r0 * args_.ldo + c0, h, w, args_.ldo);
-        TSTORE(out, view);
-      }
-    }
-    pipe_barrier(PIPE_ALL);
-  }
+  // NaN over all of `out`: this rank's chunk (reduce-scatter; one chunk per rank) or every chunk's rows
+  // (allgather).
+  AICORE inline void poison() { poison_rows<T>(op_ == kSpReduceScatter ? args_.chunks.rows : args_.plan.m); }
 
   AICORE inline void init_call() {
     queues_.init(args_, c_, op_);
+    run_ = chunk_ownership_run(args_.plan, args_.chunks);
     own_next_ = 0;
     own_seen_ = 0;
     pull_step_ = 1;
@@ -194,21 +135,33 @@ class SpCommBlock {
   }
 
  private:
-  AICORE inline __gm__ T* reduced(int32_t rank, const Span& s) const {
-    return win_.at<T>(rank, args_.layout.reduced_offset) + s.row0 * args_.plan.pad_n + s.col0;
+  // The span in rank `owner`'s reduced buffer: its chunks' tiles, padded (reduce-scatter).
+  AICORE inline __gm__ T* reduced(int32_t owner, const Span& s) const {
+    const int64_t row = chunked_owner_padded_row0(args_.plan, args_.chunks, s.mi, world_) + s.row_in_tile;
+    return win_.at<T>(owner, args_.layout.reduced_offset) + row * args_.plan.pad_n + s.col0;
   }
 
-  AICORE inline __gm__ T* partial(int32_t sub, const Span& s) const {
+  // The span in this rank's partial products: the plan's padded grid.
+  AICORE inline __gm__ T* partial(const Span& s) const {
     const TilePlan& p = args_.plan;
-    return gm_at<T>(args_.scratch, args_.layout.partial_offset) + sub * p.pad_m * p.pad_n + s.row0 * p.pad_n + s.col0;
+    return gm_at<T>(args_.scratch, args_.layout.partial_offset) + (s.mi * p.base_m + s.row_in_tile) * p.pad_n + s.col0;
   }
 
-  // Rank `shard`'s rows of a: in its window (ld k), or in this rank's gathered buffer (scratch offset 0, ld k).
-  AICORE inline __gm__ T* shard_in_window(int32_t rank, int64_t row) const {
-    return win_.at<T>(rank, args_.layout.reduced_offset) + row * args_.plan.k;
+  // The span's place in `out`: rows of this rank's chunk (reduce-scatter) or of every chunk (allgather).
+  AICORE inline __gm__ T* out_at(const Span& s) const {
+    const int64_t row0 = op_ == kSpReduceScatter ? chunked_owner_row0(args_.plan, args_.chunks, s.mi, world_)
+                                                 : chunked_tile_row0(args_.plan, args_.chunks, s.mi);
+    return gm_at<T>(args_.out, 0) + (row0 + s.row_in_tile) * args_.ldo + s.col0;
   }
-  AICORE inline __gm__ T* gathered(int32_t shard, int64_t row) const {
-    return gm_at<T>(args_.scratch, 0) + (shard * args_.plan.m + row) * args_.plan.k;
+
+  // Tile row mi of a: in its rank's window (the rank's shard, ld k), or in this rank's gathered buffer (every
+  // shard, scratch offset 0, ld k).
+  AICORE inline __gm__ T* shard_in_window(int32_t rank, int64_t mi) const {
+    return win_.at<T>(rank, args_.layout.reduced_offset) +
+           chunked_owner_row0(args_.plan, args_.chunks, mi, world_) * args_.plan.k;
+  }
+  AICORE inline __gm__ T* gathered(int64_t mi) const {
+    return gm_at<T>(args_.scratch, 0) + chunked_tile_row0(args_.plan, args_.chunks, mi) * args_.plan.k;
   }
 
   AICORE inline __gm__ uint32_t* prepared_flag(int32_t owner) const {
@@ -222,8 +175,8 @@ class SpCommBlock {
     return win_.at<uint32_t>(rank, sp_consumed_flag_offset(args_.layout, source, c_, args_.comm_blocks));
   }
   AICORE inline __gm__ uint32_t* consumed_flag(int32_t source) const { return consumed_flag(source, me_); }
-  AICORE inline __gm__ uint32_t* row_ready_flag(int32_t shard, int64_t mi) const {
-    return win_.at<uint32_t>(me_, sp_row_ready_flag_offset(args_.layout, shard, mi, args_.plan.m_tiles));
+  AICORE inline __gm__ uint32_t* row_ready_flag(int64_t mi) const {
+    return win_.at<uint32_t>(me_, sp_row_ready_flag_offset(args_.layout, mi));
   }
 
   // rows x cols from src (ld src_ld) to dst (ld dst_ld) and, if dst2 != nullptr, to dst2 (ld dst_ld) through UB.
@@ -262,7 +215,15 @@ class SpCommBlock {
 
   AICORE inline int64_t own_count() const {
     if (op_ != kSpReduceScatter) return 0;
-    return ag_subtile_count(c_, args_.plan.tiles * args_.plan.stripes, args_.comm_blocks);
+    const int64_t owned = run_owned_tile_count(args_.plan.tiles, world_, me_, run_) * args_.plan.stripes;
+    return ag_subtile_count(c_, owned, args_.comm_blocks);
+  }
+
+  // Owner-local subtile l of this rank's chunk.
+  AICORE inline Span own_span(int64_t l) const {
+    const TilePlan& p = args_.plan;
+    const int64_t t = run_subtile_tile(l, me_, world_, p.stripes, run_);
+    return stripe_span(p, args_.chunks, t, subtile_stripe(l, p.stripes));
   }
   AICORE inline bool own_done() const { return own_next_ >= own_count(); }
 
@@ -274,8 +235,7 @@ class SpCommBlock {
     wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
     const TilePlan& p = args_.plan;
     for (int64_t j = 0; j < own_count(); ++j) {
-      const int64_t l = ag_subtile(c_, j, args_.comm_blocks);
-      const Span s = stripe_span(p, l / p.stripes, l % p.stripes);
+      const Span s = own_span(ag_subtile(c_, j, args_.comm_blocks));
       if (s.rows == 0) continue;
       SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(view, kUbZeros);
@@ -304,19 +264,18 @@ class SpCommBlock {
     return true;
   }
 
-  // Stacked tile r * tiles + t: every stripe into rank r's chunk by atomic add, then its contribution flag.
-  AICORE inline bool reduce_scatter_tile(int64_t stacked) {
+  // Plan tile t: every stripe into its chunk's rank's reduced buffer by atomic add, then its contribution flag.
+  AICORE inline bool reduce_scatter_tile(int64_t t) {
     const TilePlan& p = args_.plan;
-    const int32_t owner = static_cast<int32_t>(stacked / p.tiles);
-    const int64_t t = stacked % p.tiles;
+    const int32_t owner = static_cast<int32_t>(run_owner_of(t, world_, run_));
     for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
-      const Span s = stripe_span(p, t, stripe);
+      const Span s = stripe_span(p, args_.chunks, t, stripe);
       if (s.rows == 0) continue;  // all padding: nobody adds or copies it
-      const int64_t l = t * p.stripes + stripe;
+      const int64_t l = run_local_subtile(t, stripe, world_, p.stripes, run_);
       if (!wait_prepared(owner, l)) return false;
       SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(tile, kUbMove);
-      auto src = nd_view<T>(partial(owner, s), s.rows, s.cols, p.pad_n);
+      auto src = nd_view<T>(partial(s), s.rows, s.cols, p.pad_n);
       TLOAD(tile, src);
       set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
@@ -337,14 +296,13 @@ class SpCommBlock {
   AICORE inline bool try_own_subtile() {
     const TilePlan& p = args_.plan;
     const int64_t l = ag_subtile(c_, own_next_, args_.comm_blocks);
-    const Span s = stripe_span(p, l / p.stripes, l % p.stripes);
+    const Span s = own_span(l);
     if (s.rows != 0) {
       while (own_seen_ < world_ && flag_raised(contrib_flag(me_, l, own_seen_), tag_, tag_high_)) ++own_seen_;
       if (own_seen_ < world_) return false;
       if (site_kept(kControlRsContribAcquire)) acquire_fence();
       note_guarded_access();  // every contribution flag of this subtile
-      move(reduced(me_, s), p.pad_n, gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, nullptr, args_.ldo,
-           s.rows, s.cols);
+      move(reduced(me_, s), p.pad_n, out_at(s), nullptr, args_.ldo, s.rows, s.cols);
     }
     ++own_next_;
     own_seen_ = 0;
@@ -356,10 +314,12 @@ class SpCommBlock {
   // Tile rows c, c + Q, ... of my shard: to my window (the peers pull them) and to my gathered buffer.
   AICORE inline void publish_shard() {
     const TilePlan& p = args_.plan;
-    for (int64_t mi = c_; mi < p.m_tiles; mi += args_.comm_blocks) {
-      const int64_t row0 = mi * p.base_m;
-      move_rows(gm_at<T>(args_.a, 0) + row0 * args_.lda, args_.lda, shard_in_window(me_, row0),
-                gathered(me_, row0), tile_rows(p, mi));
+    const RowChunks& chunks = args_.chunks;
+    for (int64_t i = c_; i < chunks.m_tiles; i += args_.comm_blocks) {
+      const int64_t mi = chunk_tile_row(chunks, me_, i);
+      const int64_t row0 = chunked_owner_row0(p, chunks, mi, world_);  // in the caller's a: my shard alone
+      move_rows(gm_at<T>(args_.a, 0) + row0 * args_.lda, args_.lda, shard_in_window(me_, mi), gathered(mi),
+                chunked_tile_rows(p, chunks, mi));
       note_payload_store();
     }
   }
@@ -369,22 +329,23 @@ class SpCommBlock {
   // The next tile row to pull (peer me + pull_step_, row pull_row_), once that peer has published it. After a
   // peer's last row (or when this block has none of its rows), tells the peer its shard is no longer read.
   AICORE inline bool try_pull() {
-    const TilePlan& p = args_.plan;
+    const RowChunks& chunks = args_.chunks;
     const int32_t peer = (me_ + pull_step_) % world_;
-    if (pull_row_ < p.m_tiles) {
+    if (pull_row_ < chunks.m_tiles) {
       if (!flag_raised(win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, peer, c_, world_)),
                        tag_, tag_high_)) {
         return false;
       }
       if (site_kept(kControlAgPublishedAcquire)) acquire_fence();
-      const int64_t row0 = pull_row_ * p.base_m;
+      const int64_t mi = chunk_tile_row(chunks, peer, pull_row_);
       note_guarded_access();  // the peer's published rows
-      move_rows(shard_in_window(peer, row0), p.k, gathered(peer, row0), nullptr, tile_rows(p, pull_row_));
+      move_rows(shard_in_window(peer, mi), args_.plan.k, gathered(mi), nullptr,
+                chunked_tile_rows(args_.plan, chunks, mi));
       note_payload_store();
       if (site_kept(kControlAgPullUnfenced)) release_fence();  // also ends my reads of the peer's window
-      raise_flag(row_ready_flag(peer, pull_row_), tag_, tag_high_);
+      raise_flag(row_ready_flag(mi), tag_, tag_high_);
       pull_row_ += args_.comm_blocks;
-      if (pull_row_ < p.m_tiles) return true;
+      if (pull_row_ < chunks.m_tiles) return true;
     }
     raise_flag(consumed_flag(me_, peer), tag_, tag_high_);
     ++pull_step_;
@@ -392,16 +353,13 @@ class SpCommBlock {
     return true;
   }
 
-  // Stacked tile r * tiles + t of the product: every stripe to rows r * m_sub + ... of `out`.
-  AICORE inline bool copy_out_tile(int64_t stacked) {
+  // Plan tile t of the product: every stripe to its rows of `out`.
+  AICORE inline bool copy_out_tile(int64_t t) {
     const TilePlan& p = args_.plan;
-    const int32_t shard = static_cast<int32_t>(stacked / p.tiles);
-    const int64_t t = stacked % p.tiles;
     for (int64_t stripe = 0; stripe < p.stripes; ++stripe) {
-      const Span s = stripe_span(p, t, stripe);
+      const Span s = stripe_span(p, args_.chunks, t, stripe);
       if (s.rows == 0) continue;
-      __gm__ T* out = gm_at<T>(args_.out, 0) + (shard * p.m + s.row0) * args_.ldo + s.col0;
-      move(partial(shard, s), p.pad_n, out, nullptr, args_.ldo, s.rows, s.cols);
+      move(partial(s), p.pad_n, out_at(s), nullptr, args_.ldo, s.rows, s.cols);
     }
     return true;
   }
@@ -429,15 +387,9 @@ class SpCommBlock {
     report_error(args_, kErrTimeoutConsumed, consumed, c_, block, 1);
   }
 
-  const KernelArgs& args_;
-  const int64_t c_;
   const uint32_t op_;
-  RemoteWindows win_;
   QueueCursor queues_;
-  int32_t me_ = 0;
-  int32_t world_ = 1;
-  uint32_t tag_ = 0;
-  uint32_t tag_high_ = 0;
+  int64_t run_ = 1;        // ownership run: a chunk's tiles (row_chunks.hpp, chunk_ownership_run)
   int64_t own_next_ = 0;   // reduce-scatter: index (j) of the next subtile of my chunk to copy out
   int32_t own_seen_ = 0;   // its contribution flags seen so far
   int32_t pull_step_ = 1;  // allgather: pulling from peer me + pull_step_ (done at world)
@@ -447,18 +399,7 @@ class SpCommBlock {
 template <uint32_t DType>
 AICORE inline void sp_comm_block_main(const KernelArgs& args, int64_t block, bool usable, uint32_t op) {
   SpCommBlock<typename ElemOf<DType>::type> comm(args, block, op);
-  if (!comm.attach()) {
-    if (usable) comm.poison();  // the device context does not match: no result will come (finding 5)
-    return;
-  }
-  if (!comm.agree(usable)) {
-    if (usable) comm.poison();
-    return;
-  }
-  if (!usable) return;  // signature-only call, agreed: nothing to move
-  comm.init_call();
-  comm.prepare();
-  if (!comm.run()) comm.poison();
+  run_comm_block(comm, usable);
 }
 
 AICORE inline void sp_comm_main(__gm__ uint8_t* args_gm, uint32_t op) {

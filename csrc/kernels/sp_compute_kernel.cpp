@@ -1,14 +1,14 @@
 // GemmRsComputeKernel / AgGemmComputeKernel (cube cores): the products of the sequence-parallel ops, tile by tile,
-// into the scratch's stacked partial buffers, each finished tile published in the block's ready queue
-// (gemm_ar/sequence_parallel.hpp has the plan and the walk).
+// into the scratch's partial buffer, each finished tile published in the block's ready queue
+// (gemm_ar/sequence_parallel.hpp has the row-chunked plan and the walk).
 //
-// Block b walks items b, b + P, ... of sp_item_tile's order. A stacked tile T = r * tiles + t is tile t of
-// sub-problem r, computed by TileComputer (tile_computer.hpp) from
-//  - reduce-scatter: rows [r * m_sub, (r + 1) * m_sub) of a; the bias once, on bias_rank (the owner's sum holds it
-//    once);
-//  - allgather: this rank's a for its own shard; a peer's shard from the gathered buffer in the scratch, after
-//    this rank's comm kernel raised the tile row's row-ready flag (a bounded wait, then acquire_fence); the bias on
-//    every rank (each computes its whole output).
+// Block b walks items b, b + P, ... of sp_item_tile's order. Tile t of the plan, in row chunk g, is computed by
+// TileComputer (tile_computer.hpp) from
+//  - reduce-scatter: a's rows of the tile row (a holds every chunk); the bias once, on bias_rank (the owner's sum
+//    holds it once);
+//  - allgather: this rank's a for its own shard (chunk g = rank); a peer's shard from the gathered buffer in the
+//    scratch, after this rank's comm kernel raised the tile row's row-ready flag (a bounded wait, then
+//    acquire_fence); the bias on every rank (each computes its whole output).
 #include <pto/pto-inst.hpp>
 
 #include "device_support.hpp"
@@ -21,11 +21,11 @@ namespace gemm_ar {
 namespace device {
 namespace {
 
-// Bounded wait for this rank's comm kernel to have pulled tile row mi of rank `shard`'s shard. False when the call
-// failed (recorded here, or by the block that failed first).
+// Bounded wait for this rank's comm kernel to have pulled tile row mi (of rank `shard`'s chunk). False when the
+// call failed (recorded here, or by the block that failed first).
 AICORE inline bool wait_row_ready(const KernelArgs& args, const RemoteWindows& win, int64_t block, int32_t shard,
                                   int64_t mi) {
-  __gm__ uint32_t* flag = win.local<uint32_t>(sp_row_ready_flag_offset(args.layout, shard, mi, args.plan.m_tiles));
+  __gm__ uint32_t* flag = win.local<uint32_t>(sp_row_ready_flag_offset(args.layout, mi));
   const uint32_t tag = signal_tag(args.epoch);
   const uint32_t tag_high = signal_tag_high(args.epoch);
   const uint64_t timeout = args.wait_timeout_us != 0 ? args.wait_timeout_us : kDefaultWaitTimeoutUs;
@@ -33,7 +33,7 @@ AICORE inline bool wait_row_ready(const KernelArgs& args, const RemoteWindows& w
   while (!flag_raised(flag, tag, tag_high)) {
     if (aborted(args)) return false;
     if (now_us() - start > timeout) {
-      report_error(args, kErrTimeoutRows, shard, mi, static_cast<int32_t>(block), 0);
+      report_error(args, kErrTimeoutRows, shard, mi % args.chunks.m_tiles, static_cast<int32_t>(block), 0);
       return false;
     }
     idle_pause();
@@ -46,39 +46,30 @@ template <uint32_t DType, uint32_t BLayoutCode>
 AICORE inline void compute_sp_items(const KernelArgs& args, int64_t block, uint32_t op) {
   using T = typename ElemOf<DType>::type;
   const TilePlan& p = args.plan;
-  const int64_t elem = dtype_bytes(args.dtype);
+  const RowChunks& c = args.chunks;
   RemoteWindows win;
   if (op == kSpAllgather && !win.init(args)) return;  // the comm kernel finds and reports the same context
   const bool add_bias = args.bias != 0 && (op == kSpAllgather || args.rank == args.bias_rank);
-  const int64_t sub_bytes = p.pad_m * p.pad_n * elem;
-  KernelArgs sub = args;  // the operands of the current sub-problem; TileComputer reads them
-  int32_t ready_shard = -1;
+  TileComputer<T, BLayoutCode> computer(args);
   int64_t ready_row = -1;  // the tile row last waited for (consecutive tiles of a row wait once)
-  const int64_t items = sp_block_item_count(p, args.world, args.compute_blocks, block);
+  const int64_t items = sp_block_item_count(p, args.compute_blocks, block);
   for (int64_t j = 0; j < items; ++j) {
-    const int64_t stacked = sp_block_item(p, args.world, args.rank, op, args.compute_blocks, block, j);
-    const int32_t r = static_cast<int32_t>(stacked / p.tiles);
-    const int64_t t = stacked % p.tiles;
+    const int64_t t = sp_block_item(p, c, args.rank, op, args.compute_blocks, block, j);
     const int64_t mi = tile_row(p, t);
-    sub.layout.partial_offset = args.layout.partial_offset + r * sub_bytes;
-    if (op == kSpReduceScatter) {
-      sub.a = args.a + static_cast<uint64_t>(r * p.m * args.lda * elem);
-    } else if (r == args.rank) {
-      sub.a = args.a;
-      sub.lda = args.lda;  // the caller's own stride (a peer's rows in the scratch are packed with stride k)
-    } else {
-      if (r != ready_shard || mi != ready_row) {
-        if (site_kept(kControlAgNoRowWait) && !wait_row_ready(args, win, block, r, mi)) return;
-        ready_shard = r;
+    const int32_t g = static_cast<int32_t>(chunk_of_tile_row(c, mi));
+    ARows src{args.a, args.lda, chunked_tile_row0(p, c, mi)};  // reduce-scatter: a holds every chunk's rows
+    if (op == kSpAllgather && g == args.rank) {
+      src.row0 = chunked_owner_row0(p, c, mi, args.world);  // the caller's a is this rank's shard alone
+    } else if (op == kSpAllgather) {
+      if (mi != ready_row) {
+        if (site_kept(kControlAgNoRowWait) && !wait_row_ready(args, win, block, g, mi)) return;
         ready_row = mi;
       }
       note_guarded_access();  // the gathered rows the row-ready flag published
-      sub.a = args.scratch + static_cast<uint64_t>(r * p.m * p.k * elem);
-      sub.lda = p.k;
+      src = ARows{args.scratch, p.k, chunked_tile_row0(p, c, mi)};  // the gathered a: every shard, packed (ld k)
     }
-    TileComputer<T, BLayoutCode> computer(sub);
-    computer.run(mi, tile_col(p, t), add_bias);
-    queue_publish(args, block, j, stacked);
+    computer.run(mi, tile_col(p, t), add_bias, src);
+    queue_publish(args, block, j, t);
   }
 }
 

@@ -1,7 +1,9 @@
 // The cube-core tile product shared by the compute kernels (gemm_compute_kernel.cpp, sp_compute_kernel.cpp):
 // one base_m x base_n tile of a @ b (+ bias) from the operands KernelArgs names into the scratch's padded partial
-// buffer. Per tile, K is consumed in panels of k_step = 4 * base_k: one TLOAD of an A panel (128 x 256) and a B
-// panel (256 x 256) into L1 (double-buffered), then four TEXTRACT slices into L0A/L0B (double-buffered) feeding
+// buffer, at the tile's padded place (tile row mi at row mi * base_m). The plan may be row-chunked
+// (row_chunks.hpp): a tile row's rows of a start at chunked_tile_row0, and it has chunked_tile_rows of them.
+// Per tile, K is consumed in panels of k_step = 4 * base_k: one TLOAD of an A panel (128 x 256) and a B panel
+// (256 x 256) into L1 (double-buffered), then four TEXTRACT slices into L0A/L0B (double-buffered) feeding
 // TMATMUL/TMATMUL_ACC into the fp32 accumulator. A partial panel (K tail, or an M/N edge tile) is zero-filled in
 // L1 first: zeros in the K tail keep garbage out of every sum; rows/cols past M/N only feed padding that is never
 // read. The FIXPIPE casts fp32 to the output dtype on TSTORE.
@@ -13,7 +15,6 @@
 namespace gemm_ar {
 namespace device {
 constexpr int kBaseM = static_cast<int>(kNpuBaseM);
-constexpr int kBaseN = static_cast<int>(kNpuBaseN);
 constexpr int kBaseK = static_cast<int>(kNpuBaseK);
 constexpr int kSlices = static_cast<int>(kNpuKSlices);
 constexpr int kStepK = kBaseK * kSlices;
@@ -56,6 +57,13 @@ struct CubeTiles {
   using BiasTable = pto::Tile<TileType::Bias, float, 1, kBaseN, BLayout::RowMajor, 1, kBaseN>;
 };
 
+// Where the rows of a that one tile row multiplies are: row row0 + i at a + ((row0 + i) * lda) elements.
+struct ARows {
+  uint64_t a;
+  int64_t lda;
+  int64_t row0;
+};
+
 template <typename T, uint32_t BLayoutCode>
 class TileComputer {
   using Tiles = CubeTiles<T, BLayoutCode>;
@@ -75,12 +83,18 @@ class TileComputer {
     TASSIGN(bias_table_, 0x0);
   }
 
-  // Computes tile (mi, ni) into the partial buffer; returns after the TSTORE was issued (not completed).
+  // Computes tile (mi, ni) from KernelArgs' a (the tile row's rows of the output are its rows of a).
   AICORE inline void run(int64_t mi, int64_t ni, bool add_bias) {
+    run(mi, ni, add_bias, ARows{args_.a, args_.lda, chunked_tile_row0(args_.plan, args_.chunks, mi)});
+  }
+
+  // Computes tile (mi, ni) from the rows of a at `src` into the partial buffer; returns after the TSTORE was issued
+  // (not completed).
+  AICORE inline void run(int64_t mi, int64_t ni, bool add_bias, const ARows& src) {
     const TilePlan& p = args_.plan;
     const int64_t row0 = mi * p.base_m;
     const int64_t col0 = ni * p.base_n;
-    const int64_t rows = tile_rows(p, mi);
+    const int64_t rows = chunked_tile_rows(p, args_.chunks, mi);
     const int64_t cols = tile_cols(p, ni);
     const int64_t slices = ceil_div(p.k, p.base_k);
 
@@ -101,7 +115,7 @@ class TileComputer {
           (slices - panel * kSlices) < kSlices ? (slices - panel * kSlices) : static_cast<int64_t>(kSlices);
       if (in_panel == 0) {
         wait_flag(PIPE_MTE1, PIPE_MTE2, panel_ev);
-        load_panel(buf, row0, rows, col0, cols, panel * kStepK);
+        load_panel(buf, src, rows, col0, cols, panel * kStepK);
         set_flag(PIPE_MTE2, PIPE_MTE1, panel_ev);
       }
 
@@ -151,8 +165,8 @@ class TileComputer {
     TMOV(bias_table_, bias_row_);
   }
 
-  // A[row0:+rows, k0:+kv] and the matching B block into L1 buffer `buf`.
-  AICORE inline void load_panel(int buf, int64_t row0, int64_t rows, int64_t col0, int64_t cols, int64_t k0) {
+  // A[src.row0:+rows, k0:+kv] and the matching B block into L1 buffer `buf`.
+  AICORE inline void load_panel(int buf, const ARows& src, int64_t rows, int64_t col0, int64_t cols, int64_t k0) {
     const TilePlan& p = args_.plan;
     const int64_t kv = (p.k - k0) < kStepK ? (p.k - k0) : static_cast<int64_t>(kStepK);
     const uint32_t a_addr = buf == 0 ? kL1A0 : kL1A1;
@@ -167,7 +181,7 @@ class TileComputer {
     }
     typename Tiles::APanelLoad a_load(static_cast<unsigned>(rows), static_cast<unsigned>(kv));
     TASSIGN(a_load, a_addr);
-    auto a_src = nd_view<T>(gm_at<T>(args_.a, 0) + row0 * args_.lda + k0, rows, kv, args_.lda);
+    auto a_src = nd_view<T>(gm_at<T>(src.a, 0) + src.row0 * src.lda + k0, rows, kv, src.lda);
     TLOAD(a_load, a_src);
 
     typename Tiles::BPanelLoad b_load(static_cast<unsigned>(kv), static_cast<unsigned>(cols));

@@ -169,7 +169,7 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.comm_blocks = job.comm_blocks;
   a.bias_rank = 0;
   a.wait_timeout_us = job.timeout_us;
-  // Sequence-parallel ops: a sub-problem is the chunk (reduce-scatter: m is every rank's full M) or the shard
+  // Sequence-parallel ops: one row chunk per rank, the rank's rows (reduce-scatter: m is every rank's full M) or shard
   // (allgather: m is each rank's shard).
   const int64_t m_sub = job.op == gemm_ar::kSpReduceScatter ? s.m / job.world : s.m;
   if (job.op != 0 ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
@@ -193,6 +193,7 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
     a.signature_only = 1;
     a.signature[0] = s.bad_code;
     a.plan = gemm_ar::TilePlan{};
+    a.chunks = gemm_ar::RowChunks{};
     a.layout = gemm_ar::KernelLayout{};
   }
   return a;

@@ -101,7 +101,7 @@ bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   args->comm_blocks = state.comm_blocks;
   const uint32_t sp_op = sp_op_of(call);
   if (sp_op == 0) return plan_kernel_args(args, call.m, call.n, call.k);
-  // A reduce-scatter's sub-problem is the rank's chunk of the rows, an allgather's the shard (this rank's a).
+  // One row chunk per rank: a reduce-scatter's is the rank's rows of the output, an allgather's its shard (its a).
   const int64_t m_sub = sp_op == kSpReduceScatter ? call.m / state.world : call.m;
   return plan_sp_kernel_args(args, sp_op, m_sub, call.n, call.k);
 }

@@ -4,8 +4,8 @@
 // host and device agree on the size), trivially copyable.
 //
 // How a call is launched (host side):
-//   1. fill a KernelArgs (plan_kernel_args() fills plan and layout: the window and scratch sizes to check; the
-//      bias goes in as fp32 zero-padded to plan.pad_n),
+//   1. fill a KernelArgs (plan_kernel_args() fills plan, chunks and layout: the window and scratch sizes to check;
+//      the bias goes in as fp32 zero-padded to plan.pad_n),
 //   2. copy it into device memory (one copy serves both kernels; it must stay alive until both finished),
 //   3. launch_gemm_compute(compute_blocks, current stream, args_dev) and launch_gemm_comm(comm_blocks, comm
 //      stream, args_dev) (csrc/kernels/kernel_launch.h); AscendC kernels take only pointers and scalars, which is
@@ -37,11 +37,12 @@
 #include "layout.hpp"
 #include "ownership.hpp"
 #include "partition.hpp"
+#include "row_chunks.hpp"
 #include "tile_plan.hpp"
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x33524147u;  // "GAR3": bumped whenever KernelArgs or its meaning changes
+constexpr uint32_t kKernelArgsMagic = 0x34524147u;  // "GAR4": bumped whenever KernelArgs or its meaning changes
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
@@ -172,12 +173,16 @@ struct KernelArgs {
   uint32_t reserved0;
   int64_t signature[kSignatureWords];  // this rank's call signature (see kSignatureWords)
 
-  TilePlan plan;                   // make_tile_plan(m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)
-  KernelLayout layout;             // make_kernel_layout(plan, elem_bytes, world, compute_blocks, comm_blocks)
+  TilePlan plan;                   // make_row_chunked_plan(chunks.count, chunks.rows, n, k, kNpuBaseM, kNpuBaseN,
+                                   // kNpuBaseK, kNpuKSlices, kNpuSubM)
+  RowChunks chunks;                // gemm_allreduce: one chunk (the plain tile plan); the sequence-parallel ops: one
+                                   // chunk per rank (gemm_ar/sequence_parallel.hpp)
+  KernelLayout layout;             // make_kernel_layout / make_sp_kernel_layout
 };
 
-static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(KernelLayout) % sizeof(int64_t) == 0,
-              "the kernels compare plans and layouts field by field as int64_t arrays");
+static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(RowChunks) % sizeof(int64_t) == 0 &&
+                  sizeof(KernelLayout) % sizeof(int64_t) == 0,
+              "the kernels compare plans, chunks and layouts field by field as int64_t arrays");
 
 GEMM_AR_FN int64_t dtype_bytes(uint32_t dtype) {
   return (dtype == kDTypeFloat16 || dtype == kDTypeBFloat16) ? 2 : 0;
@@ -212,13 +217,19 @@ GEMM_AR_FN int64_t signature_slot_offset(int64_t world, uint32_t epoch, int64_t 
   return signature_region_offset(world) + (bank * world + source) * kSignatureSlotBytes;
 }
 
-GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
-                                           int64_t compute_blocks, int64_t comm_blocks) {
-  // The prepared region is sized by kMaxCommBlocks, not by comm_blocks, so that its place never depends on the
-  // call (see the top of this file); the parameter stays so that every caller passes the same counts.
-  (void)comm_blocks;
+// The region sizes in which the kernel pairs differ; place_kernel_layout places them, and what every pair has in
+// common, one after another.
+struct LayoutRegionBytes {
+  int64_t reduced, contrib, arrival;  // the window regions of KernelLayout
+  int64_t scratch_head;               // scratch before the partial products (the allgather's gathered a)
+};
+
+// Places the fixed window regions (prepared flags, signatures), then `r`'s window regions; in the scratch r's head,
+// then the pad_m x pad_n partial products of every plan tile and one ready queue per compute block, sized for the
+// block that gets the most of the plan's tiles.
+GEMM_AR_FN KernelLayout place_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
+                                            int64_t compute_blocks, const LayoutRegionBytes& r) {
   KernelLayout k{};
-  const int64_t elems = plan.pad_m * plan.pad_n;
   int64_t at = 0;
   k.prepared_offset = at;
   k.prepared_bytes = prepared_region_bytes(world);
@@ -226,19 +237,19 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
   k.signature_bytes = signature_region_bytes(world);
   at = fixed_window_bytes(world);
   k.reduced_offset = at;
-  k.reduced_bytes = elems * elem_bytes;
+  k.reduced_bytes = r.reduced;
   at = align_up(at + k.reduced_bytes, kWindowAlign);
   k.contrib_offset = at;
-  k.contrib_bytes = max_owned_subtile_count(plan.tiles, world, plan.stripes) * world * kFlagStride;
+  k.contrib_bytes = r.contrib;
   at = align_up(at + k.contrib_bytes, kWindowAlign);
   k.arrival_offset = at;
-  k.arrival_bytes = plan.tiles * plan.stripes * kFlagStride;
+  k.arrival_bytes = r.arrival;
   at = align_up(at + k.arrival_bytes, kWindowAlign);
   k.window_bytes = at;
 
-  at = 0;
+  at = align_up(r.scratch_head, kWindowAlign);
   k.partial_offset = at;
-  k.partial_bytes = elems * elem_bytes;
+  k.partial_bytes = plan.pad_m * plan.pad_n * elem_bytes;
   at = align_up(at + k.partial_bytes, kWindowAlign);
   k.queue_offset = at;
   k.queue_capacity = max_block_items(plan.tiles, compute_blocks);
@@ -246,6 +257,25 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
   at = align_up(at + compute_blocks * k.queue_stride, kWindowAlign);
   k.scratch_bytes = at;
   return k;
+}
+
+// Bytes of the contribution flags when tiles are owned in runs of `run` (ownership.hpp): one flag per owner-local
+// subtile and source, sized for the rank that owns the most.
+GEMM_AR_FN int64_t contrib_region_bytes(const TilePlan& plan, int64_t world, int64_t run) {
+  return run_max_owned_subtile_count(plan.tiles, world, plan.stripes, run) * world * kFlagStride;
+}
+
+GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
+                                           int64_t compute_blocks, int64_t comm_blocks) {
+  // The prepared region is sized by kMaxCommBlocks, not by comm_blocks, so that its place never depends on the
+  // call (see the top of this file); the parameter stays so that every caller passes the same counts.
+  (void)comm_blocks;
+  LayoutRegionBytes r{};
+  r.reduced = plan.pad_m * plan.pad_n * elem_bytes;  // every tile: the owners' sums, then everybody's copies
+  r.contrib = contrib_region_bytes(plan, world, 1);  // tiles dealt round-robin
+  r.arrival = plan.tiles * plan.stripes * kFlagStride;
+  r.scratch_head = 0;
+  return place_kernel_layout(plan, elem_bytes, world, compute_blocks, r);
 }
 
 // Byte offsets of single flags, relative to the window region / scratch.
@@ -264,16 +294,28 @@ GEMM_AR_FN int64_t queue_slot_offset(const KernelLayout& k, int64_t queue, int64
   return k.queue_offset + queue * k.queue_stride + slot * kQueueSlotBytes;
 }
 
-// Fills plan and layout of *args from the sizes and args->dtype/world/compute_blocks/comm_blocks; false when the
-// kernels cannot run this call (the host then takes another path): an empty problem (m, n or k == 0: nothing to
-// pipeline, and k == 0 would leave the accumulator unwritten), bad block counts, or a world HCCL cannot have.
-GEMM_AR_FN bool plan_kernel_args(KernelArgs* args, int64_t m, int64_t n, int64_t k) {
+// What every kernel pair needs of *args before it can be planned: a dtype, a world HCCL can have, block counts the
+// kernels take.
+GEMM_AR_FN bool kernel_counts_plannable(const KernelArgs* args) {
   if (args == nullptr || dtype_bytes(args->dtype) == 0) return false;
-  if (m <= 0 || n <= 0 || k <= 0) return false;
   if (args->world < 1 || args->world > kMaxWorld) return false;
   if (args->compute_blocks < 1 || args->compute_blocks > kMaxComputeBlocks) return false;
-  if (args->comm_blocks < 1 || args->comm_blocks > kMaxCommBlocks) return false;
-  if (!make_tile_plan(&args->plan, m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)) return false;
+  return args->comm_blocks >= 1 && args->comm_blocks <= kMaxCommBlocks;
+}
+
+// Fills plan and chunks of *args at the NPU tile sizes: `count` row chunks of `rows` rows each (row_chunks.hpp).
+GEMM_AR_FN bool plan_npu_tiles(KernelArgs* args, int64_t count, int64_t rows, int64_t n, int64_t k) {
+  return make_row_chunked_plan(&args->plan, &args->chunks, count, rows, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK,
+                               kNpuKSlices, kNpuSubM);
+}
+
+// Fills plan, chunks (one) and layout of *args from the sizes and args->dtype/world/compute_blocks/comm_blocks;
+// false when the kernels cannot run this call (the host then takes another path): an empty problem (m, n or
+// k == 0: nothing to pipeline, and k == 0 would leave the accumulator unwritten), bad block counts, or a world
+// HCCL cannot have.
+GEMM_AR_FN bool plan_kernel_args(KernelArgs* args, int64_t m, int64_t n, int64_t k) {
+  if (!kernel_counts_plannable(args) || m <= 0 || n <= 0 || k <= 0) return false;
+  if (!plan_npu_tiles(args, 1, m, n, k)) return false;
   args->layout = make_kernel_layout(args->plan, dtype_bytes(args->dtype), args->world, args->compute_blocks,
                                     args->comm_blocks);
   return true;

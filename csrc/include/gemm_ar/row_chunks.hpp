@@ -46,6 +46,31 @@ GEMM_AR_FN RowChunks single_chunk(const TilePlan& plan) { return RowChunks{1, pl
 // Chunk of tile row mi.
 GEMM_AR_FN int64_t chunk_of_tile_row(const RowChunks& c, int64_t mi) { return c.m_tiles > 0 ? mi / c.m_tiles : 0; }
 
+// Tiles of one chunk. The plan numbers tiles row by row, so chunk g's tiles are the run
+// [g * chunk_tile_count, (g + 1) * chunk_tile_count).
+GEMM_AR_FN int64_t chunk_tile_count(const TilePlan& plan, const RowChunks& c) { return c.m_tiles * plan.n_tiles; }
+
+// Tile row mi of the plan that is tile row i (< m_tiles) of chunk g.
+GEMM_AR_FN int64_t chunk_tile_row(const RowChunks& c, int64_t g, int64_t i) { return g * c.m_tiles + i; }
+
+// Plan tile id of tile t (numbered row by row inside the chunk, t < chunk_tile_count) of chunk g.
+GEMM_AR_FN int64_t chunk_tile(const TilePlan& plan, const RowChunks& c, int64_t g, int64_t t) {
+  return g * chunk_tile_count(plan, c) + t;
+}
+
+// Chunk of plan tile id t.
+GEMM_AR_FN int64_t chunk_of_tile(const TilePlan& plan, const RowChunks& c, int64_t t) {
+  return chunk_of_tile_row(c, tile_row(plan, t));
+}
+
+// Rank that chunk g belongs to.
+GEMM_AR_FN int64_t chunk_owner(int64_t g, int64_t world) { return owner_of(g, world); }
+
+// Rows rank `rank` holds: its chunks g = rank, rank + world, ... one after another (0 for a rank outside world).
+GEMM_AR_FN int64_t chunked_owner_rows(const RowChunks& c, int64_t world, int64_t rank) {
+  return owned_tile_count(c.count, world, rank) * c.rows;
+}
+
 // First row of tile row mi in the M x N output (its padded position is mi * base_m).
 GEMM_AR_FN int64_t chunked_tile_row0(const TilePlan& plan, const RowChunks& c, int64_t mi) {
   if (c.m_tiles <= 0) return 0;
@@ -57,6 +82,13 @@ GEMM_AR_FN int64_t chunked_tile_row0(const TilePlan& plan, const RowChunks& c, i
 GEMM_AR_FN int64_t chunked_owner_row0(const TilePlan& plan, const RowChunks& c, int64_t mi, int64_t world) {
   if (c.m_tiles <= 0 || world <= 0) return 0;
   return (mi / c.m_tiles) / world * c.rows + (mi % c.m_tiles) * plan.base_m;
+}
+
+// chunked_owner_row0 in a buffer that keeps each chunk's padding (m_tiles * base_m rows a chunk): where tile row
+// mi sits in its rank's padded buffer of its chunks' tiles (the NPU reduce-scatter's reduced buffer).
+GEMM_AR_FN int64_t chunked_owner_padded_row0(const TilePlan& plan, const RowChunks& c, int64_t mi, int64_t world) {
+  if (c.m_tiles <= 0 || world <= 0) return 0;
+  return ((mi / c.m_tiles) / world * c.m_tiles + mi % c.m_tiles) * plan.base_m;
 }
 
 // Valid rows of tile row mi: base_m except in each chunk's last tile row; 0 outside the grid.
