@@ -380,8 +380,10 @@ bool AutoTuner::resolve_pending_time(CallArgs& call, c10d::ProcessGroup& group, 
   try {
     seconds = pending();  // may wait for the device (bounded): outside the lock, other groups' calls go on
   } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
     call.error_code = kTuningClockError;
-    call.error = call.op_name + ": timing the previous tuning call of this shape on the device failed: " + e.what();
+    call.error = call.op_name + ": timing the previous tuning call of this shape on the device failed: " +
+                 (error != nullptr ? error->what_without_backtrace() : e.what());
     return false;
   }
   record(call, group, seconds, key);

@@ -276,7 +276,7 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
   }
   publish_header(windows_->base(rank_), epoch_, signature_);
   ring_peers();
-  if (!call.error.empty()) raise(call.error + where(), call.error_code != kFusedUnavailableError);
+  if (!call.error.empty()) raise(call.error + where(), agreement_problem_is_value_error({}, call));
   if (chosen == Algorithm::Fused && call.m > 0) return {};
   return check_every_signature(call);
 }
