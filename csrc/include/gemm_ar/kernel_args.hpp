@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "epilogue_args.hpp"
 #include "fn.hpp"
 #include "layout.hpp"
 #include "ownership.hpp"
@@ -41,7 +42,8 @@
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x33524147u;  // "GAR3": bumped whenever KernelArgs or its meaning changes
+constexpr uint32_t kKernelArgsMagic = 0x34524147u;  // "GAR4": bumped whenever KernelArgs or its meaning changes
+                                                   // (GAR4: the epilogue at the end)
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
@@ -174,6 +176,7 @@ struct KernelArgs {
 
   TilePlan plan;                   // make_tile_plan(m, n, k, kNpuBaseM, kNpuBaseN, kNpuBaseK, kNpuKSlices, kNpuSubM)
   KernelLayout layout;             // make_kernel_layout(plan, elem_bytes, world, compute_blocks, comm_blocks)
+  EpilogueArgs epilogue;           // gemm_allreduce's comm kernel only (epilogue_args.hpp); zero (none) otherwise
 };
 
 static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(KernelLayout) % sizeof(int64_t) == 0,
