@@ -160,7 +160,7 @@ def test_allow_list_is_not_stale(per_call_objects):
     assert not stale, f"allow-listed but never called from the per-call path: {stale}"
 
 
-# Injected right after run_fused allocates `out`; each must be caught by the checks named.
+# Injected right after the fused gemm_allreduce path allocates `out`; each must be caught by the checks named.
 INJECTIONS = {
     "tensor_cpu": ("  (void)out.cpu();\n", {"symbols", "source"}),
     "acl_synchronize_stream": ("  (void)aclrtSynchronizeStream(nullptr);\n", {"symbols", "source"}),

@@ -352,18 +352,21 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   return scratch;
 }
 
-}  // namespace
-
-at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+// gemm_allreduce's pair, with or without the add+RMSNorm epilogue.
+at::Tensor run_allreduce_pair(const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands* epilogue) {
   auto out = at::empty({call.m, call.n}, call.b.options());
-  launch_fused(call, group, kAllreducePair, out);
+  launch_fused(call, group, kAllreducePair, out, epilogue);
   return out.view(call.out_shape);
 }
 
+}  // namespace
+
+at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
+  return run_allreduce_pair(call, group, nullptr);
+}
+
 at::Tensor run_fused_add_rmsnorm(const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands& ops) {
-  auto out = at::empty({call.m, call.n}, call.b.options());
-  launch_fused(call, group, kAllreducePair, out, &ops);
-  return out.view(call.out_shape);
+  return run_allreduce_pair(call, group, &ops);
 }
 
 at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& group) {
