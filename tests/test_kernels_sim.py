@@ -126,17 +126,20 @@ def _unit_roundoff(dtype, bf16_native):
 
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
-             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0, op=0, eps=1e-5):
+             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0, op=0, eps=1e-5,
+             epilogue=None):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
     clobber_after, late_rank, late_us, sig_rank/sig_word/sig_value, bad_rank/bad_code, out_fill, via_counter
     (sim_main.cpp). op: 0 gemm_allreduce, SP_REDUCE_SCATTER (m = the full M; reference = the sum, each rank checks
     its chunk) or SP_ALLGATHER (m = each rank's shard; reference = the gathered product, "gathered" = the gathered
     a) or ADD_RMSNORM (gemm_allreduce with the epilogue, `eps`; each case also gets "residual" and "weight", the
-    exact float64 values of the operands, and "normed", the second output per rank). Returns (per call: inputs +
+    exact float64 values of the operands, and "normed", the second output per rank). epilogue=True attaches the
+    epilogue's arguments to another op's kernels (default: only for ADD_RMSNORM). Returns (per call: inputs +
     float64 reference + outputs per rank, result lines)."""
+    epilogue = op == ADD_RMSNORM if epilogue is None else epilogue
     rng = np.random.default_rng(seed)
     job_dir = str(tmp_path)
-    op_field = f"{op} {eps!r}" if op == ADD_RMSNORM else f"{op}"
+    op_field = f"{op} {eps!r}" if epilogue else f"{op}"
     lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology} {op_field}",
              f"calls {len(calls)}"]
     cases = []
@@ -169,15 +172,15 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         if bias is not None:
             reference = reference + bias.astype(np.float64)
             magnitude = magnitude + np.abs(bias.astype(np.float64))
-        epilogue = {}
-        if op == ADD_RMSNORM:
+        epilogue_inputs = {}
+        if epilogue:
             # The same residual stream on every rank (one file); ldo padding covers its row stride too.
             bits, vals = _encode(rng.uniform(-1.0, 1.0, size=(m, ldo)), dtype, sim["bf16_native"])
             bits.tofile(os.path.join(job_dir, f"c{c}_residual.bin"))
-            epilogue["residual"] = vals[:, :n]
+            epilogue_inputs["residual"] = vals[:, :n]
             bits, vals = _encode(rng.uniform(0.5, 1.5, size=n), dtype, sim["bf16_native"])
             bits.tofile(os.path.join(job_dir, f"c{c}_weight.bin"))
-            epilogue["weight"] = vals
+            epilogue_inputs["weight"] = vals
         epoch = spec.get("epoch", c + 1)
         lines.append(f"{m} {n} {k} {spec['b_layout']} {int(bias is not None)} {lda} {ldb} {ldo} {epoch} "
                      f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', 0))} "
@@ -185,7 +188,7 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
                      f"{spec.get('sig_rank', -1)} {spec.get('sig_word', -1)} {spec.get('sig_value', 0)} "
                      f"{spec.get('bad_rank', -1)} {spec.get('bad_code', 0)} {spec.get('out_fill', 255)} "
                      f"{int(spec.get('via_counter', False))}")
-        cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude, a_vals=a_vals, **epilogue))
+        cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude, a_vals=a_vals, **epilogue_inputs))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
@@ -211,7 +214,7 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         for r in range(world):
             raw = np.fromfile(os.path.join(job_dir, f"c{c}_out{r}.bin"), dtype=np.uint16)
             case["outputs"].append(raw.reshape(-1, case["ldo"]))  # rows: m, or the op's chunk / gathered rows
-        if op == ADD_RMSNORM:
+        if epilogue:
             case["normed"] = [np.fromfile(os.path.join(job_dir, f"c{c}_normed{r}.bin"), dtype=np.uint16)
                               .reshape(-1, case["ldo"]) for r in range(world)]
         if op == SP_ALLGATHER:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from test_kernels_sim import (ADD_RMSNORM, B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
-                              ERR_SIGNATURE_MISMATCH, FP16, _check_clean_run, _decode, _failed_calls, _run_job,
-                              _unit_roundoff, pytestmark, sim_build_dir, simulator)
+                              ERR_PEER_REJECTED, ERR_SIGNATURE_MISMATCH, FP16, SP_ALLGATHER, SP_REDUCE_SCATTER,
+                              _check_clean_run, _decode, _failed_calls, _run_job, _unit_roundoff, pytestmark,
+                              sim_build_dir, simulator)
 
 __all__ = ["pytestmark", "sim_build_dir", "simulator"]  # the skip reason and the module's simulator build
 
@@ -122,6 +123,20 @@ def test_rank_with_another_eps_stops_every_rank_and_poisons_both_outputs(simulat
         for name in ("outputs", "normed"):
             got = _decode(np.ascontiguousarray(case[name][r][:, :case["n"]]), FP16, simulator["bf16_native"])
             assert np.all(np.isnan(got)), f"rank {r}: {name} not poisoned after a signature mismatch"
+
+
+@pytest.mark.parametrize("op", [SP_REDUCE_SCATTER, SP_ALLGATHER], ids=["reduce_scatter", "allgather"])
+def test_sequence_parallel_kernels_refuse_an_epilogue(simulator, tmp_path, op):
+    # Only gemm_allreduce's comm kernel runs the epilogue: the sequence-parallel pairs, handed its arguments, reject
+    # them (kernel_operands_usable) like any unusable arguments: every rank stops with "rank rejected its arguments"
+    # before data moves, so neither output is touched (they keep the harness's zero fill).
+    calls = [dict(m=96, n=300, k=40, b_layout=B_TRANSPOSED, bias=True, epoch=80, out_fill=0)]
+    cases, results = _run_job(simulator, tmp_path, world=2, dtype=FP16, compute_blocks=2, comm_blocks=2,
+                              calls=calls, seed=1331, op=op, eps=EPS, epilogue=True, timeout_us=3_000_000)
+    for r in range(2):
+        assert results[(0, r)]["code"] == ERR_PEER_REJECTED, results[(0, r)]
+        for name in ("outputs", "normed"):
+            assert np.all(cases[0][name][r] == 0), f"rank {r}: {name} written although the kernels refused the call"
 
 
 # The epilogue's ordering, each guard removed in turn (csrc/kernels/device_support.hpp NegativeControl).

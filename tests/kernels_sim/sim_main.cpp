@@ -39,7 +39,8 @@
 // op 3 (kSimAddRmsNorm, the host's kOpGemmAllreduceAddRmsnorm) runs gemm_allreduce's pair with the add+RMSNorm
 // epilogue (gemm_ar/epilogue_args.hpp): the job line then ends "3 eps"; c<call>_residual.bin (m x ldo 16-bit, the
 // same for every rank) and c<call>_weight.bin (n 16-bit) are its operands; out<rank> is reduced + residual and
-// c<call>_normed<rank>.bin (m x ldo, starting as out_fill) the normalised rows.
+// c<call>_normed<rank>.bin (m x ldo, starting as out_fill) the normalised rows. An eps after another op attaches
+// the same epilogue arguments to that op's kernels (which must refuse them).
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -90,7 +91,8 @@ constexpr uint32_t kSimAddRmsNorm = 3;  // Job::op of gemm_allreduce with the ad
 struct Job {
   int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
   uint32_t op = 0;  // 0: gemm_allreduce; kSimAddRmsNorm; else the SpOpCode of a sequence-parallel kernel pair
-  float eps = 0;    // kSimAddRmsNorm only
+  bool epilogue = false;  // an eps followed the op: every call carries the add+RMSNorm epilogue arguments
+  float eps = 0;
   uint32_t dtype = 0, timeout_us = 0;
   uint64_t window_offset = 0, seed = 0;
   std::vector<CallSpec> calls;
@@ -140,11 +142,15 @@ Job read_job(const std::string& dir) {
       job.seed >> job.topology >> word;
   if (word != "calls") {  // optional: the op (gemm_ar::SpOpCode; absent or 0 = gemm_allreduce)
     job.op = static_cast<uint32_t>(std::stoul(word));
-    if (job.op == kSimAddRmsNorm) f >> job.eps;
     f >> word;
+    if (word != "calls") {  // optional: eps, and with it the epilogue
+      job.epilogue = true;
+      job.eps = std::stof(word);
+      f >> word;
+    }
   }
   f >> calls;
-  if (!f || word != "calls") {
+  if (!f || word != "calls" || (job.op == kSimAddRmsNorm && !job.epilogue)) {
     std::fprintf(stderr, "bad job.txt\n");
     std::exit(2);
   }
@@ -308,7 +314,7 @@ int run(const std::string& dir) {
       bias_in[c] = read_file(pre + "bias.bin", static_cast<size_t>(s.n) * sizeof(float));
       bias_in[c].resize(static_cast<size_t>(a.plan.pad_n) * sizeof(float), 0);
     }
-    if (job.op == kSimAddRmsNorm) {
+    if (job.epilogue) {
       residual_in[c] = read_file(pre + "residual.bin", static_cast<size_t>(s.m * s.ldo) * elem);
       weight_in[c] = read_file(pre + "weight.bin", static_cast<size_t>(s.n) * elem);
       normed[c].assign(world, std::vector<unsigned char>(static_cast<size_t>(s.m * s.ldo) * elem,
@@ -361,7 +367,7 @@ int run(const std::string& dir) {
           a.window_bytes = window_alloc - job.window_offset;
           a.scratch = scratch[r]->addr();
           a.error = records[r]->addr();
-          if (job.op == kSimAddRmsNorm && s.bad_rank != r) {
+          if (job.epilogue && s.bad_rank != r) {
             a.epilogue.kind = gemm_ar::kEpilogueAddRmsNorm;
             a.epilogue.eps = job.eps;
             a.epilogue.residual = reinterpret_cast<uint64_t>(residual_in[c].data());
@@ -445,7 +451,7 @@ int run(const std::string& dir) {
     for (int r = 0; r < world; ++r) {
       write_file(dir + "/c" + std::to_string(c) + "_out" + std::to_string(r) + ".bin", out[c][r].data(),
                  out[c][r].size());
-      if (job.op == kSimAddRmsNorm) {
+      if (job.epilogue) {
         write_file(dir + "/c" + std::to_string(c) + "_normed" + std::to_string(r) + ".bin", normed[c][r].data(),
                    normed[c][r].size());
       }
