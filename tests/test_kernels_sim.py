@@ -33,6 +33,7 @@ ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced t
 MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank's CommContext is built
 MESH_WRONG_CONTEXT, MESH_NO_CONTEXT = 3, 4  # rank 1's context names rank 0 / rank 1 gets none
 SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::SpOpCode: the sequence-parallel kernel pairs (sim_main.cpp op)
+ADD_RMSNORM = 3  # sim_main.cpp kSimAddRmsNorm: gemm_allreduce's pair with the add+RMSNorm epilogue
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word
 
@@ -125,15 +126,21 @@ def _unit_roundoff(dtype, bf16_native):
 
 
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
-             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0, op=0):
+             process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0, op=0, eps=1e-5,
+             epilogue=None):
     """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
     clobber_after, late_rank, late_us, sig_rank/sig_word/sig_value, bad_rank/bad_code, out_fill, via_counter
     (sim_main.cpp). op: 0 gemm_allreduce, SP_REDUCE_SCATTER (m = the full M; reference = the sum, each rank checks
     its chunk) or SP_ALLGATHER (m = each rank's shard; reference = the gathered product, "gathered" = the gathered
-    a). Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
+    a) or ADD_RMSNORM (gemm_allreduce with the epilogue, `eps`; each case also gets "residual" and "weight", the
+    exact float64 values of the operands, and "normed", the second output per rank). epilogue=True attaches the
+    epilogue's arguments to another op's kernels (default: only for ADD_RMSNORM). Returns (per call: inputs +
+    float64 reference + outputs per rank, result lines)."""
+    epilogue = op == ADD_RMSNORM if epilogue is None else epilogue
     rng = np.random.default_rng(seed)
     job_dir = str(tmp_path)
-    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology} {op}",
+    op_field = f"{op} {eps!r}" if epilogue else f"{op}"
+    lines = [f"{world} {compute_blocks} {comm_blocks} {dtype} {timeout_us} 4096 {seed} {topology} {op_field}",
              f"calls {len(calls)}"]
     cases = []
     for c, spec in enumerate(calls):
@@ -165,6 +172,15 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         if bias is not None:
             reference = reference + bias.astype(np.float64)
             magnitude = magnitude + np.abs(bias.astype(np.float64))
+        epilogue_inputs = {}
+        if epilogue:
+            # The same residual stream on every rank (one file); ldo padding covers its row stride too.
+            bits, vals = _encode(rng.uniform(-1.0, 1.0, size=(m, ldo)), dtype, sim["bf16_native"])
+            bits.tofile(os.path.join(job_dir, f"c{c}_residual.bin"))
+            epilogue_inputs["residual"] = vals[:, :n]
+            bits, vals = _encode(rng.uniform(0.5, 1.5, size=n), dtype, sim["bf16_native"])
+            bits.tofile(os.path.join(job_dir, f"c{c}_weight.bin"))
+            epilogue_inputs["weight"] = vals
         epoch = spec.get("epoch", c + 1)
         lines.append(f"{m} {n} {k} {spec['b_layout']} {int(bias is not None)} {lda} {ldb} {ldo} {epoch} "
                      f"{spec.get('skip_rank', -1)} {int(spec.get('clobber_after', 0))} "
@@ -172,7 +188,7 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
                      f"{spec.get('sig_rank', -1)} {spec.get('sig_word', -1)} {spec.get('sig_value', 0)} "
                      f"{spec.get('bad_rank', -1)} {spec.get('bad_code', 0)} {spec.get('out_fill', 255)} "
                      f"{int(spec.get('via_counter', False))}")
-        cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude, a_vals=a_vals))
+        cases.append(dict(spec, ldo=ldo, reference=reference, magnitude=magnitude, a_vals=a_vals, **epilogue_inputs))
     with open(os.path.join(job_dir, "job.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     # The kernels bound their own waits; pto-isa's TWAIT must not give up silently underneath (design.md §8).
@@ -198,13 +214,17 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         for r in range(world):
             raw = np.fromfile(os.path.join(job_dir, f"c{c}_out{r}.bin"), dtype=np.uint16)
             case["outputs"].append(raw.reshape(-1, case["ldo"]))  # rows: m, or the op's chunk / gathered rows
+        if epilogue:
+            case["normed"] = [np.fromfile(os.path.join(job_dir, f"c{c}_normed{r}.bin"), dtype=np.uint16)
+                              .reshape(-1, case["ldo"]) for r in range(world)]
         if op == SP_ALLGATHER:
             case["gathered"] = [np.fromfile(os.path.join(job_dir, f"c{c}_gathered{r}.bin"), dtype=np.uint16)
                                 for r in range(world)]
     return cases, results
 
 
-def _check_call(sim, dtype, world, case, results, call):
+def _check_clean_run(results, world, call):
+    """What every successful call must show besides its values: the strict models saw nothing, no rank failed."""
     # A scalar store no dcci ever covered: a flag or record the other cores could never see.
     assert results["lost_store_lines"] == 0, f"{results['lost_store_lines']} cache lines of stores never written back"
     # A flag raised after a payload store with no release fence in between: a peer could see the flag first.
@@ -213,6 +233,10 @@ def _check_call(sim, dtype, world, case, results, call):
     assert results["unfenced_accesses"] == 0, f"{results['unfenced_accesses']} guarded accesses before an acquire fence"
     for r in range(world):
         assert results[(call, r)]["code"] == 0, f"call {call} rank {r} failed: {results[(call, r)]}"
+
+
+def _check_call(sim, dtype, world, case, results, call):
+    _check_clean_run(results, world, call)
     m, n = case["m"], case["n"]
     first = case["outputs"][0]
     for r, raw in enumerate(case["outputs"]):
@@ -404,6 +428,17 @@ _CONTROL_CALLS = [
 ]
 
 
+def _failed_calls(cases, check):
+    """The first line of every call's failed check(call, case): what a negative control must produce."""
+    failures = []
+    for c, case in enumerate(cases):
+        try:
+            check(c, case)
+        except AssertionError as e:
+            failures.append(f"call {c}: {str(e).splitlines()[0]}")
+    return failures
+
+
 @pytest.mark.parametrize("control", sorted(NEGATIVE_CONTROLS))
 def test_negative_control_is_caught(simulator, tmp_path, control):
     code, expected_errors = NEGATIVE_CONTROLS[control]
@@ -412,12 +447,7 @@ def test_negative_control_is_caught(simulator, tmp_path, control):
     cases, results = _run_job(sim, tmp_path, world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
                               calls=[dict(c, via_counter=True) for c in _CONTROL_CALLS], seed=91,
                               timeout_us=1_500_000, process_timeout_s=300, negative_control=code)
-    failures = []
-    for c, case in enumerate(cases):
-        try:
-            _check_call(sim, FP16, 3, case, results, c)
-        except AssertionError as e:
-            failures.append(f"call {c}: {str(e).splitlines()[0]}")
+    failures = _failed_calls(cases, lambda c, case: _check_call(sim, FP16, 3, case, results, c))
     assert failures, f"negative control {control!r} went unnoticed: the strict simulator would not catch this bug"
     if expected_errors is not None:
         reported = {res["code"] for key, res in results.items() if isinstance(key, tuple)}

@@ -130,6 +130,30 @@ def _three_d_input(gar, rank, world):
     _check_close(out.view(150, 300), expected, world, "3-D a")
 
 
+def _add_rmsnorm_every_algorithm(gar, rank, world):
+    """gemm_allreduce_add_rmsnorm (the epilogue in the comm kernel for `fused`, ATen after the others): out against
+    float64, normed against float64 from the returned out (fp32 statistics), both identical on every rank."""
+    group = dist.group.WORLD
+    eps = 1e-5
+    for case, (dtype, (m, k, n)) in enumerate([(d, s) for d in (torch.float16, torch.bfloat16) for s in SHAPES]):
+        a, b, bias, (ref, bound) = _inputs(rank, world, m, k, n, dtype, 700 + case, case % 2 == 1, True)
+        gen = torch.Generator().manual_seed(7000 + case)  # the same residual stream and weight on every rank
+        residual = torch.randn(m, n, generator=gen).to(dtype)
+        weight = (0.5 + torch.rand(n, generator=gen)).to(dtype)
+        expected = (ref + residual.double(), bound + torch.finfo(dtype).eps * (ref + residual.double()).abs())
+        for algorithm in ALGORITHMS:
+            what = f"add_rmsnorm {algorithm} {dtype} M={m} K={k} N={n}"
+            out, normed = gar.gemm_allreduce_add_rmsnorm(a.npu(), b.npu(), residual.npu(), weight.npu(), group,
+                                                         eps=eps, bias=bias.npu(), algorithm=algorithm)
+            _check_close(out, expected, world, what + " out")
+            x = out.double().cpu()
+            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+            error = (normed.double().cpu() - want).abs()
+            assert (error <= torch.finfo(dtype).eps * want.abs() + 1e-4).all(), f"{what}: normed off by {error.max()}"
+            _check_identical_on_all_ranks(out, group, what + " out")
+            _check_identical_on_all_ranks(normed, group, what + " normed")
+
+
 def _window_too_small(gar, rank, world):
     """12288 x 12288 fp16 needs about 290 MiB of window; HCCL_BUFFSIZE=200 gives 200 MiB: `fused` raises naming
     HCCL_BUFFSIZE, `auto` warns and runs `chunked`. Checked on a few rows (a float64 reference of all is too big)."""
@@ -174,7 +198,7 @@ def _failures_after_warmup(gar, rank, world):
 
 @pytest.mark.parametrize("world", (2, 4))
 @pytest.mark.parametrize("check", ("_every_algorithm", "_back_to_back_fused", "_three_d_input", "_window_too_small",
-                                   "_failures_after_warmup"))
+                                   "_failures_after_warmup", "_add_rmsnorm_every_algorithm"))
 def test_npu_gemm_allreduce(world, check, tmp_path):
     _needs_devices(world)
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), check), nprocs=world, join=True)

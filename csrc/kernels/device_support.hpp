@@ -65,6 +65,9 @@ enum NegativeControl : int {
   kControlPreparedAcquire = 21,      // wait_prepared: before the atomic add into the owner's zeroed subtile
   kControlContribAcquire = 22,       // try_item (own subtile): before the reduced subtile is read
   kControlArrivalAcquire = 23,       // try_item (peer's subtile): before the gathered subtile is read
+  // The add+RMSNorm epilogue of the comm kernel (add_rmsnorm_epilogue.hpp).
+  kControlEpilogueAcquire = 24,      // a row band is read after its subtiles' flags without the acquire fence
+  kControlEpilogueNoWait = 25,       // a row band is normalised without waiting for its subtiles to be final
   // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
   // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
   kControlRsPayloadUnfenced = 40,    // reduce-scatter: contribution flag raised without a fence after the add
@@ -363,6 +366,8 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op
   if (args.lda < p.k || args.lda > 65535 || args.ldb > 65535 || args.ldo < p.n) return false;
   if (args.ldb < (args.b_layout == kBTransposed ? p.k : p.n)) return false;
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0) return false;
+  // Only gemm_allreduce's comm kernel runs an epilogue: the sequence-parallel kernels refuse one.
+  if (sp_op != 0 ? args.epilogue.kind != kEpilogueNone : !epilogue_args_usable(args.epilogue, p.n)) return false;
   // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
   if (args.scratch % kWindowAlign != 0) return false;
   // Row chunks: gemm_allreduce has one, the sequence-parallel ops one per rank (sequence_parallel.hpp).

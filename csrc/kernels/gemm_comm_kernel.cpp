@@ -17,6 +17,9 @@
 //     copies the subtile from its own window to `out`. A 64-item window of the list is polled so out-of-order
 //     readiness does not stall it, and every rank's block c walks the same list, so the earliest unfinished item
 //     anywhere can always finish: no cycle of waits.
+//  3b. with the add+RMSNorm epilogue (KernelArgs::epilogue, add_rmsnorm_epilogue.hpp) the gather writes nothing to
+//     `out`: block c waits for every subtile of row bands c, c + Q, ... to be final in this rank's window and
+//     writes both outputs of the band (out = reduced + residual, normed), so a row's statistics see all of it.
 //  4. before leaving, it waits to have seen prepared[owner][c] of every owner, even those it did not need, so no
 //     write of this call is still on its way into this rank's window when the next call (maybe another layout)
 //     starts; every other flag addressed to this rank is waited for anyway.
@@ -27,6 +30,7 @@
 // over all of `out` after its own last store there; issue 9, finding 5), so a failure cannot pass for a result.
 #include <pto/pto-inst.hpp>
 
+#include "add_rmsnorm_epilogue.hpp"
 #include "comm_block.hpp"
 #include "device_support.hpp"
 #include "kernel_entry.h"
@@ -38,6 +42,11 @@ namespace device {
 namespace {
 
 constexpr int kListWindow = 64;  // items of the gather list polled at once (one bit each)
+
+// The add+RMSNorm epilogue's tiles (EpilogueUb) follow comm_block.hpp's staging and zeros subtiles.
+constexpr uint32_t kUbEpilogue = kUbZeros + kUbSubtileBytes;
+// pto-isa keeps [TMP_UB_OFFSET, 192 KiB) for its own scratch (some conversions and broadcasts use it).
+static_assert(kUbEpilogue + EpilogueUb::kBytes <= pto::TMP_UB_OFFSET, "UB overflow");
 
 // Where a subtile lives in the padded pad_m x pad_n buffers and how much of it is real.
 struct SubtileSpan {
@@ -61,7 +70,8 @@ AICORE inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t str
 template <typename T>
 class CommBlock : public CommBlockBase {
  public:
-  AICORE inline CommBlock(const KernelArgs& args, int64_t block) : CommBlockBase(args, block) {}
+  AICORE inline CommBlock(const KernelArgs& args, int64_t block)
+      : CommBlockBase(args, block), epilogue_(args, block, kUbEpilogue) {}
 
   // The plan-dependent state; only for a call whose arguments were found usable.
   AICORE inline void init_call() {
@@ -76,10 +86,15 @@ class CommBlock : public CommBlockBase {
     list_base_ = 0;
     list_done_ = 0;
     for (int k = 0; k < kListWindow; ++k) sources_seen_[k] = 0;
+    epilogue_.init_call(&win_, tag_, tag_high_);
   }
 
-  // Finding 5: NaN over every element of `out` (all of it: every rank writes the whole result).
-  AICORE inline void poison() { poison_rows<T>(args_.plan.m); }
+  // Finding 5: NaN over every element of `out` (all of it: every rank writes the whole result), and of `normed`
+  // when the call has the epilogue.
+  AICORE inline void poison() {
+    poison_rows<T>(args_.plan.m);
+    epilogue_.poison();
+  }
 
   AICORE inline void prepare() {
     SubTile<T> zeros(kSubM, kBaseN);
@@ -113,7 +128,7 @@ class CommBlock : public CommBlockBase {
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
     int32_t announced = 0;  // owners whose prepared[owner][c] flag I have seen
-    while (!rs_done || list_base_ < list_len_ || announced < world_) {
+    while (!rs_done || list_base_ < list_len_ || announced < world_ || epilogue_.pending()) {
       bool progress = false;
       if (!rs_done) {
         const int64_t t = queues_.poll(args_, tag_, tag_high_);
@@ -128,6 +143,7 @@ class CommBlock : public CommBlockBase {
         }
       }
       if (list_base_ < list_len_ && scan_list()) progress = true;
+      if (epilogue_.pending() && epilogue_.poll()) progress = true;
       // Before leaving the call, see every owner's "prepared" flag of my column, even those I never needed: then no
       // write of this call into my window is still in flight when the next call - whose layout may put data where
       // these flags were - starts. Every other remote write of the call is already waited for.
@@ -151,6 +167,8 @@ class CommBlock : public CommBlockBase {
   }
 
  private:
+  AICORE inline bool has_epilogue() const { return args_.epilogue.kind != kEpilogueNone; }
+
   AICORE inline SubtileSpan span_of(int64_t l, int32_t owner) const {
     const TilePlan& p = args_.plan;
     return subtile_span(p, subtile_tile(l, owner, world_, p.stripes), subtile_stripe(l, p.stripes));
@@ -240,7 +258,7 @@ class CommBlock : public CommBlockBase {
     } else {
       if (!flag_raised(arrival_flag(me_, s), tag_, tag_high_)) return false;
       if (site_kept(kControlArrivalAcquire)) acquire_fence();
-      copy_out(s);
+      if (!has_epilogue()) copy_out(s);  // else the epilogue reads it from the window with the rest of its band
     }
     return true;
   }
@@ -276,8 +294,10 @@ class CommBlock : public CommBlockBase {
     TLOAD(tile, src);
     set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
-    TSTORE(out, tile);
+    if (!has_epilogue()) {  // else the epilogue writes `out` (reduced + residual)
+      auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
+      TSTORE(out, tile);
+    }
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
       auto dst = nd_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
@@ -344,6 +364,10 @@ class CommBlock : public CommBlockBase {
         return;
       }
     }
+    if (list_base_ >= list_len_ && epilogue_.pending()) {
+      epilogue_.report_stall();  // only the epilogue still waits: for a subtile of its row band
+      return;
+    }
     report_error(args_, kErrTimeoutGather, -1, list_base_, block, 1);
   }
 
@@ -352,6 +376,7 @@ class CommBlock : public CommBlockBase {
   int64_t list_base_ = 0;
   uint64_t list_done_ = 0;                 // bit k: item list_base_ + k is finished
   int32_t sources_seen_[kListWindow];      // for my own items, by item index mod kListWindow: contrib flags seen
+  AddRmsNormEpilogue<T> epilogue_;         // idle unless the call carries one
 };
 
 // `usable`: kernel_args_usable() passed (a signature-only call never moves data and has nothing to poison).

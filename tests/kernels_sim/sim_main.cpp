@@ -36,6 +36,11 @@
 // op (gemm_ar::SpOpCode, default 0 = gemm_allreduce): 1 runs GemmRsComputeKernel/GemmRsCommKernel (m is every
 // rank's full M, out<rank> its m / world rows), 2 runs AgGemmComputeKernel/AgGemmCommKernel (m is each rank's
 // shard, out<rank> world * m rows, and c<call>_gathered<rank>.bin the gathered a the host would return).
+// op 3 (kSimAddRmsNorm, the host's kOpGemmAllreduceAddRmsnorm) runs gemm_allreduce's pair with the add+RMSNorm
+// epilogue (gemm_ar/epilogue_args.hpp): the job line then ends "3 eps"; c<call>_residual.bin (m x ldo 16-bit, the
+// same for every rank) and c<call>_weight.bin (n 16-bit) are its operands; out<rank> is reduced + residual and
+// c<call>_normed<rank>.bin (m x ldo, starting as out_fill) the normalised rows. An eps after another op attaches
+// the same epilogue arguments to that op's kernels (which must refuse them).
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -81,9 +86,13 @@ struct CallSpec {
   int via_counter;
 };
 
+constexpr uint32_t kSimAddRmsNorm = 3;  // Job::op of gemm_allreduce with the add+RMSNorm epilogue
+
 struct Job {
   int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
-  uint32_t op = 0;  // 0: gemm_allreduce; else the SpOpCode of a sequence-parallel kernel pair
+  uint32_t op = 0;  // 0: gemm_allreduce; kSimAddRmsNorm; else the SpOpCode of a sequence-parallel kernel pair
+  bool epilogue = false;  // an eps followed the op: every call carries the add+RMSNorm epilogue arguments
+  float eps = 0;
   uint32_t dtype = 0, timeout_us = 0;
   uint64_t window_offset = 0, seed = 0;
   std::vector<CallSpec> calls;
@@ -134,9 +143,14 @@ Job read_job(const std::string& dir) {
   if (word != "calls") {  // optional: the op (gemm_ar::SpOpCode; absent or 0 = gemm_allreduce)
     job.op = static_cast<uint32_t>(std::stoul(word));
     f >> word;
+    if (word != "calls") {  // optional: eps, and with it the epilogue
+      job.epilogue = true;
+      job.eps = std::stof(word);
+      f >> word;
+    }
   }
   f >> calls;
-  if (!f || word != "calls") {
+  if (!f || word != "calls" || (job.op == kSimAddRmsNorm && !job.epilogue)) {
     std::fprintf(stderr, "bad job.txt\n");
     std::exit(2);
   }
@@ -172,7 +186,8 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   // Sequence-parallel ops: one row chunk per rank, the rank's rows (reduce-scatter: m is every rank's full M) or shard
   // (allgather: m is each rank's shard).
   const int64_t m_sub = job.op == gemm_ar::kSpReduceScatter ? s.m / job.world : s.m;
-  if (job.op != 0 ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
+  const bool sequence_parallel = job.op == gemm_ar::kSpReduceScatter || job.op == gemm_ar::kSpAllgather;
+  if (sequence_parallel ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
                   : !gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
     std::fprintf(stderr, "plan_kernel_args rejected m=%lld n=%lld k=%lld\n", static_cast<long long>(s.m),
                  static_cast<long long>(s.n), static_cast<long long>(s.k));
@@ -184,7 +199,11 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.signature[4] = job.dtype;
   a.signature[5] = s.has_bias;
   a.signature[6] = 3;  // Algorithm::Fused
-  a.signature[12] = job.op;  // kSigOp (the host's OpKind); word 13, the dim, is 0
+  a.signature[12] = job.op;  // kSigOp (the host's OpKind); word 13, the dim, is 0 (add+RMSNorm: eps's bits)
+  if (job.op == kSimAddRmsNorm) {
+    const double eps = job.eps;
+    std::memcpy(&a.signature[13], &eps, sizeof eps);
+  }
   if (s.sig_rank >= 0 && rank == s.sig_rank && s.sig_word >= 0 && s.sig_word < gemm_ar::kSignatureWords) {
     a.signature[s.sig_word] = s.sig_value;
   }
@@ -283,7 +302,8 @@ int run(const std::string& dir) {
   // Inputs and outputs of every call, loaded up front so the ranks run without pauses between calls.
   const size_t calls = job.calls.size();
   std::vector<std::vector<std::vector<unsigned char>>> a_in(calls), out(calls);
-  std::vector<std::vector<unsigned char>> b_in(calls), bias_in(calls);
+  std::vector<std::vector<unsigned char>> b_in(calls), bias_in(calls), residual_in(calls), weight_in(calls);
+  std::vector<std::vector<std::vector<unsigned char>>> normed(calls);
   for (size_t c = 0; c < calls; ++c) {
     const CallSpec& s = job.calls[c];
     const std::string pre = dir + "/c" + std::to_string(c) + "_";
@@ -294,6 +314,12 @@ int run(const std::string& dir) {
       const gemm_ar::KernelArgs a = base_args(job, s, -1);  // -1: no rank's overrides
       bias_in[c] = read_file(pre + "bias.bin", static_cast<size_t>(s.n) * sizeof(float));
       bias_in[c].resize(static_cast<size_t>(a.plan.pad_n) * sizeof(float), 0);
+    }
+    if (job.epilogue) {
+      residual_in[c] = read_file(pre + "residual.bin", static_cast<size_t>(s.m * s.ldo) * elem);
+      weight_in[c] = read_file(pre + "weight.bin", static_cast<size_t>(s.n) * elem);
+      normed[c].assign(world, std::vector<unsigned char>(static_cast<size_t>(s.m * s.ldo) * elem,
+                                                         static_cast<unsigned char>(s.out_fill)));
     }
     for (int r = 0; r < world; ++r) {
       a_in[c].push_back(read_file(pre + "a" + std::to_string(r) + ".bin", static_cast<size_t>(s.m * s.lda) * elem));
@@ -342,6 +368,15 @@ int run(const std::string& dir) {
           a.window_bytes = window_alloc - job.window_offset;
           a.scratch = scratch[r]->addr();
           a.error = records[r]->addr();
+          if (job.epilogue && s.bad_rank != r) {
+            a.epilogue.kind = gemm_ar::kEpilogueAddRmsNorm;
+            a.epilogue.eps = job.eps;
+            a.epilogue.residual = reinterpret_cast<uint64_t>(residual_in[c].data());
+            a.epilogue.norm_weight = reinterpret_cast<uint64_t>(weight_in[c].data());
+            a.epilogue.normed = reinterpret_cast<uint64_t>(normed[c][r].data());
+            a.epilogue.ld_residual = s.ldo;
+            a.epilogue.ld_normed = s.ldo;
+          }
           if (s.via_counter) {
             counters[r] = static_cast<int64_t>(s.epoch);  // the host's add_ after the previous call
             a.epoch_counter = reinterpret_cast<uint64_t>(&counters[r]);
@@ -417,6 +452,10 @@ int run(const std::string& dir) {
     for (int r = 0; r < world; ++r) {
       write_file(dir + "/c" + std::to_string(c) + "_out" + std::to_string(r) + ".bin", out[c][r].data(),
                  out[c][r].size());
+      if (job.epilogue) {
+        write_file(dir + "/c" + std::to_string(c) + "_normed" + std::to_string(r) + ".bin", normed[c][r].data(),
+                   normed[c][r].size());
+      }
       if (job.op == gemm_ar::kSpAllgather) {
         write_file(dir + "/c" + std::to_string(c) + "_gathered" + std::to_string(r) + ".bin", gathered[c][r].data(),
                    gathered[c][r].size());

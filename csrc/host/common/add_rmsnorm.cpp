@@ -251,35 +251,40 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
+namespace {
+
+// The unfused epilogue of a backend, on the reduction's output (in place) once gemm_allreduce returned.
+using UnfusedAddRmsNorm = std::function<void(at::Tensor& out2d, const AddRmsNormOperands& ops)>;
+
+// The op's flow for every backend: gemm_allreduce with the epilogue inside the fused path when `fused` is given and
+// the call runs fused, else `unfused` after it.
+std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
-  at::Tensor residual2d, weight, normed2d;
+    const BackendHooks& backend, const FusedAddRmsNorm& fused, const UnfusedAddRmsNorm& unfused,
+    const OutputAllocator& allocate_normed) {
+  AddRmsNormOperands ops;
+  ops.eps = eps;
   auto prepare = [&](const CallArgs& call) {
-    residual2d = residual.reshape({call.m, call.n}).contiguous();
-    weight = norm_weight.contiguous();
-    normed2d = allocate_normed ? allocate_normed(call.m, call.n, residual.scalar_type())
-                               : at::empty({call.m, call.n}, residual.options().memory_format(at::MemoryFormat::Contiguous));
+    ops.residual2d = residual.reshape({call.m, call.n}).contiguous();
+    ops.weight = norm_weight.contiguous();
+    ops.normed2d = allocate_normed
+                       ? allocate_normed(call.m, call.n, residual.scalar_type())
+                       : at::empty({call.m, call.n}, residual.options().memory_format(at::MemoryFormat::Contiguous));
   };
   bool applied = false;
   BackendHooks hooks = backend;
-  if (fused_with_epilogue) {
+  if (fused) {
     hooks.run_fused = [&](const CallArgs& call, c10d::ProcessGroup& group) {
       prepare(call);
-      const auto options = residual2d.options();
-      const RowEpilogue epilogue = [&](void* out, int64_t row0, int64_t rows) {
-        at::Tensor out2d = at::from_blob(out, {call.m, call.n}, options);
-        add_rmsnorm_rows(out2d, residual2d, weight, eps, normed2d, row0, rows, /*parallel=*/false);
-      };
-      at::Tensor out = fused_with_epilogue(call, group, epilogue);
+      at::Tensor out = fused(call, group, ops);
       applied = true;
       return out;
     };
   }
   at::Tensor out = run_gemm_allreduce(a, b, group_name, bias, algorithm, hooks,
                                       [&](CallArgs& call) { check_add_rmsnorm_args(call, residual, norm_weight, eps); });
-  if (applied) return {out, normed2d.view(out.sizes())};
+  if (applied) return {out, ops.normed2d.view(out.sizes())};
   // Unfused: one pass over the reduction's output, which is this call's own tensor (fresh, or taken from the
   // engine's pool for this call), so the new residual stream is written into it in place.
   if (!out.is_contiguous()) out = out.contiguous();
@@ -290,8 +295,57 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
   shape.n = n;
   prepare(shape);
   at::Tensor out2d = out.view({m, n});
-  add_rmsnorm_rows(out2d, residual2d, weight, eps, normed2d, 0, m, /*parallel=*/true);
-  return {out, normed2d.view(out.sizes())};
+  unfused(out2d, ops);
+  return {out, ops.normed2d.view(out.sizes())};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
+  FusedAddRmsNorm fused;
+  if (fused_with_epilogue) {
+    // The fused path calls back per row block, on the host, once those rows are final.
+    fused = [&](const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands& ops) {
+      const auto options = ops.residual2d.options();
+      const RowEpilogue epilogue = [&](void* out, int64_t row0, int64_t rows) {
+        at::Tensor out2d = at::from_blob(out, {call.m, call.n}, options);
+        at::Tensor normed2d = ops.normed2d;
+        add_rmsnorm_rows(out2d, ops.residual2d, ops.weight, ops.eps, normed2d, row0, rows, /*parallel=*/false);
+      };
+      return fused_with_epilogue(call, group, epilogue);
+    };
+  }
+  const UnfusedAddRmsNorm unfused = [](at::Tensor& out2d, const AddRmsNormOperands& ops) {
+    at::Tensor normed2d = ops.normed2d;
+    add_rmsnorm_rows(out2d, ops.residual2d, ops.weight, ops.eps, normed2d, 0, out2d.size(0), /*parallel=*/true);
+  };
+  return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused, unfused,
+                           allocate_normed);
+}
+
+std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm_on_device(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm) {
+  return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused_add_rmsnorm,
+                           &add_rmsnorm_tensor_ops, {});
+}
+
+void add_rmsnorm_tensor_ops(at::Tensor& out2d, const AddRmsNormOperands& ops) {
+  if (out2d.numel() == 0) return;
+  const auto acc = at::toOpMathType(out2d.scalar_type());  // fp32 for fp16/bf16, as the row loop and the kernel
+  // out = round(reduced + residual): the sum in fp32, one rounding to the call dtype. Device to device, in stream
+  // order: non_blocking only says so.
+  const at::Tensor sum = out2d.to(acc).add_(ops.residual2d.to(acc));
+  out2d.copy_(sum, /*non_blocking=*/true);
+  // The statistics see the rounded values, as every other path does.
+  const at::Tensor x = out2d.to(acc);
+  const at::Tensor rstd = at::rsqrt(x.square().mean(-1, /*keepdim=*/true).add_(ops.eps));
+  at::Tensor normed2d = ops.normed2d;
+  normed2d.copy_(x.mul(rstd).mul_(ops.weight.to(acc)), /*non_blocking=*/true);
 }
 
 }  // namespace gemm_ar

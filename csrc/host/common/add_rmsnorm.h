@@ -39,4 +39,26 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue,
     const OutputAllocator& allocate_normed = {});
 
+// The epilogue's operands as a call gets them: residual [M, N] and weight [N] contiguous, normed [M, N] to fill.
+struct AddRmsNormOperands {
+  at::Tensor residual2d, weight, normed2d;
+  double eps = 0;
+};
+
+// A fused path that applies the epilogue on the device itself (the NPU comm kernel): returns `out` (call.out_shape)
+// and has filled ops.normed2d.
+using FusedAddRmsNorm =
+    std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const AddRmsNormOperands& ops)>;
+
+// The same op for a device backend whose memory the row loop cannot read: the epilogue inside `fused_add_rmsnorm`
+// when the call runs fused, otherwise add_rmsnorm_tensor_ops() after the backend's unfused gemm_allreduce.
+std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm_on_device(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm);
+
+// The epilogue with ATen operations on whatever device out2d lives: out2d = round(out2d + residual) in place,
+// normed = RMSNorm(out2d) with fp32 statistics. Queued on the current stream; deterministic for equal inputs.
+void add_rmsnorm_tensor_ops(at::Tensor& out2d, const AddRmsNormOperands& ops);
+
 }  // namespace gemm_ar

@@ -271,9 +271,10 @@ constexpr KernelPair kAllgatherPair{"gemm_ar_ag_compute", &launch_ag_compute, "g
 
 // Plans, uploads and launches one fused call of `pair` writing `out` (the op's [rows, N], contiguous, on b's
 // device), and returns the call's scratch (the allgather's gathered a lives at its start). check_fused must have
-// passed.
+// passed. `epilogue`: gemm_allreduce's add+RMSNorm operands, or none (every other call, the sequence-parallel ones
+// included: their kernels refuse an epilogue).
 at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const KernelPair& pair,
-                        const at::Tensor& out) {
+                        const at::Tensor& out, const AddRmsNormOperands* epilogue = nullptr) {
   const at::Device device = call.b.device();
   c10_npu::NPUGuard device_guard(device);
   CommState& state = comm_state(group, device);
@@ -309,6 +310,16 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   args.ldo = call.n;
   args.scratch = reinterpret_cast<uint64_t>(scratch.data_ptr());
   args.bias_rank = 0;
+  if (epilogue != nullptr) {
+    // Contiguous [M, N] / [N] tensors on the call's device (run_gemm_allreduce_add_rmsnorm_on_device prepared them).
+    args.epilogue.kind = kEpilogueAddRmsNorm;
+    args.epilogue.eps = static_cast<float>(epilogue->eps);
+    args.epilogue.residual = reinterpret_cast<uint64_t>(epilogue->residual2d.data_ptr());
+    args.epilogue.norm_weight = reinterpret_cast<uint64_t>(epilogue->weight.data_ptr());
+    args.epilogue.normed = reinterpret_cast<uint64_t>(epilogue->normed2d.data_ptr());
+    args.epilogue.ld_residual = call.n;
+    args.epilogue.ld_normed = call.n;
+  }
 
   at::Tensor args_device = upload_args(args, device, state);
   void* args_ptr = args_device.data_ptr();
@@ -327,6 +338,7 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
     enqueue_launch(comm_stream, pair.comm_name, pair.comm, static_cast<uint32_t>(state.comm_blocks), args_ptr);
   }
   keep_alive_on(comm_stream, {args_device, scratch, out});
+  if (epilogue != nullptr) keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
 
   // Join: the caller's stream sees `out` only after the comm kernel wrote it.
   c10_npu::NPUEvent joined;
@@ -340,12 +352,21 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   return scratch;
 }
 
+// gemm_allreduce's pair, with or without the add+RMSNorm epilogue.
+at::Tensor run_allreduce_pair(const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands* epilogue) {
+  auto out = at::empty({call.m, call.n}, call.b.options());
+  launch_fused(call, group, kAllreducePair, out, epilogue);
+  return out.view(call.out_shape);
+}
+
 }  // namespace
 
 at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group) {
-  auto out = at::empty({call.m, call.n}, call.b.options());
-  launch_fused(call, group, kAllreducePair, out);
-  return out.view(call.out_shape);
+  return run_allreduce_pair(call, group, nullptr);
+}
+
+at::Tensor run_fused_add_rmsnorm(const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands& ops) {
+  return run_allreduce_pair(call, group, &ops);
 }
 
 at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& group) {

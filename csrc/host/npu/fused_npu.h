@@ -7,6 +7,7 @@
 #include <string>
 #include <tuple>
 
+#include "common/add_rmsnorm.h"
 #include "common/call_args.h"
 #include "common/rank_agreement.h"
 #include "npu/comm_state.h"
@@ -27,6 +28,10 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group);
 // earlier call on the same communicator (a peer that never arrived) is raised here; with
 // TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 every call waits for its kernels and raises its own failure.
 at::Tensor run_fused(const CallArgs& call, c10d::ProcessGroup& group);
+
+// `fused` of gemm_allreduce_add_rmsnorm (check_fused must have passed): run_fused with the add+RMSNorm epilogue in
+// the comm kernel, which writes out (reduced + bias + residual) and ops.normed2d. Same error reporting as run_fused.
+at::Tensor run_fused_add_rmsnorm(const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands& ops);
 
 // `fused` of the sequence-parallel ops (dim 0; check_fused must have passed): this rank's chunk of
 // reduce_scatter(a @ b (+ bias once)), and (all_gather(a) @ b (+ bias), the gathered a). Same error reporting as

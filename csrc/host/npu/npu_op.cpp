@@ -12,6 +12,7 @@
 #include "common/settings.h"
 #include "npu/device_clock.h"
 #include "npu/fused_npu.h"
+#include "npu/npu_backend.h"
 
 namespace gemm_ar::npu {
 namespace {
@@ -83,10 +84,14 @@ BackendHooks make_npu_backend() {
   return hooks;
 }
 
+}  // namespace
+
 const BackendHooks& npu_backend() {
   static const BackendHooks hooks = make_npu_backend();
   return hooks;
 }
+
+namespace {
 
 at::Tensor gemm_allreduce_npu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
                               const std::optional<at::Tensor>& bias, c10::string_view algorithm) {

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "epilogue_args.hpp"
 #include "fn.hpp"
 #include "layout.hpp"
 #include "ownership.hpp"
@@ -42,7 +43,8 @@
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x34524147u;  // "GAR4": bumped whenever KernelArgs or its meaning changes
+constexpr uint32_t kKernelArgsMagic = 0x35524147u;  // "GAR5": bumped whenever KernelArgs or its meaning changes
+                                                   // (GAR4: row chunks; GAR5: the epilogue at the end)
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
@@ -178,6 +180,7 @@ struct KernelArgs {
   RowChunks chunks;                // gemm_allreduce: one chunk (the plain tile plan); the sequence-parallel ops: one
                                    // chunk per rank (gemm_ar/sequence_parallel.hpp)
   KernelLayout layout;             // make_kernel_layout / make_sp_kernel_layout
+  EpilogueArgs epilogue;           // gemm_allreduce's comm kernel only (epilogue_args.hpp); zero (none) otherwise
 };
 
 static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(RowChunks) % sizeof(int64_t) == 0 &&
