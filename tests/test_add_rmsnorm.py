@@ -237,6 +237,7 @@ def every_rank_bad(rank, world):
     raises(lambda: g(a, b, res, torch.ones(1, 3)), "norm_weight must be 1-D", exc=ValueError)
     raises(lambda: g(a, b, res, w.bfloat16()), "norm_weight must have the dtype", exc=ValueError)
     raises(lambda: g(a, b, res, w, eps=-1.0), "eps must be", exc=ValueError)
+    raises(lambda: g(a, b, res, w, eps=1e39), "eps must be", "float32", exc=ValueError)  # inf as a float
     raises(lambda: g(a, torch.randn(4, 3), res, w), "K=5", "K=4", exc=ValueError)  # gemm_allreduce's own checks
     raises(lambda: g(a, b, res, w, algorithm="fastest"), "algorithm must be one of", exc=ValueError)
     raises(lambda: g(a, b, res, torch.ones(3, device="meta")), "device")

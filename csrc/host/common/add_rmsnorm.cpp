@@ -9,6 +9,7 @@
 #endif
 
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <type_traits>
 #include <sstream>
@@ -223,8 +224,9 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
     return fail(kBadNormWeightError, "norm_weight must be on the device of a (" + a.device().str() + "); got " +
                                          norm_weight.device().str());
   }
-  if (!(eps >= 0) || !std::isfinite(eps)) {
-    return fail(kBadNormWeightError, "eps must be finite and >= 0; got " + std::to_string(eps));
+  // The statistics are fp32 (and the NPU kernels take eps as a float): eps must be a finite float too.
+  if (!(eps >= 0) || !(eps <= static_cast<double>(std::numeric_limits<float>::max()))) {
+    return fail(kBadNormWeightError, "eps must be >= 0 and finite as a float32; got " + std::to_string(eps));
   }
 }
 

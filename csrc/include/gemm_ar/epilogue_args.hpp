@@ -36,7 +36,7 @@ GEMM_AR_FN bool epilogue_args_usable(const EpilogueArgs& e, int64_t n) {
   if (e.kind != kEpilogueAddRmsNorm) return false;
   if (e.residual == 0 || e.norm_weight == 0 || e.normed == 0) return false;
   if (e.ld_residual < n || e.ld_normed < n || e.ld_residual > 65535 || e.ld_normed > 65535) return false;
-  return e.eps >= 0.0f && e.eps <= 3.4e38f;  // false for NaN and infinity too
+  return e.eps >= 0.0f && e.eps <= 3.40282347e38f;  // FLT_MAX, as the host checks; false for NaN and infinity
 }
 
 }  // namespace gemm_ar
