@@ -64,6 +64,7 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::run_local": "one-rank groups: a plain local GEMM",
     "gemm_ar::carry_result_on_agreement": "sequential calls on CPU tensors only (returns at once otherwise)",
     "gemm_ar::call_signature": "pure: fills an array (rank_agreement.cpp)",
+    "gemm_ar::agreement_problem_is_value_error": "pure: classifies error codes (rank_agreement.cpp)",
     "gemm_ar::signature_field_name": "pure: a table lookup (rank_agreement.cpp)",
     "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
     "gemm_ar::npu::start_npu_clock": "auto's tuning calls only (a bucket's first few calls): records a timing event",

@@ -405,9 +405,11 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
     agreed = state.agreed;
   }
   // A rank with bad arguments cannot know what `auto` would have chosen; on a group that runs `fused` it assumes
-  // its peers run the kernels. An explicit `sequential` / `chunked` keeps the exchange its peers are in.
+  // its peers run the kernels. An explicit `sequential` / `chunked` keeps the exchange its peers are in, and so
+  // does a rank whose previous tuning call's clock failed: its peers are tuning the same bucket, over the host.
   const bool runs_kernels =
-      chosen == Algorithm::Fused || (!call.error.empty() && chosen == Algorithm::Auto);
+      chosen == Algorithm::Fused ||
+      (!call.error.empty() && chosen == Algorithm::Auto && call.error_code != kTuningClockError);
   if (!agreed || !runs_kernels) {
     // Setup (the group's first fused call) and the algorithms that do not run the kernels: the exchange over the
     // process group, which synchronises (rank_agreement.cpp). Its first success on a usable communicator ends it.
@@ -448,7 +450,7 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
   refresh_error_record(state, caller);
   if (call.error.empty()) return {};  // M = 0: nothing to compute; a peer with M > 0 gets the mismatch
   state.calls.mark_reported(epoch);  // raised right here; the kernel's record of it is not raised again
-  if (call.error_code == kFusedUnavailableError) TORCH_CHECK(false, call.error);
+  if (!agreement_problem_is_value_error({}, call)) TORCH_CHECK(false, call.error);
   TORCH_CHECK_VALUE(false, call.error);
   return {};  // not reached
 }
