@@ -37,6 +37,26 @@ class _Pools:
 
 
 @pytest.fixture(scope="session")
+def simulator():
+    """The kernel simulator (tests/kernel_sim_build.py), built once for every simulator test file of the session."""
+    from kernel_sim_build import build_simulator
+
+    tmp = tempfile.mkdtemp(prefix="gemm_ar_sim_")
+    try:
+        yield build_simulator(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def npu_objects(tmp_path_factory):
+    """NPU host sources compiled against the torch-npu headers, each once per session (test_npu_host_compile.py)."""
+    from test_npu_host_compile import ObjectCache
+
+    return ObjectCache(tmp_path_factory.mktemp("npu_host_objects"))
+
+
+@pytest.fixture(scope="session")
 def ranks():
     pools = _Pools()
     yield pools

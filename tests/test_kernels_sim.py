@@ -12,9 +12,7 @@ bf16: under g++ < 13 (g++ 12 in CI) pto-isa's simulator stores bfloat16_t as an 
 with half's layout and rounding there (the `simulator` fixture reports it, `_encode` follows it); bf16's own layout
 and rounding are exercised only with g++ >= 13."""
 import os
-import shutil
 import subprocess
-import tempfile
 
 import numpy as np
 import pytest
@@ -36,71 +34,6 @@ SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::SpOpCode: the sequence-parall
 ADD_RMSNORM = 3  # sim_main.cpp kSimAddRmsNorm: gemm_allreduce's pair with the add+RMSNorm epilogue
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word
-
-
-def _patched_include_dir(tmp):
-    """g++ 12 rejects pto-isa's `static_assert(false)` in an uninstantiated template (pto-isa wants g++ >= 13): put a
-    copy that defers the assertion to instantiation first on the include path. Never written into the repo."""
-    src = os.path.join(PTO_ISA_ROOT, "include", "pto", "cpu", "TReduceIdx.hpp")
-    with open(src) as f:
-        text = f.read()
-    patched = text.replace('static_assert(false, "Unsupported element cmp.");',
-                           'static_assert(sizeof(DType) == 0, "Unsupported element cmp.");')
-    dst_dir = os.path.join(tmp, "pto_patch", "pto", "cpu")
-    os.makedirs(dst_dir, exist_ok=True)
-    with open(os.path.join(dst_dir, "TReduceIdx.hpp"), "w") as f:
-        f.write(patched)
-    return os.path.join(tmp, "pto_patch")
-
-
-def _compile_flags(tmp):
-    cxx = os.environ.get("CXX", "g++")
-    # design.md §8 flags; pto-isa as a system include directory (patched copy first) so that its own warnings do not
-    # drown ours. PTO_CPU_MAX_THREADS=1: every block is already a thread, no nested pools.
-    flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
-             "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",
-             "-isystem", _patched_include_dir(tmp), "-isystem", os.path.join(PTO_ISA_ROOT, "include"),
-             "-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc", "kernels"),
-             "-I" + os.path.join(ROOT, "csrc", "host")]
-    # e.g. GEMM_AR_SIM_CXXFLAGS="-fsanitize=thread -g" runs the same protocol under a sanitizer.
-    extra = os.environ.get("GEMM_AR_SIM_CXXFLAGS", "").split()
-    return cxx, flags + extra, extra
-
-
-def _build(tmp):
-    """The simulator binary; the two kernels and the harness compile in parallel."""
-    cxx, flags, extra = _compile_flags(tmp)
-    jobs, objects = [], []
-    for src in (os.path.join(ROOT, "csrc", "kernels", "gemm_compute_kernel.cpp"),
-                os.path.join(ROOT, "csrc", "kernels", "gemm_comm_kernel.cpp"),
-                os.path.join(ROOT, "csrc", "kernels", "sp_compute_kernel.cpp"),
-                os.path.join(ROOT, "csrc", "kernels", "sp_comm_kernel.cpp"),
-                os.path.join(ROOT, "tests", "kernels_sim", "sim_main.cpp"),
-                os.path.join(ROOT, "csrc", "host", "npu", "ring_context.cpp")):
-        obj = os.path.join(tmp, os.path.basename(src) + ".o")
-        jobs.append(subprocess.Popen([cxx] + flags + ["-c", src, "-o", obj]))
-        objects.append(obj)
-    for job in jobs:
-        assert job.wait() == 0, "compiling the simulator failed"
-    binary = os.path.join(tmp, "gemm_ar_sim")
-    subprocess.run([cxx] + objects + ["-o", binary, "-pthread"] + extra, check=True)
-    return binary
-
-
-@pytest.fixture(scope="module")
-def sim_build_dir():
-    tmp = tempfile.mkdtemp(prefix="gemm_ar_sim_")
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def simulator(sim_build_dir):
-    binary = _build(sim_build_dir)
-    info = subprocess.run([binary, "info"], check=True, capture_output=True, text=True).stdout.split()
-    return {"binary": binary, "bf16_native": info == ["bf16_native", "1"]}
 
 
 def _encode(values, dtype, bf16_native):

@@ -11,10 +11,9 @@ import pytest
 
 from test_kernels_sim import (ADD_RMSNORM, B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
                               ERR_PEER_REJECTED, ERR_SIGNATURE_MISMATCH, FP16, SP_ALLGATHER, SP_REDUCE_SCATTER,
-                              _check_clean_run, _decode, _failed_calls, _run_job, _unit_roundoff, pytestmark,
-                              sim_build_dir, simulator)
+                              _check_clean_run, _decode, _failed_calls, _run_job, _unit_roundoff, pytestmark)
 
-__all__ = ["pytestmark", "sim_build_dir", "simulator"]  # the skip reason and the module's simulator build
+__all__ = ["pytestmark"]  # the skip reason
 
 SIG_SHARD_DIM = 13  # kSigShardDim of common/rank_agreement.h: the op's parameter, eps's bits for add+RMSNorm
 EPS = 1e-5

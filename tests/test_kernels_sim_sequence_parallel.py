@@ -10,9 +10,9 @@ import pytest
 
 from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM, ERR_BAD_ARGS,
                               ERR_SIGNATURE_MISMATCH, ERR_TIMEOUT_PREPARE, FP16, SP_ALLGATHER, SP_REDUCE_SCATTER,
-                              _decode, _run_job, _unit_roundoff, pytestmark, sim_build_dir, simulator)
+                              _decode, _run_job, _unit_roundoff, pytestmark)
 
-__all__ = ["pytestmark", "sim_build_dir", "simulator"]  # the skip reason and the module's simulator build
+__all__ = ["pytestmark"]  # the skip reason
 
 SIG_OP = 12  # kSigOp of common/rank_agreement.h: which op the rank called
 ERR_TIMEOUT_ROWS = 20  # gemm_ar::kErrTimeoutRows: the cube waited too long for a peer's rows (allgather)

@@ -5,6 +5,7 @@ No NPU, CANN or importable torch_npu is needed: the wheel is only read. Its loca
 holding torch_npu/include, e.g. from `pip install --no-deps --target <dir> torch-npu==2.13.0`), else an installed
 torch_npu found without importing it.
 """
+import concurrent.futures
 import glob
 import importlib.util
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 
 import pytest
@@ -84,23 +86,36 @@ class Compiled:
         self.returncode, self.stderr, self.seconds, self.obj = returncode, stderr, seconds, obj
 
 
+class ObjectCache:
+    """Host sources compiled with compile_command, each once per test session, as many at a time as there are cores
+    (about 10-25 s each): this file and test_npu_per_call_sync.py share them (tests/conftest.py `npu_objects`)."""
+
+    def __init__(self, out_dir):
+        self._out_dir, self._done, self._lock = str(out_dir), {}, threading.Lock()
+
+    def _compile(self, source):
+        obj = os.path.join(self._out_dir, os.path.basename(source) + ".o")
+        start = time.monotonic()
+        proc = subprocess.run(compile_command(source, obj), capture_output=True, text=True)
+        print(f"\n{os.path.relpath(source, ROOT)}: compiled in {time.monotonic() - start:.1f} s", file=sys.stderr)
+        return Compiled(proc.returncode, proc.stderr, time.monotonic() - start, obj)
+
+    def get_all(self, sources):
+        """Compiled results of `sources` (in order), compiling the ones not compiled yet in parallel."""
+        assert shutil.which("g++"), "g++ is needed to compile the NPU host code"
+        with self._lock:
+            missing = [s for s in dict.fromkeys(sources) if s not in self._done]
+            with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                for source, result in zip(missing, pool.map(self._compile, missing)):
+                    self._done[source] = result
+            return [self._done[s] for s in sources]
+
+
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """Compiles each source once (about half a minute each on 2 cores) and shares the result between the tests."""
-    assert shutil.which("g++"), "g++ is needed to compile the NPU host code"
-    out_dir = tmp_path_factory.mktemp("npu_host_objects")
-    cache = {}
-
-    def get(source):
-        if source not in cache:
-            obj = str(out_dir / (os.path.basename(source) + ".o"))
-            start = time.monotonic()
-            proc = subprocess.run(compile_command(source, obj), capture_output=True, text=True)
-            cache[source] = Compiled(proc.returncode, proc.stderr, time.monotonic() - start, obj)
-            print(f"\n{os.path.relpath(source, ROOT)}: compiled in {cache[source].seconds:.1f} s", file=sys.stderr)
-        return cache[source]
-
-    return get
+def compiled(npu_objects):
+    """source -> Compiled; every NPU host source is compiled on first use, in parallel."""
+    npu_objects.get_all(NPU_SOURCES)
+    return lambda source: npu_objects.get_all([source])[0]
 
 
 def test_there_are_npu_sources():

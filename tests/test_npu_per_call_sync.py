@@ -13,6 +13,7 @@ The negative controls inject a `.cpu()`, an `aclrtSynchronizeStream`, a call to 
 blocking `copy_(src)`, a `Work::wait()` and `.to(kCPU)` into a copy of fused_npu.cpp and require the checks to fail.
 check_ranks_agree, the one allow-listed exchange, is checked structurally to run only before the group agreed or for
 calls that do not run the kernels (with negative controls that move or loosen the guard)."""
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -144,9 +145,11 @@ def problems(objects, sources):
 
 
 @pytest.fixture(scope="module")
-def per_call_objects(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("per_call"))
-    return [_compile(source, out_dir) for source in PER_CALL_SOURCES]
+def per_call_objects(npu_objects):
+    results = npu_objects.get_all(PER_CALL_SOURCES)  # shared with test_npu_host_compile.py, compiled in parallel
+    for source, result in zip(PER_CALL_SOURCES, results):
+        assert result.returncode == 0, f"{source} does not compile:\n{result.stderr[-6000:]}"
+    return [result.obj for result in results]
 
 
 def test_per_call_path_does_not_synchronise(per_call_objects):
@@ -176,20 +179,53 @@ INJECTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(INJECTIONS))
-def test_negative_control_injected_sync_is_caught(per_call_objects, tmp_path, name):
-    code, expected_kinds = INJECTIONS[name]
-    source = PER_CALL_SOURCES[0]
-    with open(source) as f:
+_INJECTION_ANCHOR = "  auto out = at::empty({call.m, call.n}, call.b.options());\n"
+
+
+def _injected_source(names):
+    """fused_npu.cpp with the injections `names` right after the anchor (and acl.h, which some of them call)."""
+    with open(PER_CALL_SOURCES[0]) as f:
         text = f.read()
-    anchor = "  auto out = at::empty({call.m, call.n}, call.b.options());\n"
-    assert text.count(anchor) == 1, "anchor for the injection not found in fused_npu.cpp"
-    broken = os.path.join(str(tmp_path), "fused_npu.cpp")
-    with open(broken, "w") as f:
-        f.write(text.replace(anchor, anchor + code).replace('#include "npu/sync_points.h"',
-                                                            '#include "npu/sync_points.h"\n#include <acl/acl.h>'))
-    obj = _compile(broken, str(tmp_path))
-    found = problems([obj] + per_call_objects[1:], [broken])
+    assert text.count(_INJECTION_ANCHOR) == 1, "anchor for the injection not found in fused_npu.cpp"
+    code = "".join(INJECTIONS[name][0] for name in names)
+    return text.replace(_INJECTION_ANCHOR, _INJECTION_ANCHOR + code).replace(
+        '#include "npu/sync_points.h"', '#include "npu/sync_points.h"\n#include <acl/acl.h>')
+
+
+def _needs_object(name):
+    return bool(INJECTIONS[name][1] - {"source"})
+
+
+@pytest.fixture(scope="module")
+def injected(tmp_path_factory):
+    """name -> (broken source path, its object). The injections caught by symbols or reach are compiled one by one;
+    the ones caught in the source text are compiled once together (which shows each is real C++ at that spot) and
+    checked with the unbroken object. All compiles run in parallel."""
+    out_dir = tmp_path_factory.mktemp("injected")
+    sources, jobs = {}, {}
+    source_only = sorted(name for name in INJECTIONS if not _needs_object(name))
+    for name in INJECTIONS:
+        sources[name] = str(out_dir / name / "fused_npu.cpp")
+        os.makedirs(os.path.dirname(sources[name]))
+        with open(sources[name], "w") as f:
+            f.write(_injected_source([name]))
+        if _needs_object(name):
+            jobs[name] = sources[name]
+    together = str(out_dir / "source_only_together" / "fused_npu.cpp")
+    os.makedirs(os.path.dirname(together))
+    with open(together, "w") as f:
+        f.write(_injected_source(source_only))
+    jobs["source_only_together"] = together
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objects = dict(zip(jobs, pool.map(lambda src: _compile(src, os.path.dirname(src)), jobs.values())))
+    return {name: (sources[name], objects.get(name)) for name in INJECTIONS}
+
+
+@pytest.mark.parametrize("name", sorted(INJECTIONS))
+def test_negative_control_injected_sync_is_caught(per_call_objects, injected, name):
+    code, expected_kinds = INJECTIONS[name]
+    broken, obj = injected[name]
+    found = problems([obj or per_call_objects[0]] + per_call_objects[1:], [broken])
     kinds = {line.split(":")[0] for line in found}
     assert expected_kinds <= kinds, f"injected {code.strip()!r} was not caught by {expected_kinds - kinds}: {found}"
 

@@ -228,6 +228,56 @@ def test_negative_control_stress_catches_ignored_epochs(ranks, comm_threads):
     assert ranks(2).run(stress, random.randrange(1 << 30), 60, comm_threads) == [0, 0]
 
 
+def owner_last_against_comm_block(rank, world, seed, calls, ways=(True, False)):
+    """One core per rank (comm between tiles): gemm_reduce_scatter's owner reduces its own tiles in the compute block
+    (scatter_owner_last.cpp) or, switched off, through the comm block as with comm threads. Both must give the same
+    bits (same reduction order) and match float64; returns how many calls differed or were wrong."""
+    from torch_gemm_ar import _C
+
+    bad = 0
+    rng = random.Random(seed)
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS="0"):
+        try:
+            for step in range(calls):
+                three_d = rng.random() < 0.5
+                dim = rng.choice([0, 1]) if three_d else 0
+                k, n = rng.randint(1, 40), rng.randint(1, 110)
+                shape = [rng.randint(1, 3), rng.randint(1, 12), k] if three_d else [rng.randint(1, 50), k]
+                shape[dim] *= world
+                dtype = rng.choice([torch.float32, torch.bfloat16])
+                with_bias = rng.random() < 0.5
+                results = []
+                for owner_last in ways:
+                    _C._set_owner_last(owner_last)
+                    out, want = reduce_scatter_case(rank, world, seed + step, dtype, lambda _k: shape, dim, k, n,
+                                                    with_bias)
+                    tol = TOLERANCE[dtype]
+                    bad += not torch.allclose(out.double(), want, rtol=tol, atol=tol * ((k * world) ** 0.5 + 1))
+                    results.append(out)
+                bad += not all(torch.equal(results[0], other) for other in results[1:])
+        finally:
+            _C._set_owner_last(True)
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_owner_last_reduce_scatter_is_bitwise_the_comm_block_way(ranks, world):
+    bad = ranks(world).run(owner_last_against_comm_block, random.randrange(1 << 30), 150, timeout_s=600)
+    assert bad == [0] * world, f"calls that differed between the two ways or were wrong, per rank: {bad}"
+
+
+def owner_last_ignoring_epochs(rank, world, seed, calls):
+    with ignore_epochs_for_testing():
+        return owner_last_against_comm_block(rank, world, seed, calls, ways=(True,))
+
+
+def test_negative_control_owner_last_reads_stale_partials(ranks):
+    """With stale tile flags counted as ready, the owner-last reduction reads peers' partials of an earlier call:
+    the same check must see wrong results."""
+    bad = ranks(2).run(owner_last_ignoring_epochs, random.randrange(1 << 30), 300, timeout_s=600)
+    assert sum(bad) > 0, "the owner-last check did not notice a reduction that ignores epochs"
+
+
 def shm_names():
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("tgar-"))
 

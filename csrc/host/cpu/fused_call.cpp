@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "cpu/call_header.h"
+#include "cpu/call_waits.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar::cpu {
@@ -17,68 +18,6 @@ EngineSwitches& engine_switches() {
   static EngineSwitches switches;
   return switches;
 }
-
-namespace {
-
-using Clock = std::chrono::steady_clock;
-constexpr int kSpins = 2000;                     // ~50-100 us of pause before sleeping
-constexpr int64_t kSleepSliceNs = 2'000'000;     // a sleeper re-checks at least this often
-constexpr auto kWatchEvery = std::chrono::milliseconds(50);
-
-// Another block of this rank already failed the call and recorded why.
-struct LocalAbort : std::exception {};
-// The ranks disagreed or one rejected its arguments: found before any data moved.
-struct CallRejected : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// Waits until ready(), running progress() meanwhile (it returns whether it did anything), sleeping on `bell`
-// after a short spin. Every `kWatchEvery` it runs watch() (which throws when a peer died or gave up); after
-// `timeout` without success it throws describe().
-template <class Ready, class Progress, class Watch, class Describe>
-void bounded_wait(Ready ready, Progress progress, Watch watch, Describe describe, Doorbell bell,
-                  std::chrono::milliseconds timeout, const std::atomic<bool>* stop) {
-  if (ready()) return;
-  const auto start = Clock::now();
-  auto last_watch = start;
-  int spins = 0;
-  for (;;) {
-    if (progress()) {
-      spins = 0;
-      if (ready()) return;
-      continue;
-    }
-    if (stop != nullptr && stop->load(std::memory_order_acquire)) throw LocalAbort{};
-    const uint32_t seen = bell.snapshot();
-    if (ready()) return;
-    if (spins < kSpins) {
-      ++spins;
-      cpu_relax();
-      continue;
-    }
-    bell.sleep(seen, kSleepSliceNs);
-    if (ready()) return;
-    const auto now = Clock::now();
-    if (now - last_watch >= kWatchEvery) {
-      watch();
-      last_watch = now;
-    }
-    if (now - start > timeout) throw std::runtime_error(describe());
-  }
-}
-
-bool no_progress() { return false; }
-
-std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  for (size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  return os.str();
-}
-
-uint32_t* word(uint8_t* p) { return reinterpret_cast<uint32_t*>(p); }
-
-
-}  // namespace
 
 void CallJob::fail(const std::string& message, bool disagreement) {
   {
@@ -145,32 +84,6 @@ std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& window
   return all;
 }
 
-namespace {
-
-// allgather_gemm: one item per tile row of every peer's shard, peers in rank order starting after this rank (the
-// order the compute blocks need them in), dealt round-robin over the comm blocks.
-void plan_gather_work(CallJob& job) {
-  const TilePlan& p = job.plan;
-  const RowChunks& c = job.chunks;
-  job.items.assign(job.comm_blocks, {});
-  job.rows_arrived.reset(new std::atomic<uint32_t>[std::max<int64_t>(1, p.m_tiles)]);
-  for (int64_t mi = 0; mi < p.m_tiles; ++mi) job.rows_arrived[mi].store(0, std::memory_order_relaxed);
-  int64_t index = 0;
-  for (int d = 1; d < job.world; ++d) {
-    const int source = (job.rank + d) % job.world;
-    for (int64_t g = source; g < c.count; g += job.world) {
-      for (int64_t mi = g * c.m_tiles; mi < (g + 1) * c.m_tiles; ++mi) {
-        if (chunked_tile_rows(p, c, mi) == 0) continue;
-        job.items[index % job.comm_blocks].push_back(WorkItem{source, index, mi, 0, index});
-        ++index;
-      }
-    }
-  }
-  job.copies_left.store(index, std::memory_order_relaxed);
-}
-
-}  // namespace
-
 void plan_work(CallJob& job) {
   if (job.op == kOpAllgatherGemm) return plan_gather_work(job);
   const TilePlan& p = job.plan;
@@ -179,6 +92,7 @@ void plan_work(CallJob& job) {
   for (int64_t b = 0; b < job.compute_blocks; ++b) block_begin[b] = block_range(p.tiles, job.compute_blocks, b).begin;
   job.items.assign(job.comm_blocks, {});
   for (int owner = 0; owner < job.world; ++owner) {
+    if (job.owner_reduces_in_compute && owner == job.rank) continue;  // the compute block reduces them
     const int64_t owned = run_owned_tile_count(p.tiles, job.world, owner, job.own_run) * stripes;
     for (int64_t l = 0; l < owned; ++l) {
       const int64_t t = run_subtile_tile(l, owner, job.world, stripes, job.own_run);
@@ -205,106 +119,14 @@ void plan_work(CallJob& job) {
   }
 }
 
-namespace {
-
-// Throws when a peer died or abandoned the call (checked while waiting).
-void watch_peers(const CallJob& job, const std::string& call_name) {
-  job.window_set->check_peers_alive(("during " + call_name).c_str());
-  for (int r = 0; r < job.world; ++r) {
-    if (r != job.rank && abandoned(job.windows[r], job.epoch)) {
-      // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
-      job.window_set->check_peers_alive(("during " + call_name).c_str());
-      throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name +
-                               " (see that rank's error) [rank " + std::to_string(job.rank) + "]");
-    }
-  }
-}
-
-// allgather_gemm's compute side: tile rows in the order local shard first, then each peer's (as plan_gather_work
-// copies them), tiles dealt round-robin over the compute blocks; each tile of a peer's rows waits until they are
-// copied. Results go straight into the output.
-void run_gather_compute(CallJob& job, const std::function<bool()>& progress) {
-  const TilePlan& p = job.plan;
-  const RowChunks& c = job.chunks;
-  std::vector<int64_t> order;
-  order.reserve(p.tiles);
-  for (int d = 0; d < job.world; ++d) {
-    for (int64_t g = (job.rank + d) % job.world; g < c.count; g += job.world) {
-      for (int64_t mi = g * c.m_tiles; mi < (g + 1) * c.m_tiles; ++mi) {
-        if (chunked_tile_rows(p, c, mi) == 0) continue;
-        for (int64_t j = 0; j < p.n_tiles; ++j) order.push_back(mi * p.n_tiles + (mi % 2 ? p.n_tiles - 1 - j : j));
-      }
-    }
-  }
-  const std::string call_name = "call " + std::to_string(job.epoch);
-  const Doorbell bell = doorbell(job.windows[job.rank], kMainDoorbell);
-  auto compute_block = [&](int64_t b) {
-    try {
-      for (size_t i = b; i < order.size(); i += job.compute_blocks) {
-        if (job.abort.load(std::memory_order_acquire)) return;
-        const int64_t t = order[i];
-        const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
-        bounded_wait([&] { return job.rows_arrived[mi].load(std::memory_order_acquire) != 0; },
-                     [&] { return progress ? progress() : false; }, [&] { watch_peers(job, call_name); },
-                     [&] {
-                       return "gemm_allreduce: rank " + std::to_string(run_owner_of(mi, job.world, c.m_tiles)) +
-                              " did not publish tile row " + std::to_string(mi) + " of its shard in " + call_name +
-                              " within " + std::to_string(job.timeout.count() / 1000.0) +
-                              " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(job.rank) + "]";
-                     },
-                     bell, job.timeout, &job.abort);
-        const int64_t row0 = chunked_tile_row0(p, c, mi), rows = chunked_tile_rows(p, c, mi);
-        const int64_t col0 = ni * p.base_n, cols = tile_cols(p, ni);
-        auto view = at::from_blob(job.out + (row0 * p.n + col0) * job.out_elem, {rows, cols}, {p.n, 1},
-                                  at::TensorOptions().dtype(job.out_dtype));
-        job.gemm->compute(row0, rows, col0, cols, view);
-        if (progress) progress();
-      }
-    } catch (const LocalAbort&) {
-    } catch (const std::exception& e) {
-      job.fail(e.what(), false);
-    }
-  };
-  at::parallel_for(0, job.compute_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) compute_block(b);
-  });
-}
-
-}  // namespace
-
-void publish_shard(CallJob& job, const at::Tensor& a2d) {
-  const TilePlan& p = job.plan;
-  const RowChunks& c = job.chunks;
-  const int64_t k = p.k;
-  const auto options = at::TensorOptions().dtype(job.call->dtype);
-  for (int64_t g = job.rank; g < c.count; g += job.world) {
-    for (int64_t mi = g * c.m_tiles; mi < (g + 1) * c.m_tiles; ++mi) {
-      const int64_t rows = chunked_tile_rows(p, c, mi);
-      if (rows == 0) continue;
-      const int64_t own_row0 = chunked_owner_row0(p, c, mi, job.world), row0 = chunked_tile_row0(p, c, mi);
-      const at::Tensor src = a2d.narrow(0, own_row0, rows);
-      if (k > 0) {
-        at::from_blob(job.region(job.rank, shard_row_offset(job.layout, own_row0, k, job.a_elem)), {rows, k}, options)
-            .copy_(src);
-        at::from_blob(job.gathered + row0 * k * job.a_elem, {rows, k}, options).copy_(src);
-        job.gemm->refresh_rows(row0, rows);
-      }
-      // The rows, then the flag (release): a peer that sees the flag sees the rows.
-      store_release(word(job.region(job.rank, tile_flag_entry_offset(job.layout, mi))), job.epoch);
-      job.rows_arrived[mi].store(1, std::memory_order_relaxed);  // read by this rank's compute blocks after a join
-    }
-  }
-  for (int r = 0; r < job.world; ++r)
-    if (r != job.rank) ring_every_doorbell(job.windows[r], job.comm_blocks);
-}
-
 void run_compute_blocks(CallJob& job, const std::function<bool()>& progress) {
   if (job.op == kOpAllgatherGemm) return run_gather_compute(job, progress);
+  if (job.owner_reduces_in_compute) return run_scatter_owner_last(job, progress);
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   auto compute_block = [&](int64_t b) {
     const Range range = block_range(p.tiles, job.compute_blocks, b);
-    uint32_t* count = word(job.region(job.rank, queue_count_offset(w, b)));
+    uint32_t* count = window_word(job.region(job.rank, queue_count_offset(w, b)));
     const Doorbell bell = doorbell(job.windows[job.rank], queue_comm_block(b, job.comm_blocks));
     for (int64_t i = 0; i < range.end - range.begin; ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
@@ -318,7 +140,7 @@ void run_compute_blocks(CallJob& job, const std::function<bool()>& progress) {
           {rows, cols}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype));
       job.gemm->compute(chunked_tile_row0(p, job.chunks, mi), rows, col0, cols, view);
       // Payload, then the entry, then the count with release order: the comm block sees a finished tile.
-      *word(job.region(job.rank, queue_entry_offset(w, b, i))) = static_cast<uint32_t>(t);
+      *window_word(job.region(job.rank, queue_entry_offset(w, b, i))) = static_cast<uint32_t>(t);
       store_release(count, static_cast<uint32_t>(i + 1));
       bell.ring();
       if (progress) progress();
@@ -346,7 +168,7 @@ class CommBlock {
     for (int64_t j = 0; j < comm_block_queue_count(c, job.compute_blocks, job.comm_blocks); ++j) {
       const int64_t b = comm_block_queue(c, j, job.comm_blocks);
       const Range range = block_range(p_.tiles, job.compute_blocks, b);
-      queues_.push_back(Queue{word(job.region(me_, queue_count_offset(w_, b))), b, 0, range.end - range.begin});
+      queues_.push_back(Queue{window_word(job.region(me_, queue_count_offset(w_, b))), b, 0, range.end - range.begin});
     }
   }
 
@@ -419,10 +241,10 @@ class CommBlock {
     bounded_wait([&] { return job_.copies_left.load(std::memory_order_acquire) == 0; }, no_progress,
                  [&] { watch(); }, [&] { return "gemm_allreduce: internal: shard copies did not finish"; }, bell_,
                  job_.timeout, &job_.abort);
-    store_release(word(job_.region(me_, final_entry_offset(w_, 0))), epoch_);
+    store_release(window_word(job_.region(me_, final_entry_offset(w_, 0))), epoch_);
     for (int r = 0; r < world_; ++r)
       if (r != me_) doorbell(job_.windows[r], 0).ring();
-    auto done = [&](int r) { return counter_reached(load_acquire(word(job_.region(r, final_entry_offset(w_, 0)))), epoch_); };
+    auto done = [&](int r) { return counter_reached(load_acquire(window_word(job_.region(r, final_entry_offset(w_, 0)))), epoch_); };
     bounded_wait(
         [&] {
           for (int r = 0; r < world_; ++r)
@@ -447,7 +269,7 @@ class CommBlock {
     for (auto& q : queues_) {
       const uint32_t available = load_acquire(q.count);
       for (; q.consumed < available; ++q.consumed) {
-        publish_tile(*word(job_.region(me_, queue_entry_offset(w_, q.block, q.consumed))));
+        publish_tile(*window_word(job_.region(me_, queue_entry_offset(w_, q.block, q.consumed))));
         any = true;
       }
     }
@@ -455,7 +277,7 @@ class CommBlock {
   }
 
   void publish_tile(int64_t t) {
-    store_release(word(job_.region(me_, tile_flag_entry_offset(w_, t))), epoch_);
+    store_release(window_word(job_.region(me_, tile_flag_entry_offset(w_, t))), epoch_);
     const int owner = static_cast<int>(run_owner_of(t, world_, job_.own_run));
     uint64_t rung = 0;
     for (int64_t s = 0; s < p_.stripes; ++s) {
@@ -466,35 +288,29 @@ class CommBlock {
     }
   }
 
-  bool is_current(uint32_t flag) const { return job_.ignore_epochs ? flag != 0 : flag == epoch_; }
-  bool tile_ready(int r, int64_t t) const {
-    return is_current(load_acquire(word(job_.region(r, tile_flag_entry_offset(w_, t)))));
-  }
+  bool tile_ready(int r, int64_t t) const { return gemm_ar::cpu::tile_ready(job_, r, t); }
   bool ready(const WorkItem& item) const {
     if (job_.op == kOpAllgatherGemm) return tile_ready(item.owner, item.tile);  // the shard's tile row flag
-    if (item.owner != me_) return is_current(load_acquire(word(job_.region(item.owner, final_entry_offset(w_, item.local_id)))));
+    if (item.owner != me_) {
+      return is_current(job_, load_acquire(window_word(job_.region(item.owner, final_entry_offset(w_, item.local_id)))));
+    }
     for (int r = 0; r < world_; ++r)
       if (!tile_ready(r, item.tile)) return false;
     return true;
   }
 
   std::string late(const WorkItem& item) const {
-    const std::string bound = " within " + std::to_string(job_.timeout.count() / 1000.0) +
-                              " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me_) + "]";
     if (job_.op == kOpAllgatherGemm) {
       return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not publish tile row " +
-             std::to_string(item.tile) + " of its shard in " + call_name_ + bound;
+             std::to_string(item.tile) + " of its shard in " + call_name_ + wait_bound(job_);
     }
     if (item.owner != me_) {
       return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not finish its subtile " +
-             std::to_string(item.local_id) + " of " + call_name_ + bound;
+             std::to_string(item.local_id) + " of " + call_name_ + wait_bound(job_);
     }
-    std::vector<int> missing;
-    for (int r = 0; r < world_; ++r)
-      if (!tile_ready(r, item.tile)) missing.push_back(r);
-    return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not deliver tile " + std::to_string(item.tile) +
-           " of " + call_name_ + bound;
+    return undelivered_tile(job_, item.tile);
   }
+
 
   // allgather_gemm: copies a tile row of a peer's shard into the gathered a; the compute blocks may use it then.
   void copy_shard_rows(const WorkItem& item) {
@@ -535,7 +351,7 @@ class CommBlock {
       reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype,
                              scatter ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out, p_.n, job_.out_dtype,
                              rows, cols});
-      store_release(word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
+      store_release(window_word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
       for (int64_t i = 0; i + 1 < world_; ++i)
         doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();
     }

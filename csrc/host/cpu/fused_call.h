@@ -54,6 +54,9 @@ struct EngineSwitches {
   // Tests of the NPU's tuning clock on the host: 1 times tuning calls with a DeviceClock read at the bucket's next
   // call (the NPU path, on the host's clock); 2 as 1, but reading the clock fails (kernels that never finished).
   std::atomic<int> deferred_tuner_clock{0};
+  // false: gemm_reduce_scatter on one core per rank reduces through the comm block as with comm threads (tests and
+  // benchmarks compare the two ways; see CallJob::owner_reduces_in_compute).
+  std::atomic<bool> owner_last{true};
 };
 EngineSwitches& engine_switches();
 
@@ -99,6 +102,10 @@ struct CallJob {
   std::string group_name;
   std::chrono::milliseconds timeout{0};
   bool overlap = true, ignore_epochs = false;
+  // gemm_reduce_scatter with one compute block and comm between its tiles (one core per rank): the compute block
+  // multiplies the peers' tiles first and its own last, each own tile into a cache-resident scratch reduced at once
+  // with the peers' partials (scatter_owner_last.cpp); its own partials never go through the window.
+  bool owner_reduces_in_compute = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.
@@ -125,6 +132,10 @@ void run_compute_blocks(CallJob& job, const std::function<bool()>& progress);
 // allgather_gemm, on the caller's thread before the blocks start: copies this rank's shard `a2d` into its window
 // and into the gathered a, and tells the peers (release order per tile row).
 void publish_shard(CallJob& job, const at::Tensor& a2d);
+// The per-op parts of plan_work and run_compute_blocks.
+void plan_gather_work(CallJob& job);                                                // allgather_call.cpp
+void run_gather_compute(CallJob& job, const std::function<bool()>& progress);      // allgather_call.cpp
+void run_scatter_owner_last(CallJob& job, const std::function<bool()>& progress);  // scatter_owner_last.cpp
 // The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
 // One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the

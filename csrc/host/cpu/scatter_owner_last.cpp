@@ -1,0 +1,107 @@
+// gemm_reduce_scatter's compute side on a rank with one core (CallJob::owner_reduces_in_compute). The comm blocks'
+// way (every rank writes all its partials into its window, owners read them all back) costs the owner a write and a
+// read of its own partial through memory; here the owner's own partial tile goes into a small scratch that stays in
+// cache and is reduced at once with the peers' partials. The peers' tiles come first (they wait for them), the own
+// tiles last: by then every peer has multiplied its part of them, so the waits below are short and cannot form a
+// cycle (no rank waits before it has published every tile the others need). The reduction's rank order, and so
+// every bit of the result, is that of the comm blocks' (reduce_rows).
+#include <ATen/ATen.h>
+#include <gemm_ar/protocol.hpp>
+
+#include <vector>
+
+#include "cpu/call_waits.h"
+#include "cpu/fused_call.h"
+#include "cpu/tile_kernels.h"
+
+namespace gemm_ar::cpu {
+
+namespace {
+
+// This rank's tiles in the walk order of the comm blocks' way (zigzag), the peers' tiles first.
+std::vector<int64_t> owner_last_order(const CallJob& job) {
+  const TilePlan& p = job.plan;
+  std::vector<int64_t> order;
+  order.reserve(p.tiles);
+  for (const bool own : {false, true}) {
+    for (int64_t linear = 0; linear < p.tiles; ++linear) {
+      const int64_t t = zigzag_tile(linear, p.n_tiles);
+      if ((run_owner_of(t, job.world, job.own_run) == job.rank) == own) order.push_back(t);
+    }
+  }
+  return order;
+}
+
+}  // namespace
+
+void run_scatter_owner_last(CallJob& job, const std::function<bool()>& progress) {
+  TORCH_CHECK(job.compute_blocks == 1 && job.op == kOpGemmReduceScatter,
+              "gemm_reduce_scatter: internal: the owner-last walk needs one compute block");
+  const TilePlan& p = job.plan;
+  const WindowLayout& w = job.layout;
+  const std::vector<int64_t> order = owner_last_order(job);
+  uint32_t* count = window_word(job.region(job.rank, queue_count_offset(w, 0)));
+  const Doorbell queue_bell = doorbell(job.windows[job.rank], queue_comm_block(0, job.comm_blocks));
+  const auto partial_options = at::TensorOptions().dtype(job.partial_dtype);
+  at::Tensor scratch;  // one tile of this rank's own partial, reused
+  std::vector<const uint8_t*> sources(job.world);
+  std::vector<int64_t> strides(job.world, p.pad_n);
+  try {
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (job.abort.load(std::memory_order_acquire)) return;
+      const int64_t t = order[i];
+      const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
+      const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
+      const int64_t row0 = chunked_tile_row0(p, job.chunks, mi), col0 = ni * p.base_n;
+      // Padded position in the windows (mi * base_m); a's rows (row0) differ from it in row-chunked plans.
+      uint8_t* const window_tile =
+          job.region(job.rank, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem));
+      if (run_owner_of(t, job.world, job.own_run) != job.rank) {
+        job.gemm->compute(row0, rows, col0, cols,
+                          at::from_blob(window_tile, {rows, cols}, {p.pad_n, 1}, partial_options));
+      } else {
+        // Peers' data is read only once the call is agreed (comm block 0 checks the headers) and each peer's
+        // partial of t is published (acquire, in tile_ready).
+        const int64_t first_local = run_local_subtile(t, 0, job.world, p.stripes, job.own_run);
+        bounded_wait(
+            [&] {
+              if (job.headers_checked.load(std::memory_order_acquire) != 1) return false;
+              for (int r = 0; r < job.world; ++r)
+                if (r != job.rank && !tile_ready(job, r, t)) return false;
+              return true;
+            },
+            [&] { return progress ? progress() : false; }, [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
+            [&] { return undelivered_tile(job, t); },
+            doorbell(job.windows[job.rank], ag_block_of(first_local, job.comm_blocks)), job.timeout, &job.abort);
+        if (!scratch.defined()) scratch = at::empty({p.base_m, p.base_n}, partial_options);
+        job.gemm->compute(row0, rows, col0, cols, at::from_blob(scratch.data_ptr(), {rows, cols}, {cols, 1}, partial_options));
+        for (int r = 0; r < job.world; ++r) {
+          sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr())
+                                     : job.region(r, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem));
+        }
+        strides[job.rank] = cols;
+        uint8_t* out = job.out + (chunked_owner_row0(p, job.chunks, mi, job.world) * p.n + col0) * job.out_elem;
+        reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, nullptr, p.pad_n, out, p.n,
+                               job.out_dtype, rows, cols, strides.data()});
+        // The peers' partials are read: release the subtiles (a peer then may reuse its window in its next call).
+        for (int64_t s = 0; s < p.stripes; ++s) {
+          const int64_t l = run_local_subtile(t, s, job.world, p.stripes, job.own_run);
+          store_release(window_word(job.region(job.rank, final_entry_offset(w, l))), job.epoch);
+        }
+        for (int r = 0; r < job.world; ++r)
+          if (r != job.rank) ring_every_doorbell(job.windows[r], job.comm_blocks);
+      }
+      // Entry, then the count with release order, as the comm blocks' way does (for an own tile the flag it turns
+      // into is read by nobody; the count is what tells this rank's comm block that the GEMM is done).
+      *window_word(job.region(job.rank, queue_entry_offset(w, 0, static_cast<int64_t>(i)))) = static_cast<uint32_t>(t);
+      store_release(count, static_cast<uint32_t>(i + 1));
+      queue_bell.ring();
+      if (progress) progress();
+    }
+  } catch (const LocalAbort&) {
+  } catch (const std::exception& e) {
+    job.fail(e.what(), false);
+  }
+}
+
+}  // namespace gemm_ar::cpu
