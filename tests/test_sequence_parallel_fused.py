@@ -228,10 +228,35 @@ def test_negative_control_stress_catches_ignored_epochs(ranks, comm_threads):
     assert ranks(2).run(stress, random.randrange(1 << 30), 60, comm_threads) == [0, 0]
 
 
+def owner_last_case(rank, world, seed, op, dtype, shape, dim, k, n, with_bias):
+    """(outputs, float64 references) of one fused call of `op` on fresh inputs."""
+    if op == "rs":
+        out, want = reduce_scatter_case(rank, world, seed, dtype, lambda _k: shape, dim, k, n, with_bias)
+        return [out], [want]
+    shards = [randn(seed * 31 + r, *shape, dtype=dtype) for r in range(world)]
+    weights = [randn(seed * 37 + r, k, n, dtype=dtype) for r in range(world)]
+    bias = randn(seed * 41, n, dtype=dtype) if with_bias else None
+    reduced = sum(a.double() @ w.double() for a, w in zip(shards, weights))
+    if bias is not None:
+        reduced = reduced + bias.double()
+    if op == "ar":
+        return [torch_gemm_ar.gemm_allreduce(shards[rank], weights[rank], bias=bias, algorithm="fused")], [reduced]
+    residual = randn(seed * 43, *reduced.shape, dtype=dtype)
+    weight = randn(seed * 47, n, dtype=dtype)
+    out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank], weights[rank], residual, weight, bias=bias,
+                                                           eps=1e-6, algorithm="fused")
+    want = reduced + residual.double()
+    # The reference normalises the rounded sum, as the op does (its out is rounded to the call's dtype first).
+    rounded = out.double()
+    want_normed = rounded * torch.rsqrt(rounded.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    return [out, normed], [want, want_normed]
+
+
 def owner_last_against_comm_block(rank, world, seed, calls, ways=(True, False)):
-    """One core per rank (comm between tiles): gemm_reduce_scatter's owner reduces its own tiles in the compute block
-    (scatter_owner_last.cpp) or, switched off, through the comm block as with comm threads. Both must give the same
-    bits (same reduction order) and match float64; returns how many calls differed or were wrong."""
+    """One core per rank (comm between tiles): the owner reduces its own tiles in the compute block
+    (owner_last_compute.cpp) or, switched off, through the comm block as with comm threads; gemm_reduce_scatter,
+    gemm_allreduce and gemm_allreduce_add_rmsnorm. Both ways must give the same bits (same reduction order) and
+    match float64; returns how many calls differed or were wrong."""
     from torch_gemm_ar import _C
 
     bad = 0
@@ -246,14 +271,15 @@ def owner_last_against_comm_block(rank, world, seed, calls, ways=(True, False)):
                 shape[dim] *= world
                 dtype = rng.choice([torch.float32, torch.bfloat16])
                 with_bias = rng.random() < 0.5
+                op = rng.choice(["rs", "ar", "ar_norm"])
                 results = []
                 for owner_last in ways:
                     _C._set_owner_last(owner_last)
-                    out, want = reduce_scatter_case(rank, world, seed + step, dtype, lambda _k: shape, dim, k, n,
-                                                    with_bias)
+                    outs, wants = owner_last_case(rank, world, seed + step, op, dtype, shape, dim, k, n, with_bias)
                     tol = TOLERANCE[dtype]
-                    bad += not torch.allclose(out.double(), want, rtol=tol, atol=tol * ((k * world) ** 0.5 + 1))
-                    results.append(out)
+                    for out, want in zip(outs, wants):
+                        bad += not torch.allclose(out.double(), want, rtol=tol, atol=tol * ((k * world) ** 0.5 + 1))
+                    results.append(torch.cat([o.reshape(-1) for o in outs]))
                 bad += not all(torch.equal(results[0], other) for other in results[1:])
         finally:
             _C._set_owner_last(True)

@@ -14,8 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_fused_overlap", [&switches](bool on) { return switches.overlap.exchange(on); },
         "CPU fused engine: False runs communication only after the whole GEMM (benchmarks); returns the old value");
   m.def("_set_owner_last", [&switches](bool on) { return switches.owner_last.exchange(on); },
-        "CPU fused engine: False makes gemm_reduce_scatter on one core per rank reduce in its comm block, as with comm "
-        "threads (tests, benchmarks); returns the old value");
+        "CPU fused engine: False makes the owner on one core per rank reduce in its comm block, as with comm threads "
+        "(tests, benchmarks); returns the old value");
   m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },

@@ -19,6 +19,11 @@ EngineSwitches& engine_switches() {
   return switches;
 }
 
+void CallJob::subtile_final(int64_t mi, int64_t stripe, int64_t row0, int64_t rows) {
+  const int64_t done = row_block_done[mi * plan.stripes + stripe].fetch_add(1, std::memory_order_acq_rel) + 1;
+  if (done == plan.n_tiles) row_epilogue(out, row0, rows);
+}
+
 void CallJob::fail(const std::string& message, bool disagreement) {
   {
     std::lock_guard<std::mutex> lock(error_mutex);
@@ -121,7 +126,7 @@ void plan_work(CallJob& job) {
 
 void run_compute_blocks(CallJob& job, const std::function<bool()>& progress) {
   if (job.op == kOpAllgatherGemm) return run_gather_compute(job, progress);
-  if (job.owner_reduces_in_compute) return run_scatter_owner_last(job, progress);
+  if (job.owner_reduces_in_compute) return run_owner_last_compute(job, progress);
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   auto compute_block = [&](int64_t b) {
@@ -355,14 +360,7 @@ class CommBlock {
       for (int64_t i = 0; i + 1 < world_; ++i)
         doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();
     }
-    if (job_.row_epilogue) subtile_final(mi, item.stripe, row0, rows);
-  }
-
-  // Counts a subtile of a row block as final in the output; the block that completes the row block runs the
-  // epilogue on it. acq_rel: the last one sees every other comm block's writes to those rows.
-  void subtile_final(int64_t mi, int64_t stripe, int64_t row0, int64_t rows) {
-    const int64_t done = job_.row_block_done[mi * p_.stripes + stripe].fetch_add(1, std::memory_order_acq_rel) + 1;
-    if (done == p_.n_tiles) job_.row_epilogue(job_.out, row0, rows);
+    if (job_.row_epilogue) job_.subtile_final(mi, item.stripe, row0, rows);
   }
 
   CallJob& job_;

@@ -54,7 +54,7 @@ struct EngineSwitches {
   // Tests of the NPU's tuning clock on the host: 1 times tuning calls with a DeviceClock read at the bucket's next
   // call (the NPU path, on the host's clock); 2 as 1, but reading the clock fails (kernels that never finished).
   std::atomic<int> deferred_tuner_clock{0};
-  // false: gemm_reduce_scatter on one core per rank reduces through the comm block as with comm threads (tests and
+  // false: on one core per rank the owner reduces through the comm block as with comm threads (tests and
   // benchmarks compare the two ways; see CallJob::owner_reduces_in_compute).
   std::atomic<bool> owner_last{true};
 };
@@ -102,9 +102,9 @@ struct CallJob {
   std::string group_name;
   std::chrono::milliseconds timeout{0};
   bool overlap = true, ignore_epochs = false;
-  // gemm_reduce_scatter with one compute block and comm between its tiles (one core per rank): the compute block
-  // multiplies the peers' tiles first and its own last, each own tile into a cache-resident scratch reduced at once
-  // with the peers' partials (scatter_owner_last.cpp); its own partials never go through the window.
+  // gemm_allreduce / gemm_reduce_scatter with one compute block and comm between its tiles (one core per rank):
+  // the compute block multiplies the peers' tiles first and its own last, each own tile into a cache-resident
+  // scratch reduced at once with the peers' partials (owner_last_compute.cpp); own partials skip the window.
   bool owner_reduces_in_compute = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty
@@ -121,6 +121,9 @@ struct CallJob {
   uint8_t* region(int r, int64_t offset) const { return windows[r] + kControlBytes + offset; }
   // Records the first error, tells peers this rank gave up the call, and stops the local blocks.
   void fail(const std::string& message, bool disagreement);
+  // Counts a subtile of a row block as final in the output (rows [row0, row0 + rows)); the block that completes the
+  // row block runs row_epilogue on it. acq_rel: the last one sees every other block's writes to those rows.
+  void subtile_final(int64_t mi, int64_t stripe, int64_t row0, int64_t rows);
 };
 
 // Plans the per-comm-block work lists (production order, own reductions first) into job.items.
@@ -135,7 +138,7 @@ void publish_shard(CallJob& job, const at::Tensor& a2d);
 // The per-op parts of plan_work and run_compute_blocks.
 void plan_gather_work(CallJob& job);                                                // allgather_call.cpp
 void run_gather_compute(CallJob& job, const std::function<bool()>& progress);      // allgather_call.cpp
-void run_scatter_owner_last(CallJob& job, const std::function<bool()>& progress);  // scatter_owner_last.cpp
+void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress);  // owner_last_compute.cpp
 // The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
 // One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the

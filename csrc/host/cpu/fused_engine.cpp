@@ -503,7 +503,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   job.out = static_cast<uint8_t*>(out.data_ptr());
   job.row_epilogue = row_epilogue;
   // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
-  job.owner_reduces_in_compute = scatter && config_.comm_inline && job.overlap && engine_switches().owner_last.load();
+  job.owner_reduces_in_compute = config_.comm_inline && job.overlap && engine_switches().owner_last.load();
   plan_work(job);
   execute(job);
   return out.view(out_shape);

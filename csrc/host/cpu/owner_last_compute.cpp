@@ -1,10 +1,11 @@
-// gemm_reduce_scatter's compute side on a rank with one core (CallJob::owner_reduces_in_compute). The comm blocks'
-// way (every rank writes all its partials into its window, owners read them all back) costs the owner a write and a
-// read of its own partial through memory; here the owner's own partial tile goes into a small scratch that stays in
-// cache and is reduced at once with the peers' partials. The peers' tiles come first (they wait for them), the own
-// tiles last: by then every peer has multiplied its part of them, so the waits below are short and cannot form a
-// cycle (no rank waits before it has published every tile the others need). The reduction's rank order, and so
-// every bit of the result, is that of the comm blocks' (reduce_rows).
+// The compute side of gemm_allreduce and gemm_reduce_scatter on a rank with one core
+// (CallJob::owner_reduces_in_compute). The comm blocks' way (every rank writes all its partials into its window, the
+// owner reads them all back) costs the owner a write and a read of its own partial through memory; here the owner's
+// own partial tile goes into a small scratch that stays in cache and is reduced at once with the peers' partials
+// (into the output, and for gemm_allreduce into the bank the peers copy from). The peers' tiles come first (they
+// wait for them), the own tiles last: by then every peer has multiplied its part of them, so the waits below are
+// short and cannot form a cycle (no rank waits before it has published every tile the others need). The
+// reduction's rank order, and so every bit of the result, is that of the comm blocks' (reduce_rows).
 #include <ATen/ATen.h>
 #include <gemm_ar/protocol.hpp>
 
@@ -34,9 +35,11 @@ std::vector<int64_t> owner_last_order(const CallJob& job) {
 
 }  // namespace
 
-void run_scatter_owner_last(CallJob& job, const std::function<bool()>& progress) {
-  TORCH_CHECK(job.compute_blocks == 1 && job.op == kOpGemmReduceScatter,
-              "gemm_reduce_scatter: internal: the owner-last walk needs one compute block");
+void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
+  const bool scatter = job.op == kOpGemmReduceScatter;
+  TORCH_CHECK(job.compute_blocks == 1 && (scatter || job.op == kOpGemmAllreduce),
+              "gemm_allreduce: internal: the owner-last walk is for one compute block of gemm_allreduce or "
+              "gemm_reduce_scatter");
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   const std::vector<int64_t> order = owner_last_order(job);
@@ -80,16 +83,28 @@ void run_scatter_owner_last(CallJob& job, const std::function<bool()>& progress)
                                      : job.region(r, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem));
         }
         strides[job.rank] = cols;
-        uint8_t* out = job.out + (chunked_owner_row0(p, job.chunks, mi, job.world) * p.n + col0) * job.out_elem;
-        reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, nullptr, p.pad_n, out, p.n,
+        // This rank's output holds only its own chunks when scattering; no peer copies a reduce-scatter's result.
+        const int64_t out_row0 = scatter ? chunked_owner_row0(p, job.chunks, mi, job.world) : row0;
+        uint8_t* out = job.out + (out_row0 * p.n + col0) * job.out_elem;
+        uint8_t* bank = scatter ? nullptr
+                                : job.region(job.rank, reduced_entry_offset(w, job.bank, mi * p.base_m, col0, p.pad_n,
+                                                                            job.out_elem));
+        reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,
                                job.out_dtype, rows, cols, strides.data()});
-        // The peers' partials are read: release the subtiles (a peer then may reuse its window in its next call).
+        // Peers' partials read, bank written: the subtiles are final (release: a peer that sees the flag may copy
+        // the bank and reuse its own window in its next call).
         for (int64_t s = 0; s < p.stripes; ++s) {
           const int64_t l = run_local_subtile(t, s, job.world, p.stripes, job.own_run);
           store_release(window_word(job.region(job.rank, final_entry_offset(w, l))), job.epoch);
         }
         for (int r = 0; r < job.world; ++r)
           if (r != job.rank) ring_every_doorbell(job.windows[r], job.comm_blocks);
+        if (job.row_epilogue) {
+          for (int64_t s = 0; s < p.stripes; ++s) {
+            const int64_t stripe_rows = chunked_stripe_rows(p, job.chunks, mi, s);
+            if (stripe_rows > 0) job.subtile_final(mi, s, out_row0 + s * p.sub_m, stripe_rows);
+          }
+        }
       }
       // Entry, then the count with release order, as the comm blocks' way does (for an own tile the flag it turns
       // into is read by nobody; the count is what tells this rank's comm block that the GEMM is done).
