@@ -46,9 +46,11 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
   uint32_t* count = window_word(job.region(job.rank, queue_count_offset(w, 0)));
   const Doorbell queue_bell = doorbell(job.windows[job.rank], queue_comm_block(0, job.comm_blocks));
   const auto partial_options = at::TensorOptions().dtype(job.partial_dtype);
-  at::Tensor scratch;  // one tile of this rank's own partial, reused
+  // One tile of this rank's own partial, reused. Its rows are pad_n apart as in the window: the GEMM library picks
+  // its kernel (and so its rounding) by the output's strides, and the tile must come out as the comm blocks' way has
+  // it, bit for bit. Only rows x cols of it are touched (about one tile of cache).
+  at::Tensor scratch;
   std::vector<const uint8_t*> sources(job.world);
-  std::vector<int64_t> strides(job.world, p.pad_n);
   try {
     for (size_t i = 0; i < order.size(); ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
@@ -76,13 +78,13 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
             [&] { return progress ? progress() : false; }, [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
             [&] { return undelivered_tile(job, t); },
             doorbell(job.windows[job.rank], ag_block_of(first_local, job.comm_blocks)), job.timeout, &job.abort);
-        if (!scratch.defined()) scratch = at::empty({p.base_m, p.base_n}, partial_options);
-        job.gemm->compute(row0, rows, col0, cols, at::from_blob(scratch.data_ptr(), {rows, cols}, {cols, 1}, partial_options));
+        if (!scratch.defined()) scratch = at::empty({p.base_m, p.pad_n}, partial_options);
+        job.gemm->compute(row0, rows, col0, cols,
+                          at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
         for (int r = 0; r < job.world; ++r) {
           sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr())
                                      : job.region(r, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem));
         }
-        strides[job.rank] = cols;
         // This rank's output holds only its own chunks when scattering; no peer copies a reduce-scatter's result.
         const int64_t out_row0 = scatter ? chunked_owner_row0(p, job.chunks, mi, job.world) : row0;
         uint8_t* out = job.out + (out_row0 * p.n + col0) * job.out_elem;
@@ -90,7 +92,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                                 : job.region(job.rank, reduced_entry_offset(w, job.bank, mi * p.base_m, col0, p.pad_n,
                                                                             job.out_elem));
         reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,
-                               job.out_dtype, rows, cols, strides.data()});
+                               job.out_dtype, rows, cols});
         // Peers' partials read, bank written: the subtiles are final (release: a peer that sees the flag may copy
         // the bank and reuse its own window in its next call).
         for (int64_t s = 0; s < p.stripes; ++s) {

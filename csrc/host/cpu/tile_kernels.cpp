@@ -13,16 +13,15 @@ constexpr int64_t kChunk = 256;  // columns summed at a time in a register-frien
 
 template <typename In, typename Acc, typename Out>
 void reduce_typed(const ReduceRows& job) {
-  auto stride = [&](int r) { return job.source_strides != nullptr ? job.source_strides[r] : job.source_stride; };
   Acc acc[kChunk];
   for (int64_t i = 0; i < job.rows; ++i) {
     auto* out = reinterpret_cast<Out*>(job.out) + i * job.out_stride;
     for (int64_t c0 = 0; c0 < job.cols; c0 += kChunk) {
       const int64_t n = std::min(kChunk, job.cols - c0);
-      const In* first = reinterpret_cast<const In*>(job.sources[0]) + i * stride(0) + c0;
+      const In* first = reinterpret_cast<const In*>(job.sources[0]) + i * job.source_stride + c0;
       for (int64_t j = 0; j < n; ++j) acc[j] = static_cast<Acc>(first[j]);
       for (int r = 1; r < job.world; ++r) {
-        const In* src = reinterpret_cast<const In*>(job.sources[r]) + i * stride(r) + c0;
+        const In* src = reinterpret_cast<const In*>(job.sources[r]) + i * job.source_stride + c0;
         for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<Acc>(src[j]);
       }
       for (int64_t j = 0; j < n; ++j) out[c0 + j] = static_cast<Out>(acc[j]);

@@ -18,7 +18,6 @@ struct ReduceRows {
   int64_t out_stride;
   at::ScalarType out_dtype;
   int64_t rows, cols;
-  const int64_t* source_strides = nullptr;  // per source, when they differ (e.g. one is a scratch tile)
 };
 
 // out (and bank, if any) = sum over ranks 0..world-1, in that order, rounded once to out_dtype.
