@@ -59,11 +59,11 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
       const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
       const int64_t row0 = chunked_tile_row0(p, job.chunks, mi), col0 = ni * p.base_n;
       // Padded position in the windows (mi * base_m); a's rows (row0) differ from it in row-chunked plans.
-      uint8_t* const window_tile =
-          job.region(job.rank, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem));
+      const int64_t partial_offset = partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem);
       if (run_owner_of(t, job.world, job.own_run) != job.rank) {
         job.gemm->compute(row0, rows, col0, cols,
-                          at::from_blob(window_tile, {rows, cols}, {p.pad_n, 1}, partial_options));
+                          at::from_blob(job.region(job.rank, partial_offset), {rows, cols}, {p.pad_n, 1},
+                                        partial_options));
       } else {
         // Peers' data is read only once the call is agreed (comm block 0 checks the headers) and each peer's
         // partial of t is published (acquire, in tile_ready).
@@ -82,8 +82,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
         job.gemm->compute(row0, rows, col0, cols,
                           at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
         for (int r = 0; r < job.world; ++r) {
-          sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr())
-                                     : job.region(r, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem));
+          sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr()) : job.region(r, partial_offset);
         }
         // This rank's output holds only its own chunks when scattering; no peer copies a reduce-scatter's result.
         const int64_t out_row0 = scatter ? chunked_owner_row0(p, job.chunks, mi, job.world) : row0;
