@@ -112,9 +112,7 @@ def main(argv=None) -> int:
                                            backend=torch_gemm_ar.compile.backend(inner=args.compile_inner))
             logits[name] = variants[name](ids).logits
             rewrites = torch_gemm_ar.compile.report()
-            # Warm-up long enough for `auto` to finish tuning every layer shape (its tuning calls time each algorithm).
-            warmup = max(args.warmup, torch_gemm_ar.tuning.calls_to_decide())
-            times = _median_ms([lambda m=m: m(ids) for m in variants.values()], warmup, args.iters, None)
+            times = _median_ms([lambda m=m: m(ids) for m in variants.values()], args.warmup, args.iters, None)
     finally:
         dist.barrier()
         if rank == 0:

@@ -250,10 +250,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 # The comparison script.
 # ---------------------------------------------------------------------------------------------------------------
 def _median_ms(fns, warmup: int, iters: int, group) -> list:
-    """Median wall time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike."""
-    for _ in range(warmup):
+    """Median wall time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike. The
+    warm-up runs `warmup` rounds, then more until `auto` has finished tuning every shape the functions meet (its
+    tuning calls time each algorithm)."""
+    import torch_gemm_ar
+
+    def one_round():
         for fn in fns:
             fn()
+
+    torch_gemm_ar.tuning.warm_up_until_tuned(one_round, warmup)
     times = [[] for _ in fns]
     for _ in range(iters):
         for fn, bucket in zip(fns, times):
@@ -323,9 +329,7 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
         opt.step()
 
     pairs = ((unfused, opt_unfused), (converted, opt_converted))
-    # Warm-up long enough for `auto` to finish tuning every layer shape (its tuning calls time each algorithm).
-    warmup = max(args.warmup, torch_gemm_ar.tuning.calls_to_decide())
-    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], warmup, args.iters, group)
+    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], args.warmup, args.iters, group)
     step_ms = _median_ms([lambda m=m, o=o: train_step(m, o) for m, o in pairs], args.warmup, args.iters, group)
     timing = {"unfused": (forward_ms[0], step_ms[0]), "converted": (forward_ms[1], step_ms[1])}
     return {"replaced": replaced, "forward_diff": forward_diff, "weight_diff": weight_diff, "timing": timing}

@@ -15,8 +15,11 @@ from inputs import TOLERANCE, reference, shard, weight
 from torch_gemm_ar import _C, tuning
 
 
-def fresh_tuner(cache_path):
+def fresh_tuner(cache_path, budget_ms=0):
+    """A tuner with no memory. budget_ms=0: every bucket takes exactly TORCH_GEMM_AR_AUTOTUNE_REPS rounds (these
+    tests count calls); the adaptive rounds have their own test."""
     os.environ["TORCH_GEMM_AR_TUNE_CACHE"] = cache_path
+    os.environ["TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS"] = str(budget_ms)
     os.environ.pop("TORCH_GEMM_AR_AUTOTUNE", None)
     _C._tuner_clear_memory()
 
@@ -62,11 +65,11 @@ def test_first_calls_tune_then_every_rank_decides_alike(ranks, world, tmp_path):
     assert len({d[0]["algorithm"] for d in decisions}) == 1, decisions  # the same on every rank
     first = decisions[0][0]
     assert first["source"] == "measured"
-    assert set(first["slowest_rank_best_us"]) == {"fused", "sequential", "chunked"}, first
-    assert first["algorithm"] == min(first["slowest_rank_best_us"], key=first["slowest_rank_best_us"].get)
+    assert set(first["candidate_us"]) == {"fused", "sequential", "chunked"}, first
+    assert first["algorithm"] == min(first["candidate_us"], key=first["candidate_us"].get)
     assert "m<=128" in first["bucket"] and f"world={world}" in first["bucket"]
     for _, messages in results:
-        assert any(first["algorithm"] in m and "best of" in m for m in messages), messages
+        assert any(first["algorithm"] in m and f"lower quartile of {reps} runs" in m for m in messages), messages
     with open(tmp_path / "tune.json") as f:
         cached = json.load(f)
     (entries,) = cached.values()
@@ -189,7 +192,7 @@ def test_a_device_clock_read_at_the_next_call_tunes_alike(ranks, tmp_path):
     decisions = ranks(2).run(tune_with_deferred_clock, random.randrange(1 << 20), str(tmp_path / "t.json"), 3 * reps + 2)
     assert all(len(d) == 1 for d in decisions), decisions
     assert decisions[0][0]["algorithm"] == decisions[1][0]["algorithm"], decisions
-    times = decisions[0][0]["slowest_rank_best_us"]
+    times = decisions[0][0]["candidate_us"]
     assert set(times) == {"fused", "sequential", "chunked"}, times
     # A clock that was never read would leave 0 us: every candidate must have been timed.
     assert all(t > 0 for t in times.values()), times
@@ -219,3 +222,63 @@ def test_a_device_clock_that_cannot_be_read_raises_on_every_rank(ranks, tmp_path
         assert all(name == "RuntimeError" for _, name, _ in errors), errors
     assert "timing the previous tuning call" in results[1][0][2], results[1]
     assert "did not finish in time" in results[0][0][2] and "rank 1" in results[0][0][2], results[0]
+
+
+def tune_with_a_late_rank(rank, world, seed, cache_path, delay_us, from_last_start):
+    """Rank 1 starts every tuning run `delay_us` late, as a rank woken late from the previous collective does; rank
+    0 starts at once and waits inside the call (fused, and sequential's all_reduce) for rank 1."""
+    previous_delay = _C._set_tuner_start_delay_us(delay_us if rank == 1 else 0)
+    previous_mode = _C._set_tuner_from_last_start(from_last_start)
+    try:
+        reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
+        return tune_by_calls(rank, world, seed, cache_path, 3 * reps + 1)[0]
+    finally:
+        _C._set_tuner_start_delay_us(previous_delay)
+        _C._set_tuner_from_last_start(previous_mode)
+
+
+@pytest.mark.parametrize("from_last_start", [True, False], ids=["from_last_start", "negative_control_slowest_rank"])
+def test_a_late_rank_does_not_count_in_the_candidates_times(ranks, tmp_path, from_last_start):
+    """Tuning counts a run from its last rank's start to its last rank's end (one host, one monotonic clock), so a
+    late rank's delay is in no candidate's time. Negative control: the slowest rank's own time (the old measure)
+    includes the wait for the late rank in every candidate."""
+    delay_us = 300_000  # far above a call of this size (K=40, N=90, M<=128: well under a millisecond unloaded)
+    results = ranks(2).run(tune_with_a_late_rank, random.randrange(1 << 20), str(tmp_path / "t.json"), delay_us,
+                           from_last_start)
+    (decision,) = results[0]
+    assert decision["algorithm"] == results[1][0]["algorithm"]
+    times = decision["candidate_us"]
+    assert set(times) == {"fused", "sequential", "chunked"}, times
+    if from_last_start:
+        assert all(0 < t < delay_us / 2 for t in times.values()), times
+    else:
+        assert all(t >= delay_us for t in times.values()), times
+
+
+def rounds_within_budget(rank, world, cache_path, budget_ms, min_reps, max_reps):
+    fresh_tuner(cache_path, budget_ms)
+    os.environ["TORCH_GEMM_AR_AUTOTUNE_REPS"] = str(min_reps)
+    os.environ["TORCH_GEMM_AR_AUTOTUNE_MAX_REPS"] = str(max_reps)
+    handler = Captured()
+    tuning.logger.addHandler(handler)
+    tuning.logger.setLevel(logging.INFO)
+    try:
+        calls = tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, 5, 100, 40, 90))
+        return calls, tuning.in_progress(), tuning.decisions(), handler.messages
+    finally:
+        tuning.logger.removeHandler(handler)
+        os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS")
+        os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS")
+
+
+@pytest.mark.parametrize("budget_ms,runs", [(0, 2), (60_000, 6)], ids=["no_budget", "budget"])
+def test_small_calls_get_more_runs_within_the_budget(ranks, tmp_path, budget_ms, runs):
+    """A bucket takes TORCH_GEMM_AR_AUTOTUNE_REPS rounds, then more while its tuning fits the budget (these calls
+    take far less than a minute) up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS; every rank takes as many calls, and
+    warm_up_until_tuned stops at the deciding call."""
+    results = ranks(2).run(rounds_within_budget, str(tmp_path / "t.json"), budget_ms, 2, 6)
+    for calls, still_tuning, decisions, messages in results:
+        assert calls == 3 * runs + 1 and not still_tuning, (calls, still_tuning)
+        assert len(decisions) == 1 and decisions[0]["source"] == "measured", decisions
+        assert any(f"lower quartile of {runs} runs each" in m for m in messages), messages
+    assert results[0][2][0]["algorithm"] == results[1][2][0]["algorithm"]

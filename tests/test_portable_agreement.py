@@ -45,8 +45,11 @@ def carried_results(rank, world, seed):
         shards, weights, b, want = reference(seed + i, world, m, k, n, dtype, bias, three_d)
         for algorithm in ("sequential", "auto"):
             before = torch_gemm_ar._C._agreement_payload_calls()
+            partials = torch_gemm_ar._C._sequential_partial_calls()
             got = torch_gemm_ar.gemm_allreduce(shards[rank], weights[rank], group, bias=b, algorithm=algorithm)
             carried = torch_gemm_ar._C._agreement_payload_calls() - before
+            if algorithm == "sequential":  # its product computed once, carried or not
+                assert torch_gemm_ar._C._sequential_partial_calls() - partials == 1
             assert got.dtype == dtype and got.shape == want.shape
             tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
             err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1)
@@ -87,3 +90,25 @@ def disagreements(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_disagreeing_and_bad_calls_fail_everywhere(ranks, world):
     ranks(world).run(disagreements)
+
+
+def engine_sequential_computes_once(rank, world, seed):
+    """With the CPU engine (one host) the agreement goes through the shared windows, which carry no data: a small
+    sequential call must not compute its product for a payload that nothing carries, then again for its
+    all_reduce (it did: every small sequential call on one host ran its GEMM twice)."""
+    group = dist.new_group(list(range(world)))
+    for i, (m, k, n) in enumerate([(1, 7, 33), (3, 64, 512), (16, 1792, 512)]):
+        shards, weights, b, want = reference(seed + i, world, m, k, n, torch.float32, True, False)
+        partials = torch_gemm_ar._C._sequential_partial_calls()
+        carried = torch_gemm_ar._C._agreement_payload_calls()
+        got = torch_gemm_ar.gemm_allreduce(shards[rank], weights[rank], group, bias=b, algorithm="sequential")
+        assert torch_gemm_ar._C._sequential_partial_calls() - partials == 1, (m, k, n)
+        assert torch_gemm_ar._C._agreement_payload_calls() == carried
+        err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1)
+        assert err <= 1e-4, err
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_sequential_calls_on_the_engine_compute_once(ranks, world):
+    ranks(world).run(engine_sequential_computes_once, random.randrange(1 << 30))

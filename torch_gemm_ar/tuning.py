@@ -2,10 +2,13 @@
 before serving or before graph capture.
 
 The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) run
-each candidate algorithm TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3), round-robin; every call returns its correct
-result. Each rank times its own calls and passes its time to the others inside the next call's signature, so no
-extra collective runs and every rank takes the same decision: each run counts with its slowest rank's time, and the
-candidate with the fastest run wins (load from elsewhere only adds time). Decisions are logged on the
+each candidate algorithm round-robin: TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3), and more (up to
+TORCH_GEMM_AR_AUTOTUNE_MAX_REPS, default 15) while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS
+(default 200), so small calls, whose times scatter most, are measured most often. Every call returns its correct
+result. Each rank times its own calls and passes its times to the others inside the next call's signature, so no
+extra collective runs and every rank takes the same decision: on one host a run counts from its last rank's start
+to its last rank's end (an early rank's wait for a late one is not the algorithm's cost), else with its slowest
+rank's time; the candidate with the lowest lower quartile of its runs wins (load from elsewhere only adds time). Decisions are logged on the
 `torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host fingerprint (CPU
 model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
@@ -18,7 +21,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _C
-from ._ops import GroupLike, gemm_allreduce
+from ._ops import GroupLike, gemm_allreduce, group_name_of
 
 logger = logging.getLogger("torch_gemm_ar.tuning")
 _C._set_tuner_logger(logger.info)
@@ -29,7 +32,7 @@ _MAX_CANDIDATES = 3
 
 def decisions() -> List[dict]:
     """Every decision this process took: group, bucket, algorithm, source ("measured" or "cache") and, when
-    measured, each candidate's fastest run (slowest rank's time) in microseconds."""
+    measured, `candidate_us`: each candidate's time in microseconds (the lower quartile of its runs)."""
     return list(_C._tuner_decisions())
 
 
@@ -38,18 +41,40 @@ def cache_path() -> str:
     return _C._tuner_cache_path()
 
 
-def _reps() -> int:
-    value = os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3")
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
     try:
         return max(1, int(value))
     except ValueError:
-        raise ValueError(f"TORCH_GEMM_AR_AUTOTUNE_REPS must be an integer; got {value!r}") from None
+        raise ValueError(f"{name} must be an integer; got {value!r}") from None
 
 
 def calls_to_decide() -> int:
-    """How many calls on one shape bucket `auto` may spend tuning before it has decided: warm a model up with this
-    many calls before timing it."""
-    return _MAX_CANDIDATES * _reps() + 1
+    """The most calls on one shape bucket `auto` may spend tuning before it has decided (small calls take the
+    most; in_progress() says when tuning is over)."""
+    reps = max(_env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3), _env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 15))
+    return _MAX_CANDIDATES * reps + 1
+
+
+def in_progress(group: GroupLike = None) -> bool:
+    """Whether `auto` is still tuning a shape bucket of `group` (None: of any group) in this process. Ranks of a
+    group make the same calls, so they see the same answer: warm a model up until it is False before timing it."""
+    return _C._tuner_in_progress(group_name_of(group) if group is not None else "")
+
+
+def warm_up_until_tuned(step, min_steps: int = 1, group: GroupLike = None) -> int:
+    """Runs `step()` min_steps times, then until `auto` has decided every shape bucket the step meets (at most
+    calls_to_decide() more times). Returns how many steps ran. Collective: call it on every rank."""
+    ran = 0
+    for _ in range(min_steps):
+        step()
+        ran += 1
+    for _ in range(calls_to_decide()):
+        if not in_progress(group):
+            break
+        step()
+        ran += 1
+    return ran
 
 
 def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.dtype = torch.float32, *,
@@ -65,15 +90,15 @@ def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.
     if os.environ.get("TORCH_GEMM_AR_AUTOTUNE", "1") == "0":
         raise RuntimeError("tune: TORCH_GEMM_AR_AUTOTUNE=0 disables measured auto (the static policy applies)")
     before = len(decisions())
-    calls = calls_to_decide()  # every sample, then the deciding call; the same count on every rank
     generator = torch.Generator().manual_seed(0)
     for m, k, n in shapes:
         a = torch.randn(m, k, generator=generator).to(device=device, dtype=dtype)
         b = torch.randn(k, n, generator=generator).to(device=device, dtype=dtype)
         bias_t = torch.randn(n, generator=generator).to(device=device, dtype=dtype) if bias else None
-        for _ in range(calls):
-            gemm_allreduce(a, b, group, bias=bias_t, algorithm="auto")
+        # Until decided (the same count on every rank: they see the same samples); a bucket already decided, or
+        # with one candidate, needs the one call.
+        warm_up_until_tuned(lambda: gemm_allreduce(a, b, group, bias=bias_t, algorithm="auto"), 1, group)
     return decisions()[before:]
 
 
-__all__ = ["cache_path", "calls_to_decide", "decisions", "tune"]
+__all__ = ["cache_path", "calls_to_decide", "decisions", "in_progress", "tune", "warm_up_until_tuned"]

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "common/auto_tuner.h"
+#include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
 #include "cpu/fused_call.h"
 
@@ -22,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: a deliberate bug for negative-control tests (one setup at a time in the process)");
   m.def("_set_deferred_tuner_clock", [&switches](int mode) { return switches.deferred_tuner_clock.exchange(mode); },
         "tests: 1 times auto's tuning calls as the NPU does (a clock read at the next call), 2 makes reading it fail");
+  m.def("_sequential_partial_calls", &gemm_ar::sequential_partial_calls,
+        "how many sequential partial products this process computed (tests)");
   m.def("_agreement_payload_calls", &gemm_ar::agreement_payload_calls,
         "how many calls of this process got their result from the agreement exchange (tests)");
   auto& tuner = gemm_ar::AutoTuner::instance();
@@ -29,15 +32,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::list out;
     for (const auto& d : tuner.decisions()) {
       pybind11::dict times;
-      for (const auto& [name, us] : d.slowest_rank_best_us) times[pybind11::str(name)] = us;
+      for (const auto& [name, us] : d.candidate_us) times[pybind11::str(name)] = us;
       out.append(pybind11::dict(pybind11::arg("group") = d.group, pybind11::arg("bucket") = d.bucket,
                                 pybind11::arg("algorithm") = d.algorithm, pybind11::arg("source") = d.source,
-                                pybind11::arg("slowest_rank_best_us") = times));
+                                pybind11::arg("candidate_us") = times));
     }
     return out;
   }, "auto tuner: every decision of this process, in order");
   m.def("_tuner_cache_path", [&tuner] { return tuner.cache_path(); });
+  m.def("_tuner_in_progress", [&tuner](const std::string& group_name) { return tuner.in_progress(group_name); },
+        "auto tuner: whether a shape bucket of the group (\"\": any group) is being tuned");
   m.def("_tuner_clear_memory", [&tuner] { tuner.clear_memory(); }, "tests: forget in-memory decisions");
+  m.def("_set_tuner_start_delay_us", [&tuner](int64_t us) { return tuner.set_start_delay_us(us); },
+        "tests: this rank starts every tuning run `us` late (a late rank); returns the old value");
+  m.def("_set_tuner_from_last_start", [&tuner](bool on) { return tuner.set_from_last_start(on); },
+        "tests: False counts tuning runs by the slowest rank's own time (a negative control); returns the old value");
   m.def("_set_tuner_logger", [&tuner](pybind11::object fn) {
     // Kept alive for the process (never released: decisions may be logged during interpreter shutdown).
     auto* callback = new pybind11::object(std::move(fn));

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +17,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "common/host_clock.h"
 #include "common/settings.h"
 
 #ifndef TORCH_GEMM_AR_VERSION
@@ -84,8 +86,10 @@ struct TuneBucket {
   std::string key;                      // persisted key: op, world, M bucket, K, N, dtype, bias, device, fused
   std::vector<Algorithm> candidates;
   int64_t step = 0;                     // next tuning step (0: the bucket is met by its next call)
-  std::vector<std::vector<double>> samples;  // per candidate: the slowest rank's seconds of each run
+  int64_t rounds = 0;                   // runs per candidate planned so far (min_reps(), grown by another_round)
+  std::vector<std::vector<double>> samples;  // per candidate: each run as the group saw it (run_seconds), s
   double last_seconds = 0;              // this rank's time of the previous step
+  int64_t last_start_us = 0, last_end_us = 0;  // ... on this host's monotonic clock (0: timed on a device)
   std::function<double()> pending_seconds;  // ... when a device clock still has to be read (record_pending)
   bool decided = false;
   Algorithm decision = Algorithm::Sequential;
@@ -161,6 +165,8 @@ struct AutoTuner::State {
   std::string fingerprint = host_fingerprint();
   std::vector<TunerDecision> decisions;
   std::function<void(const std::string&)> logger;
+  std::atomic<int64_t> start_delay_us{0};
+  std::atomic<bool> from_last_start{true};
 };
 
 AutoTuner::AutoTuner() : state_(new State()) {}
@@ -242,12 +248,50 @@ std::string bucket_key(const CallArgs& call, int world, const at::Device& device
   return sanitized(os.str());
 }
 
-// The fastest of a candidate's runs: load from elsewhere only ever adds time, so the best run is the closest to the
-// algorithm's own cost (a median of 3 let one noisy tuning persist a poor choice in the cache).
-double best_of(const std::vector<double>& v) { return v.empty() ? 0.0 : *std::min_element(v.begin(), v.end()); }
+// A candidate's time: the lower quartile of its runs (with up to 4 runs, the fastest). Load from elsewhere only adds time,
+// so the low runs are the closest to the algorithm's own cost; a quartile of many runs rather than the single
+// fastest, because a noisy VM's spread is wider than the gaps between candidates (issue 11: the best of 3 runs
+// picked sequential where fused runs twice as fast).
+double lower_quartile(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  const auto q = v.begin() + static_cast<std::ptrdiff_t>((v.size() - 1) / 4);
+  std::nth_element(v.begin(), q, v.end());
+  return *q;
+}
 
-// Runs per candidate while tuning (TORCH_GEMM_AR_AUTOTUNE_REPS, default 3): the fastest of them counts.
-int64_t reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
+// The previous step's time as the group saw it. On one time line: from the last rank's start to the last rank's
+// end (what a tensor-parallel step waits for once everyone has arrived; an early rank's wait for a late one is
+// not the algorithm's cost). Otherwise the slowest rank's own time.
+double run_seconds(const std::vector<CallSignature>& all, bool from_last_start) {
+  bool one_clock = from_last_start;
+  int64_t last_start = 0, last_end = 0, slowest = 0;
+  for (const auto& s : all) {
+    one_clock = one_clock && s[kSigTuneClock] != 0 && s[kSigTuneClock] == all[0][kSigTuneClock] &&
+                s[kSigTuneLastStartUs] > 0 && s[kSigTuneLastEndUs] >= s[kSigTuneLastStartUs];
+    last_start = std::max(last_start, s[kSigTuneLastStartUs]);
+    last_end = std::max(last_end, s[kSigTuneLastEndUs]);
+    slowest = std::max(slowest, s[kSigTuneLastUs]);
+  }
+  return static_cast<double>(one_clock ? last_end - last_start : slowest) * 1e-6;
+}
+
+// Runs per candidate while tuning: at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3); more rounds follow while the
+// bucket's tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 200) and a round fits in what is
+// left, up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 15). Small calls, whose times scatter most, get the most
+// runs; a large call is measured min_reps times. Decided from the agreed samples, so alike on every rank.
+int64_t min_reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
+int64_t max_reps() { return std::max(min_reps(), env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 15, 1, 1000)); }
+double budget_seconds() { return static_cast<double>(env_int("TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS", 200, 0, 3'600'000)) * 1e-3; }
+
+// Whether the bucket, all of whose `rounds` planned rounds are in, measures one more round.
+bool another_round(const TuneBucket& bucket) {
+  if (bucket.rounds >= max_reps()) return false;
+  double spent = 0;
+  for (const auto& runs : bucket.samples) {
+    for (double t : runs) spent += t;
+  }
+  return spent + spent / static_cast<double>(bucket.rounds) <= budget_seconds();
+}
 
 }  // namespace
 
@@ -275,6 +319,7 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
       return static_choice;
     }
     bucket.samples.assign(bucket.candidates.size(), {});
+    bucket.rounds = min_reps();
     if (!st.file_loaded) {
       load_cache(cache_path(), st.file);
       st.file_loaded = true;
@@ -287,6 +332,9 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
   }
   call.tune_step = bucket.step;
   call.tune_last_us = static_cast<int64_t>(bucket.last_seconds * 1e6);
+  call.tune_last_start_us = bucket.last_start_us;
+  call.tune_last_end_us = bucket.last_end_us;
+  call.tune_clock = bucket.last_start_us > 0 ? monotonic_clock_domain() : 0;
   return Algorithm::Auto;
 }
 
@@ -300,7 +348,6 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
     TuneBucket& bucket = st.bucket(group, call.tune_bucket);
     const int64_t step = bucket.step;
     const int64_t c = static_cast<int64_t>(bucket.candidates.size());
-    const int64_t total = c * reps();
     if (step == 0) {
       // A cached decision counts only when every rank has the same one (ranks on other hosts may not).
       bool same = call.tune_cached >= 0;
@@ -314,16 +361,14 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
                   algorithm_name(cached) + " (from the tune cache, every rank agreeing)";
       }
     } else {
-      // The previous step's time on the slowest rank: what a tensor-parallel step waits for.
-      int64_t slowest = 0;
-      for (const auto& s : all) slowest = std::max(slowest, s[kSigTuneLastUs]);
-      bucket.samples[(step - 1) % c].push_back(static_cast<double>(slowest) * 1e-6);
+      bucket.samples[(step - 1) % c].push_back(run_seconds(all, st.from_last_start.load(std::memory_order_relaxed)));
     }
-    if (!bucket.decided && step == total) {
+    if (!bucket.decided && step == c * bucket.rounds && another_round(bucket)) ++bucket.rounds;
+    if (!bucket.decided && step == c * bucket.rounds) {
       std::vector<std::pair<std::string, double>> best;
       size_t winner = 0;
       for (size_t i = 0; i < bucket.candidates.size(); ++i) {
-        best.emplace_back(algorithm_name(bucket.candidates[i]), best_of(bucket.samples[i]) * 1e6);
+        best.emplace_back(algorithm_name(bucket.candidates[i]), lower_quartile(bucket.samples[i]) * 1e6);
         if (best[i].second < best[winner].second) winner = i;
       }
       bucket.decided = true;
@@ -331,7 +376,8 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       st.remember({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", best});
       std::ostringstream os;
       os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
-         << algorithm_name(bucket.decision) << " (best of " << reps() << " runs, slowest rank:";
+         << algorithm_name(bucket.decision) << " (lower quartile of " << bucket.rounds
+         << " runs each, from the last rank's start:";
       for (const auto& [alg, us] : best) os << " " << alg << " " << us << " us";
       os << ")";
       message = os.str();
@@ -351,14 +397,18 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
   return run;
 }
 
-void AutoTuner::record(const CallArgs& call, c10d::ProcessGroup& group, double seconds) {
-  record(call, group, seconds, call.tune_bucket);
+void AutoTuner::record(const CallArgs& call, c10d::ProcessGroup& group, int64_t start_us, int64_t end_us) {
+  record(group, call.tune_bucket, static_cast<double>(end_us - start_us) * 1e-6, start_us, end_us);
 }
 
-void AutoTuner::record(const CallArgs&, c10d::ProcessGroup& group, double seconds, const std::string& key) {
+void AutoTuner::record(c10d::ProcessGroup& group, const std::string& key, double seconds, int64_t start_us,
+                       int64_t end_us) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   TuneBucket* bucket = state_->find(group, key);
-  if (bucket != nullptr && !bucket->decided) bucket->last_seconds = seconds;
+  if (bucket == nullptr || bucket->decided) return;
+  bucket->last_seconds = seconds;
+  bucket->last_start_us = start_us;
+  bucket->last_end_us = end_us;
 }
 
 void AutoTuner::record_pending(const CallArgs& call, c10d::ProcessGroup& group, std::function<double()> seconds) {
@@ -386,7 +436,7 @@ bool AutoTuner::resolve_pending_time(CallArgs& call, c10d::ProcessGroup& group, 
                  (error != nullptr ? error->what_without_backtrace() : e.what());
     return false;
   }
-  record(call, group, seconds, key);
+  record(group, key, seconds, 0, 0);  // a device's time: no common time line with the peers
   return true;
 }
 
@@ -395,6 +445,21 @@ void AutoTuner::reset(const CallArgs& call, c10d::ProcessGroup& group) {
   auto g = state_->groups.find(group.getGroupName());
   if (g != state_->groups.end()) g->second.buckets.erase(call.tune_bucket);
 }
+
+bool AutoTuner::in_progress(const std::string& group_name) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (const auto& [name, g] : state_->groups) {
+    if (!group_name.empty() && name != group_name) continue;
+    for (const auto& [key, bucket] : g.buckets) {
+      if (bucket.step > 0 && !bucket.decided) return true;
+    }
+  }
+  return false;
+}
+
+int64_t AutoTuner::set_start_delay_us(int64_t us) { return state_->start_delay_us.exchange(us); }
+bool AutoTuner::set_from_last_start(bool on) { return state_->from_last_start.exchange(on); }
+int64_t AutoTuner::start_delay_us() const { return state_->start_delay_us.load(std::memory_order_relaxed); }
 
 std::vector<TunerDecision> AutoTuner::decisions() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -1,9 +1,12 @@
 // `algorithm="auto"` by measurement (README, "auto"): the first calls of a group on a shape bucket run each
-// candidate algorithm a few times, round-robin; every rank times its own calls and tells the others through the
-// call signature of the next call (carried fields, never an extra collective); the slowest rank's time counts, so
-// every rank decides alike. Decisions are kept per group in memory and per host fingerprint in a JSON file
-// (TORCH_GEMM_AR_TUNE_CACHE); a cached decision is used only when every rank has the same one.
-// TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy.
+// candidate algorithm a few times, round-robin (small calls more often, within a time budget). Every rank times its
+// own calls and tells the others through the call signature of the next call (carried fields, never an extra
+// collective), so every rank decides alike. A run counts from the moment its last rank started it to the moment its
+// last rank finished, when the ranks share a host's monotonic clock (an early rank's wait for a late one is not the
+// algorithm's cost: fused calls right after a collective looked twice as slow as they run, issue 11); otherwise,
+// e.g. on a device clock, the slowest rank's own time counts. Decisions are kept per group in memory and per host
+// fingerprint in a JSON file (TORCH_GEMM_AR_TUNE_CACHE); a cached decision is used only when every rank has the same
+// one. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy.
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -19,7 +22,7 @@ namespace gemm_ar {
 
 struct TunerDecision {
   std::string group, bucket, algorithm, source;  // source: measured | cache
-  std::vector<std::pair<std::string, double>> slowest_rank_best_us;  // per candidate: its fastest run on the slowest rank
+  std::vector<std::pair<std::string, double>> candidate_us;  // per candidate: the lower quartile of its runs
 };
 
 class AutoTuner {
@@ -35,21 +38,30 @@ class AutoTuner {
   // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
   // what this call runs (the next candidate, or the decision once every sample is in).
   Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);
-  // This rank's time of the tuning call that just ran.
-  void record(const CallArgs& call, c10d::ProcessGroup& group, double seconds);
+  // This rank's start and end of the tuning call that just ran, on this host's monotonic clock (microseconds).
+  void record(const CallArgs& call, c10d::ProcessGroup& group, int64_t start_us, int64_t end_us);
   // The same, known later (a device clock): `seconds` is asked, outside the tuner's lock, at the bucket's next call.
   void record_pending(const CallArgs& call, c10d::ProcessGroup& group, std::function<double()> seconds);
   // Forgets the tuning state of the call's bucket (the ranks disagreed about it: start again, together).
   void reset(const CallArgs& call, c10d::ProcessGroup& group);
 
   std::vector<TunerDecision> decisions() const;
+  // Whether a bucket of `group_name` ("": of any group) has had tuning calls and is not decided yet.
+  bool in_progress(const std::string& group_name) const;
   void set_logger(std::function<void(const std::string&)> logger);
   std::string cache_path() const;
   void clear_memory();  // tests: forget every in-memory decision (the file stays)
 
+  // Tests: delay this rank's start of every tuning run (a late rank), and count runs by the slowest rank's own time
+  // instead (the old measure, a negative control). Both return the old value.
+  int64_t set_start_delay_us(int64_t us);
+  bool set_from_last_start(bool on);
+  int64_t start_delay_us() const;
+
  private:
   struct State;
-  void record(const CallArgs& call, c10d::ProcessGroup& group, double seconds, const std::string& bucket_key);
+  void record(c10d::ProcessGroup& group, const std::string& bucket_key, double seconds, int64_t start_us,
+              int64_t end_us);
   // Reads the bucket's pending device time, if any, into its last_seconds; false (call.error set) when it fails.
   bool resolve_pending_time(CallArgs& call, c10d::ProcessGroup& group, const std::string& bucket_key);
   AutoTuner();

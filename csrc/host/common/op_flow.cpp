@@ -2,7 +2,11 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <chrono>
+#include <thread>
+
 #include "common/auto_tuner.h"
+#include "common/host_clock.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
@@ -65,9 +69,11 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
     AutoTuner::instance().record_pending(call, group, [clock] { return clock->seconds(); });
     return out;
   }
-  const auto start = std::chrono::steady_clock::now();
+  AutoTuner& tuner = AutoTuner::instance();
+  if (const int64_t delay = tuner.start_delay_us(); delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+  const int64_t start = monotonic_us();
   at::Tensor out = body();
-  AutoTuner::instance().record(call, group, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  tuner.record(call, group, start, monotonic_us());
   return out;
 }
 
@@ -84,8 +90,9 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
   }
   // A small sequential call computes its partial product first, so that the agreement exchange sums it.
   AgreementPayload payload;
+  const bool carries = !backend.agreement_carries_payload || backend.agreement_carries_payload(*group);
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device(), [&](Algorithm choice) {
-    carry_result_on_agreement(call, choice, group->getRank(), payload);
+    if (carries) carry_result_on_agreement(call, choice, group->getRank(), payload);
   });
   if (call.m == 0) return at::empty(call.out_shape, b.options());
   if (payload.reduced) return payload.data.to(call.dtype).view(call.out_shape);

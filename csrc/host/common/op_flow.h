@@ -48,6 +48,9 @@ struct BackendHooks {
   // chunk of the reduce-scatter; the product and the gathered a of the allgather.
   std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&)> run_fused_reduce_scatter;
   std::function<std::tuple<at::Tensor, at::Tensor>(const CallArgs&, c10d::ProcessGroup&)> run_fused_allgather;
+  // Whether check_agreement's exchange can carry a small sequential call's result (AgreementPayload): only then is
+  // the partial product computed before it (else it would be computed twice). Empty: check_ranks_agree, which can.
+  std::function<bool(c10d::ProcessGroup&)> agreement_carries_payload;
 };
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name,

@@ -11,6 +11,8 @@ at::Tensor run_sequential(const CallArgs& call, c10d::ProcessGroup& group);
 
 // The [M, N] local product of `sequential`, the bias added on rank 0 only (the sum adds it once).
 at::Tensor sequential_partial(const CallArgs& call, int rank);
+// How many sequential partial products this process has computed (tests: a call computes its product once).
+int64_t sequential_partial_calls();
 
 // Sets call.payload to `payload` holding this rank's fp32 partial product when the call's result can ride on the
 // CPU agreement exchange (common/rank_agreement.h). Decided only from fields every rank's signature carries

@@ -84,6 +84,9 @@ CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
   s[kSigTuneStep] = call.tune_step;
   s[kSigTuneCached] = call.tune_cached;
   s[kSigTuneLastUs] = call.tune_last_us;
+  s[kSigTuneLastStartUs] = call.tune_last_start_us;
+  s[kSigTuneLastEndUs] = call.tune_last_end_us;
+  s[kSigTuneClock] = call.tune_clock;
   return s;
 }
 

@@ -22,6 +22,8 @@ enum SignatureField : int64_t {
   // Carried, not compared: what each rank tells the others for `auto` tuning (common/auto_tuner.h).
   kSigTuneCached = kSigComparedFields,  // this rank's cached decision for the bucket (-1: none)
   kSigTuneLastUs,                       // this rank's time of the previous tuning step, microseconds
+  kSigTuneLastStartUs, kSigTuneLastEndUs,  // ... its start and end on this host's monotonic clock (0: not known)
+  kSigTuneClock,                        // which monotonic clock those are on (common/host_clock.h; 0: none)
   kSignatureFields
 };
 using CallSignature = std::array<int64_t, kSignatureFields>;

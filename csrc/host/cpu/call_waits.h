@@ -21,16 +21,15 @@ struct CallRejected : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-constexpr int kWaitSpins = 2000;                    // ~50-100 us of pause before sleeping
 constexpr int64_t kWaitSleepSliceNs = 2'000'000;    // a sleeper re-checks at least this often
 constexpr auto kWatchEvery = std::chrono::milliseconds(50);
 
 // Waits until ready(), running progress() meanwhile (it returns whether it did anything), sleeping on `bell`
-// after a short spin. Every `kWatchEvery` it runs watch() (which throws when a peer died or gave up); after
+// after a short spin (`max_spins` pauses). Every `kWatchEvery` it runs watch() (which throws when a peer died or gave up); after
 // `timeout` without success it throws describe().
 template <class Ready, class Progress, class Watch, class Describe>
 void bounded_wait(Ready ready, Progress progress, Watch watch, Describe describe, Doorbell bell,
-                  std::chrono::milliseconds timeout, const std::atomic<bool>* stop) {
+                  std::chrono::milliseconds timeout, const std::atomic<bool>* stop, int max_spins = kWaitSpins) {
   using Clock = std::chrono::steady_clock;
   if (ready()) return;
   const auto start = Clock::now();
@@ -45,7 +44,7 @@ void bounded_wait(Ready ready, Progress progress, Watch watch, Describe describe
     if (stop != nullptr && stop->load(std::memory_order_acquire)) throw LocalAbort{};
     const uint32_t seen = bell.snapshot();
     if (ready()) return;
-    if (spins < kWaitSpins) {
+    if (spins < max_spins) {
       ++spins;
       cpu_relax();
       continue;

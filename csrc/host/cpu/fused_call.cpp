@@ -77,7 +77,7 @@ std::string missing_ranks(const std::vector<char>& arrived, uint32_t epoch, std:
 std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& windows, const WindowSet& window_set,
                                              int rank, uint32_t epoch, const CallSignature& mine,
                                              std::chrono::milliseconds timeout, Doorbell bell,
-                                             const std::atomic<bool>* stop) {
+                                             const std::atomic<bool>* stop, int max_spins) {
   std::vector<CallSignature> all(windows.size());
   std::vector<char> arrived(windows.size(), 0);
   all[rank] = mine;
@@ -85,7 +85,7 @@ std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& window
   const std::string context = "before call " + std::to_string(epoch);
   bounded_wait([&] { return poll_signatures(windows, window_set, rank, epoch, all, arrived); }, no_progress,
                [&] { window_set.check_peers_alive(context.c_str()); },
-               [&] { return missing_ranks(arrived, epoch, timeout, rank); }, bell, timeout, stop);
+               [&] { return missing_ranks(arrived, epoch, timeout, rank); }, bell, timeout, stop, max_spins);
   return all;
 }
 

@@ -147,9 +147,10 @@ void run_call_inline(CallJob& job);
 
 // Waits until every rank has published its header for `epoch` and returns every signature; throws naming the
 // ranks that did not arrive in time, abandoned the call, or died. `stop` ends the wait early (throws).
+// `max_spins`: pauses before sleeping (bounded_wait).
 std::vector<CallSignature> gather_signatures(const std::vector<uint8_t*>& windows, const WindowSet& window_set,
                                              int rank, uint32_t epoch, const CallSignature& mine,
                                              std::chrono::milliseconds timeout, Doorbell bell,
-                                             const std::atomic<bool>* stop);
+                                             const std::atomic<bool>* stop, int max_spins = kWaitSpins);
 
 }  // namespace gemm_ar::cpu

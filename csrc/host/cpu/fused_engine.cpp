@@ -284,8 +284,10 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
 std::vector<CallSignature> FusedEngine::check_every_signature(const CallArgs& call) {
   std::vector<CallSignature> all;
   try {
+    // A tuning call leaves the agreement with every rank awake, so its timed run starts together (kAlignSpins).
     all = gather_signatures(bases(), *windows_, rank_, epoch_, signature_, wait_timeout(),
-                            doorbell(windows_->base(rank_), kMainDoorbell), nullptr);
+                            doorbell(windows_->base(rank_), kMainDoorbell), nullptr,
+                            call.tune_step >= 0 ? kAlignSpins : kWaitSpins);
   } catch (const std::exception& e) {  // a peer late, dead or gone: tell the others this rank gave up
     publish_abort(windows_->base(rank_), epoch_);
     ring_peers();

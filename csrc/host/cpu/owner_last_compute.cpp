@@ -65,6 +65,11 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                           at::from_blob(job.region(job.rank, partial_offset), {rows, cols}, {p.pad_n, 1},
                                         partial_options));
       } else {
+        if (!scratch.defined()) scratch = at::empty({p.base_m, p.pad_n}, partial_options);
+        job.gemm->compute(row0, rows, col0, cols,
+                          at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
+        // The own partial first, then the wait: a rank with few or no peers' tiles to multiply would otherwise sit
+        // idle until its peers finished theirs (at one tile per call, the two GEMMs ran one after the other: 2x).
         // Peers' data is read only once the call is agreed (comm block 0 checks the headers) and each peer's
         // partial of t is published (acquire, in tile_ready).
         const int64_t first_local = run_local_subtile(t, 0, job.world, p.stripes, job.own_run);
@@ -78,9 +83,6 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
             [&] { return progress ? progress() : false; }, [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
             [&] { return undelivered_tile(job, t); },
             doorbell(job.windows[job.rank], ag_block_of(first_local, job.comm_blocks)), job.timeout, &job.abort);
-        if (!scratch.defined()) scratch = at::empty({p.base_m, p.pad_n}, partial_options);
-        job.gemm->compute(row0, rows, col0, cols,
-                          at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
         for (int r = 0; r < job.world; ++r) {
           sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr()) : job.region(r, partial_offset);
         }

@@ -29,6 +29,13 @@ inline void cpu_relax() {
 #endif
 }
 
+// Pauses a waiter spins before it sleeps on a doorbell: ~50-100 us.
+constexpr int kWaitSpins = 2000;
+// The agreement of an `auto` tuning call spins this long (~10-20 ms) before sleeping: a rank that slept there
+// would start the timed call a futex wake-up (0.1-0.5 ms on a loaded VM) after its peers, and its peers then wait
+// inside the call, so small calls looked twice as slow while tuning as they run back to back (issue 11).
+constexpr int kAlignSpins = 400'000;
+
 // A doorbell is two words on their own cache line of a window: a sequence number bumped by every ring, and the
 // number of threads asleep on it (so a ring costs a syscall only when someone sleeps). It is a wake-up hint only:
 // waiters always re-check their real condition (the epoch flags), and sleep in bounded slices.
