@@ -7,8 +7,13 @@ sets, both outputs checked against float64 first.
 Issue 13's target on the CPU engine: fused epilogue / gemm_allreduce alone <= 1.03 at M4096 K256 N2048.
 
 The "floor" row is gemm_allreduce followed by one copy of `residual` into a buffer of normed's size: the memory
-traffic no epilogue can avoid (read residual, write normed) as a single pass, so floor/alone is what any epilogue
-costs at least on this machine when nothing runs beside it (one core per rank).
+traffic no out-of-place epilogue can avoid (read residual, write normed) as a single pass, so floor/alone is what
+such an epilogue costs at least on this machine when nothing runs beside it (one core per rank).
+
+The in-place variant (gemm_allreduce_add_rmsnorm_) writes the new residual stream into `residual`: the reduction
+adds into it, so reading `residual` replaces the read-for-ownership of a separate output, and what is left over
+gemm_allreduce alone is writing `normed`. Its floor row is gemm_allreduce followed by filling a buffer of normed's
+size. Each in-place row has its own residual buffers (they grow by the sum on every call; the cost does not change).
 """
 import argparse
 import os
@@ -79,16 +84,33 @@ def build_rows(env, sets, extras, algorithm):
         normed_sized[i].copy_(extras[i][0])
         return out
 
+    in_place_residuals = [residual.clone() for residual, _ in extras]
+
+    def fused_in_place(i):
+        normed = lib.gemm_allreduce_add_rmsnorm_(sets[i].a, sets[i].b, in_place_residuals[i], extras[i][1], env.group,
+                                                 eps=EPS, algorithm=algorithm)
+        return in_place_residuals[i], normed
+
+    def floor_in_place(i):
+        out = lib.gemm_allreduce(sets[i].a, sets[i].b, env.group, algorithm=algorithm)
+        normed_sized[i].fill_(0)
+        return out
+
     element = torch.empty(0, dtype=sets[0].a.dtype).element_size()
     return [Row("gemm_allreduce", "gemm_allreduce alone", PIPELINED, alone, "reduced", element),
             Row("floor", "gemm_allreduce + copy residual (the epilogue's traffic)", PIPELINED, floor, "reduced",
                 element),
             Row("unfused", "gemm_allreduce + add + F.rms_norm", PIPELINED, unfused, "reduced", element),
-            Row("fused_epilogue", "gemm_allreduce_add_rmsnorm", PIPELINED, fused, "reduced", element)]
+            Row("fused_epilogue", "gemm_allreduce_add_rmsnorm", PIPELINED, fused, "reduced", element),
+            Row("floor_in_place", "gemm_allreduce + fill a normed-size buffer (the in-place epilogue's traffic)",
+                PIPELINED, floor_in_place, "reduced", element),
+            Row("fused_in_place", "gemm_allreduce_add_rmsnorm_ (in place)", PIPELINED, fused_in_place, "reduced",
+                element)], in_place_residuals
 
 
-def check(rows, reference, residual, weight):
-    """Max relative error of each row's outputs on input set 0 against float64."""
+def check(rows, reference, residual, weight, in_place_residuals):
+    """Max relative error of each row's outputs on input set 0 against float64 (the in-place row on a fresh copy of
+    set 0's residual)."""
     import torch
 
     out_ref = reference + residual.double()
@@ -96,9 +118,11 @@ def check(rows, reference, residual, weight):
     normed_ref = out_ref * rms * weight.double()
     errors = {}
     for row in rows:
+        if row.key == "fused_in_place":
+            in_place_residuals[0].copy_(residual)
         got = row.run(0)
-        pairs = [(got, reference)] if row.key in ("gemm_allreduce", "floor") else [(got[0], out_ref),
-                                                                                   (got[1], normed_ref)]
+        alone = row.key in ("gemm_allreduce", "floor", "floor_in_place")
+        pairs = [(got, reference)] if alone else [(got[0], out_ref), (got[1], normed_ref)]
         errors[row.key] = max(metrics.relative_error(float((g.double() - w).abs().max()), float(w.abs().max()))
                               for g, w in pairs)
     return errors
@@ -110,9 +134,9 @@ def measure(env, shape, dtype, args):
     m, k, n = shape
     sets = make_sets(args.seed, args.input_sets, env.rank, m, k, n, dtype, False, env.device)
     extras = epilogue_inputs(args.seed, args.input_sets, m, n, dtype)
-    rows = build_rows(env, sets, extras, args.algorithm)
+    rows, in_place_residuals = build_rows(env, sets, extras, args.algorithm)
     reference = make_references(args.seed, env.world, env.rank, m, k, n, dtype, False).reduced
-    errors = check(rows, reference, *extras[0])
+    errors = check(rows, reference, *extras[0], in_place_residuals)
     local = time_rows(env, rows, args.input_sets, max(args.warmup - 1, 0), args.iters)
     every_rank = [None] * env.world
     dist.all_gather_object(every_rank, (local, errors), group=env.group)
@@ -124,13 +148,15 @@ def measure(env, shape, dtype, args):
     med = {key: entry["median_s"] for key, entry in result["rows"].items()}
     result["ratios"] = {"fused_over_alone": med["fused_epilogue"] / med["gemm_allreduce"],
                         "floor_over_alone": med["floor"] / med["gemm_allreduce"],
+                        "in_place_over_alone": med["fused_in_place"] / med["gemm_allreduce"],
+                        "floor_in_place_over_alone": med["floor_in_place"] / med["gemm_allreduce"],
                         "fused_over_unfused": med["fused_epilogue"] / med["unfused"]}
     return result
 
 
 def summary_table(results) -> str:
-    headers = ["shape", "alone us", "unfused us", "fused us", "fused/alone", "floor/alone", "fused/unfused",
-               "rel err (fused)"]
+    headers = ["shape", "alone us", "unfused us", "fused us", "fused/alone", "floor/alone", "in-place us",
+               "in-place/alone", "in-place floor/alone", "fused/unfused", "rel err (fused, in-place)"]
     body = []
     for r in results:
         s, rows, ratios = r["shape"], r["rows"], r["ratios"]
@@ -138,7 +164,11 @@ def summary_table(results) -> str:
         body.append([f"M{s['m']} K{s['k']} N{s['n']} {s['dtype']}",
                      *(f"{rows[key]['median_s'] * 1e6:,.1f}" for key in ("gemm_allreduce", "unfused", "fused_epilogue")),
                      f"{ratio:.3f}" + (" ok" if ratio <= TARGET_RATIO else " MISS"),
-                     f"{ratios['floor_over_alone']:.3f}", f"{ratios['fused_over_unfused']:.3f}", f"{rows['fused_epilogue']['max_rel_error']:.1e}"])
+                     f"{ratios['floor_over_alone']:.3f}", f"{rows['fused_in_place']['median_s'] * 1e6:,.1f}",
+                     f"{ratios['in_place_over_alone']:.3f}" + (" ok" if ratios['in_place_over_alone'] <= TARGET_RATIO
+                                                                else " MISS"),
+                     f"{ratios['floor_in_place_over_alone']:.3f}", f"{ratios['fused_over_unfused']:.3f}",
+                     f"{rows['fused_epilogue']['max_rel_error']:.1e}, {rows['fused_in_place']['max_rel_error']:.1e}"])
     return report.format_table(headers, body)
 
 

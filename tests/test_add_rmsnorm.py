@@ -28,17 +28,24 @@ def rms_norm64(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
+def odd_case(seed, case, world, dtype):
+    """ODD_SHAPES[case] with bias, b transposed and 3-D inputs varying by case: every rank's shard, b, bias, the
+    float64 reduction, residual and norm weight, and the flags."""
+    m, k, n = ODD_SHAPES[case]
+    with_bias, transposed, three_d = case % 2 == 0, case % 3 != 1, case % 4 == 3
+    shards = [shard(seed + case, r, m, k, dtype, three_d) for r in range(world)]
+    b = weight(seed + case, k, n, dtype, transposed)
+    bias = bias_vector(seed + case, n, dtype) if with_bias else None
+    ref_sum = reference(shards, b, bias)
+    return (shards, b, bias, ref_sum, residual_of(seed + case, ref_sum.shape, dtype), norm_weight_of(seed + case, n, dtype),
+            (with_bias, transposed, three_d))
+
+
 def check_shapes(rank, world, seed, algorithm, dtype):
     digests = []
     eps = 1e-5
     for case, (m, k, n) in enumerate(ODD_SHAPES):
-        with_bias, transposed, three_d = case % 2 == 0, case % 3 != 1, case % 4 == 3
-        shards = [shard(seed + case, r, m, k, dtype, three_d) for r in range(world)]
-        b = weight(seed + case, k, n, dtype, transposed)
-        bias = bias_vector(seed + case, n, dtype) if with_bias else None
-        ref_sum = reference(shards, b, bias)
-        residual = residual_of(seed + case, ref_sum.shape, dtype)
-        w = norm_weight_of(seed + case, n, dtype)
+        shards, b, bias, ref_sum, residual, w, (with_bias, transposed, three_d) = odd_case(seed, case, world, dtype)
         out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank], b, residual, w, eps=eps, bias=bias,
                                                                algorithm=algorithm)
         what = f"{algorithm} {dtype} M={m} K={k} N={n} bias={with_bias} bT={transposed} 3d={three_d} rank={rank}"
@@ -308,6 +315,14 @@ def test_ranks_with_different_eps_disagree(ranks, algorithm):
     assert all(ranks(2).run(eps_differs, algorithm, timeout_s=60))
 
 
+def compile_step_inputs(seed, step, world):
+    """Step `step` of the compiled tests: every rank's [16 + step, 8] shard, the weight as an nn.Linear holds it
+    ([6, 8]), the residual and the norm weight (fp32)."""
+    shards = [shard(seed + step, r, 16 + step, 8, torch.float32) for r in range(world)]
+    w = weight(seed + step, 8, 6, torch.float32, transposed=False).t().contiguous()
+    return shards, w, residual_of(seed + step, (16 + step, 6), torch.float32), norm_weight_of(seed, 6, torch.float32)
+
+
 def compiled_call(rank, world, seed):
     torch._dynamo.reset()
     group = dist.group.WORLD
@@ -318,10 +333,7 @@ def compiled_call(rank, world, seed):
 
     compiled = torch.compile(block, fullgraph=True)
     for step in range(3):
-        shards = [shard(seed + step, r, 16 + step, 8, torch.float32) for r in range(world)]
-        w = weight(seed + step, 8, 6, torch.float32, transposed=False).t().contiguous()
-        residual = residual_of(seed + step, (16 + step, 6), torch.float32)
-        nw = norm_weight_of(seed, 6, torch.float32)
+        shards, w, residual, nw = compile_step_inputs(seed, step, world)
         x = shards[rank].clone().requires_grad_()
         out, act = compiled(x, w, residual, nw)
         ref_out = sum(s.double() @ w.double().t() for s in shards) + residual.double()

@@ -20,7 +20,8 @@ if hasattr(torch, "npu"):  # torch_npu is loaded: register the Ascend kernel too
     else:
         register_error_checker(_C_npu.check_errors)
 from ._ops import (
-    ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_reduce_scatter, group_name_of,
+    ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_allreduce_add_rmsnorm_,
+    gemm_reduce_scatter, group_name_of,
 )
 from .engine_mode import fused_engine_mode
 from . import nn, tuning
@@ -28,7 +29,7 @@ from .tuning import tune
 
 __all__ = [
     "ALGORITHMS", "allgather_gemm", "check_errors", "fused_engine_mode", "gemm_allreduce",
-    "gemm_allreduce_add_rmsnorm", "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
+    "gemm_allreduce_add_rmsnorm", "gemm_allreduce_add_rmsnorm_", "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
 ]
 __version__ = "0.1.0"
 

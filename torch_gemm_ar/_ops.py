@@ -106,3 +106,33 @@ def gemm_allreduce_add_rmsnorm(
     return torch.ops.pto.gemm_allreduce_add_rmsnorm(
         a, b, residual, norm_weight, group_name_of(group), eps=eps, bias=bias, algorithm=algorithm
     )
+
+
+def gemm_allreduce_add_rmsnorm_(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    group: GroupLike = None,
+    *,
+    eps: float = 1e-6,
+    bias: Optional[torch.Tensor] = None,
+    algorithm: str = "auto",
+) -> torch.Tensor:
+    """In-place gemm_allreduce_add_rmsnorm: writes the new residual stream `all_reduce_sum(a @ b) + bias + residual`
+    into `residual` and returns `normed`. Bitwise the same results as the out-of-place op. On the CPU engine the
+    reduced sum is added straight into `residual` while it is reduced and copied out, so no separate output is
+    written and read back. `residual` must not overlap a, b, norm_weight or bias. Inference only: there is no
+    backward (use gemm_allreduce_add_rmsnorm to train).
+    """
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (a, b, residual, norm_weight, bias)
+    ):
+        raise RuntimeError(
+            "gemm_allreduce_add_rmsnorm_: writes into residual and has no backward; an input requires grad "
+            "(use gemm_allreduce_add_rmsnorm to train, or run under torch.no_grad() / torch.inference_mode())"
+        )
+    return torch.ops.pto.gemm_allreduce_add_rmsnorm_(
+        a, b, residual, norm_weight, group_name_of(group), eps=eps, bias=bias, algorithm=algorithm
+    )
+

@@ -77,3 +77,12 @@ def _gemm_allreduce_add_rmsnorm_fake(a, b, residual, norm_weight, group_name, *,
         lambda: "gemm_allreduce_add_rmsnorm: residual and norm_weight must have the dtype of a",
     )
     return out, out.new_empty(out.shape)
+
+
+@torch.library.register_fake("pto::gemm_allreduce_add_rmsnorm_")
+def _gemm_allreduce_add_rmsnorm_inplace_fake(a, b, residual, norm_weight, group_name, *, eps=1e-6, bias=None,
+                                             algorithm="auto"):
+    out, normed = _gemm_allreduce_add_rmsnorm_fake(a, b, residual, norm_weight, group_name, eps=eps, bias=bias,
+                                                   algorithm=algorithm)
+    return normed
+

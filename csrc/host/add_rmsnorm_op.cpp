@@ -3,6 +3,7 @@
 // torch_gemm_ar/_registrations.py. Like gemm_allreduce, backward is local: both outputs are replicated, so their
 // gradients are too, and every input gradient is a local product or a row-wise formula.
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
@@ -20,16 +21,20 @@ using OpSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const 
                                                        const at::Tensor&, c10::string_view, double,
                                                        const std::optional<at::Tensor>&, c10::string_view);
 
+const c10::TypedOperatorHandle<OpSignature>& out_of_place_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("pto::gemm_allreduce_add_rmsnorm", "")
+                             .typed<OpSignature>();
+  return op;
+}
+
 std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& a, const at::Tensor& b,
                                                        const at::Tensor& residual, const at::Tensor& norm_weight,
                                                        c10::string_view group_name, double eps,
                                                        const std::optional<at::Tensor>& bias,
                                                        c10::string_view algorithm) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pto::gemm_allreduce_add_rmsnorm", "")
-                       .typed<OpSignature>();
   at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+  return out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
 }
 
 class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAllreduceAddRmsNormFunction> {
@@ -90,6 +95,18 @@ std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_autograd(
   return {outputs[0], outputs[1]};
 }
 
+// gemm_allreduce_add_rmsnorm_ on a backend without its own in-place kernel (the NPU): the op, then the new residual
+// stream copied into `residual`. Correct, but it saves no traffic; the CPU kernel adds into `residual` directly.
+at::Tensor gemm_allreduce_add_rmsnorm_inplace_composite(const at::Tensor& a, const at::Tensor& b,
+                                                        at::Tensor& residual, const at::Tensor& norm_weight,
+                                                        c10::string_view group_name, double eps,
+                                                        const std::optional<at::Tensor>& bias,
+                                                        c10::string_view algorithm) {
+  auto [out, normed] = out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+  residual.copy_(out);
+  return normed;
+}
+
 }  // namespace
 }  // namespace gemm_ar
 
@@ -98,8 +115,22 @@ TORCH_LIBRARY_FRAGMENT(pto, m) {
   m.def(
       "gemm_allreduce_add_rmsnorm(Tensor a, Tensor b, Tensor residual, Tensor norm_weight, str group_name, *, "
       "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> (Tensor, Tensor)");
+  // In place: the new residual stream is written into `residual`; returns normed. Inference only (no backward).
+  m.def(
+      "gemm_allreduce_add_rmsnorm_(Tensor a, Tensor b, Tensor(a!) residual, Tensor norm_weight, str group_name, *, "
+      "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pto, CompositeExplicitAutograd, m) {
+  m.impl("gemm_allreduce_add_rmsnorm_", &gemm_ar::gemm_allreduce_add_rmsnorm_inplace_composite);
+}
+
+// No derivative: inputs that require grad make backward raise (and version counters see the write to residual).
+TORCH_LIBRARY_IMPL(pto, ADInplaceOrView, m) {
+  m.impl("gemm_allreduce_add_rmsnorm_", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
 }
 
 TORCH_LIBRARY_IMPL(pto, Autograd, m) {
   m.impl("gemm_allreduce_add_rmsnorm", &gemm_ar::gemm_allreduce_add_rmsnorm_autograd);
+  m.impl("gemm_allreduce_add_rmsnorm_", torch::autograd::autogradNotImplementedFallback());
 }

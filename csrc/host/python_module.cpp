@@ -17,6 +17,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_owner_last", [&switches](bool on) { return switches.owner_last.exchange(on); },
         "CPU fused engine: False makes the owner on one core per rank reduce in its comm block, as with comm threads "
         "(tests, benchmarks); returns the old value");
+  m.def("_set_add_into_residual", [&switches](bool on) { return switches.add_into_residual.exchange(on); },
+        "CPU fused engine: False is a deliberate bug for negative-control tests (the in-place add+RMSNorm overwrites "
+        "the residual with the sum); returns the old value");
   m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },

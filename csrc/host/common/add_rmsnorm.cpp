@@ -1,6 +1,7 @@
 #include "common/add_rmsnorm.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -57,7 +58,9 @@ inline __attribute__((always_inline)) void scale_row(const T* __restrict__ out, 
 }
 
 // One row: 8 independent partial sums so the compiler can vectorise the square sum; their order is fixed.
-template <class T, class Acc, class Cast = Casts<T, Acc>>
+// kAdd=false: `out` already holds reduced + residual (the in-place variant added it during the reduction), so the
+// row is only normalised; `residual` is not read.
+template <class T, class Acc, class Cast = Casts<T, Acc>, bool kAdd = true>
 inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, const T* __restrict__ residual,
                                                            const T* __restrict__ weight, T* __restrict__ normed,
                                                            int64_t n, Acc eps) {
@@ -66,15 +69,21 @@ inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, 
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      const T rounded = Cast::store(Cast::load(out[i + l]) + Cast::load(residual[i + l]));
-      out[i + l] = rounded;
+      T rounded = out[i + l];
+      if constexpr (kAdd) {
+        rounded = Cast::store(Cast::load(out[i + l]) + Cast::load(residual[i + l]));
+        out[i + l] = rounded;
+      }
       const Acc x = Cast::load(rounded);
       lanes[l] += x * x;
     }
   }
   for (; i < n; ++i) {
-    const T rounded = Cast::store(Cast::load(out[i]) + Cast::load(residual[i]));
-    out[i] = rounded;
+    T rounded = out[i];
+    if constexpr (kAdd) {
+      rounded = Cast::store(Cast::load(out[i]) + Cast::load(residual[i]));
+      out[i] = rounded;
+    }
     const Acc x = Cast::load(rounded);
     lanes[0] += x * x;
   }
@@ -93,8 +102,10 @@ inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, 
 #define GEMM_AR_VECTOR_CLONES
 #endif
 
+// residual == nullptr: normalise only (kAdd=false), in every row function below.
 GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_f32(float* out, const float* residual, const float* weight, float* normed,
                                                int64_t n, float eps) {
+  if (residual == nullptr) return add_rmsnorm_row<float, float, Casts<float, float>, false>(out, residual, weight, normed, n, eps);
   add_rmsnorm_row<float, float>(out, residual, weight, normed, n, eps);
 }
 
@@ -124,13 +135,17 @@ __attribute__((target("avx2"))) inline __m128i narrow(__m256 x) {
   return _mm256_castsi256_si128(packed);
 }
 
+template <bool kAdd>
 __attribute__((target("avx2"))) void row(uint16_t* out, const uint16_t* residual, const uint16_t* weight,
                                          uint16_t* normed, int64_t n, float eps) {
   __m256 lanes = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m128i rounded = narrow(_mm256_add_ps(widen(out + i), widen(residual + i)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), rounded);
+    __m128i rounded = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out + i));
+    if constexpr (kAdd) {
+      rounded = narrow(_mm256_add_ps(widen(out + i), widen(residual + i)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), rounded);
+    }
     const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(rounded), 16));
     lanes = _mm256_add_ps(lanes, _mm256_mul_ps(x, x));
   }
@@ -140,8 +155,11 @@ __attribute__((target("avx2"))) void row(uint16_t* out, const uint16_t* residual
   auto* out16 = reinterpret_cast<at::BFloat16*>(out);
   const auto* residual16 = reinterpret_cast<const at::BFloat16*>(residual);
   for (; i < n; ++i) {
-    const at::BFloat16 rounded = Cast::store(Cast::load(out16[i]) + Cast::load(residual16[i]));
-    out16[i] = rounded;
+    at::BFloat16 rounded = out16[i];
+    if constexpr (kAdd) {
+      rounded = Cast::store(Cast::load(out16[i]) + Cast::load(residual16[i]));
+      out16[i] = rounded;
+    }
     const float x = Cast::load(rounded);
     lane[0] += x * x;
   }
@@ -166,10 +184,14 @@ void add_rmsnorm_row_bf16(at::BFloat16* out, const at::BFloat16* residual, const
 #ifdef GEMM_AR_HAVE_AVX2_BF16_ROW
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2) {
-    return avx2_bf16::row(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(residual),
-                          reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<uint16_t*>(normed), n, eps);
+    auto* row = residual != nullptr ? &avx2_bf16::row<true> : &avx2_bf16::row<false>;
+    return row(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(residual),
+               reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<uint16_t*>(normed), n, eps);
   }
 #endif
+  if (residual == nullptr) {
+    return add_rmsnorm_row<at::BFloat16, float, BFloat16Bits, false>(out, residual, weight, normed, n, eps);
+  }
   add_rmsnorm_row<at::BFloat16, float, BFloat16Bits>(out, residual, weight, normed, n, eps);
 }
 
@@ -179,6 +201,8 @@ void add_rmsnorm_row_any(T* out, const T* residual, const T* weight, T* normed, 
     add_rmsnorm_row_f32(out, residual, weight, normed, n, eps);
   } else if constexpr (std::is_same_v<T, at::BFloat16>) {
     add_rmsnorm_row_bf16(out, residual, weight, normed, n, eps);
+  } else if (residual == nullptr) {
+    add_rmsnorm_row<T, Acc, Casts<T, Acc>, false>(out, residual, weight, normed, n, eps);
   } else {
     add_rmsnorm_row<T, Acc>(out, residual, weight, normed, n, eps);
   }
@@ -237,12 +261,13 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out2d.scalar_type(), "add_rmsnorm_rows", [&] {
     using Acc = at::opmath_type<scalar_t>;
     scalar_t* out = out2d.data_ptr<scalar_t>();
-    const scalar_t* residual = residual2d.const_data_ptr<scalar_t>();
+    const scalar_t* residual = residual2d.defined() ? residual2d.const_data_ptr<scalar_t>() : nullptr;
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
     scalar_t* normed = normed2d.data_ptr<scalar_t>();
     auto run = [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        add_rmsnorm_row_any<scalar_t, Acc>(out + r * n, residual + r * n, w, normed + r * n, n, static_cast<Acc>(eps));
+        add_rmsnorm_row_any<scalar_t, Acc>(out + r * n, residual != nullptr ? residual + r * n : nullptr, w,
+                                           normed + r * n, n, static_cast<Acc>(eps));
       }
     };
     if (parallel) {
@@ -253,26 +278,60 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
   });
 }
 
+void check_in_place_residual(CallArgs& call, const at::Tensor& residual, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& norm_weight, const std::optional<at::Tensor>& bias) {
+  if (!call.error.empty()) return;
+  auto fail = [&](const std::string& message) {
+    call.error_code = kBadResidualError;
+    call.error = call.op_name + ": " + message;
+  };
+  // Written while the call reads its inputs: no element of it may be an element of theirs, or of itself twice.
+  if (at::has_internal_overlap(residual) == at::MemOverlap::Yes) {
+    return fail("residual is written in place, so its elements must not overlap (e.g. an expanded tensor); got "
+                "strides " + shape_str(residual.strides()));
+  }
+  const std::pair<const char*, const at::Tensor*> inputs[] = {
+      {"a", &a}, {"b", &b}, {"norm_weight", &norm_weight}, {"bias", bias ? &*bias : nullptr}};
+  for (const auto& [name, t] : inputs) {
+    // Different storages never overlap; within one storage, "too hard to tell" counts as sharing.
+    if (t != nullptr && t->defined() && t->numel() > 0 && residual.numel() > 0 && t->has_storage() &&
+        residual.storage().is_alias_of(t->storage()) &&
+        at::get_overlap_status(residual, *t) != at::MemOverlapStatus::No) {
+      return fail(std::string("residual is written in place and must not share memory with ") + name);
+    }
+  }
+}
+
 namespace {
 
 // The unfused epilogue of a backend, on the reduction's output (in place) once gemm_allreduce returned.
 using UnfusedAddRmsNorm = std::function<void(at::Tensor& out2d, const AddRmsNormOperands& ops)>;
 
 // The op's flow for every backend: gemm_allreduce with the epilogue inside the fused path when `fused` is given and
-// the call runs fused, else `unfused` after it.
+// the call runs fused, else `unfused` after it. `in_place`: the new residual stream goes into `residual` (returned
+// as out), and `fused` adds into ops.residual2d itself.
 std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
     const BackendHooks& backend, const FusedAddRmsNorm& fused, const UnfusedAddRmsNorm& unfused,
-    const OutputAllocator& allocate_normed) {
+    const OutputAllocator& allocate_normed, bool in_place) {
   AddRmsNormOperands ops;
   ops.eps = eps;
+  ops.in_place = in_place;
   auto prepare = [&](const CallArgs& call) {
+    // In place: a view of residual itself when it is contiguous (the fused path adds into it), else a copy that
+    // is copied back below.
     ops.residual2d = residual.reshape({call.m, call.n}).contiguous();
     ops.weight = norm_weight.contiguous();
     ops.normed2d = allocate_normed
                        ? allocate_normed(call.m, call.n, residual.scalar_type())
                        : at::empty({call.m, call.n}, residual.options().memory_format(at::MemoryFormat::Contiguous));
+  };
+  auto written_back = [&](const at::Tensor& new_residual) {
+    if (!residual.is_contiguous() || new_residual.data_ptr() != residual.data_ptr()) {
+      residual.copy_(new_residual.view(residual.sizes()));
+    }
+    return residual;
   };
   bool applied = false;
   BackendHooks hooks = backend;
@@ -284,9 +343,11 @@ std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
       return out;
     };
   }
-  at::Tensor out = run_gemm_allreduce(a, b, group_name, bias, algorithm, hooks,
-                                      [&](CallArgs& call) { check_add_rmsnorm_args(call, residual, norm_weight, eps); });
-  if (applied) return {out, ops.normed2d.view(out.sizes())};
+  at::Tensor out = run_gemm_allreduce(a, b, group_name, bias, algorithm, hooks, [&](CallArgs& call) {
+    check_add_rmsnorm_args(call, residual, norm_weight, eps);
+    if (in_place) check_in_place_residual(call, residual, a, b, norm_weight, bias);
+  });
+  if (applied) return {in_place ? written_back(out) : out, ops.normed2d.view(out.sizes())};
   // Unfused: one pass over the reduction's output, which is this call's own tensor (fresh, or taken from the
   // engine's pool for this call), so the new residual stream is written into it in place.
   if (!out.is_contiguous()) out = out.contiguous();
@@ -296,9 +357,39 @@ std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
   shape.m = m;
   shape.n = n;
   prepare(shape);
+  ops.in_place = false;  // the residual is added here, into the reduction's own output
   at::Tensor out2d = out.view({m, n});
   unfused(out2d, ops);
-  return {out, ops.normed2d.view(out.sizes())};
+  return {in_place ? written_back(out) : out, ops.normed2d.view(out.sizes())};
+}
+
+// The CPU row loop as a backend's epilogue: inside its fused path per row block, or in one pass afterwards.
+std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed,
+    bool in_place) {
+  FusedAddRmsNorm fused;
+  if (fused_with_epilogue) {
+    // The fused path calls back per row block, on the host, once those rows are final.
+    fused = [&](const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands& ops) {
+      const auto options = ops.residual2d.options();
+      // In place the fused path has added the residual already (into ops.residual2d): normalise only.
+      const at::Tensor residual2d = ops.in_place ? at::Tensor() : ops.residual2d;
+      const RowEpilogue epilogue = [&](void* out, int64_t row0, int64_t rows) {
+        at::Tensor out2d = at::from_blob(out, {call.m, call.n}, options);
+        at::Tensor normed2d = ops.normed2d;
+        add_rmsnorm_rows(out2d, residual2d, ops.weight, ops.eps, normed2d, row0, rows, /*parallel=*/false);
+      };
+      return fused_with_epilogue(call, group, epilogue, ops.in_place ? ops.residual2d : at::Tensor());
+    };
+  }
+  const UnfusedAddRmsNorm unfused = [](at::Tensor& out2d, const AddRmsNormOperands& ops) {
+    at::Tensor normed2d = ops.normed2d;
+    add_rmsnorm_rows(out2d, ops.residual2d, ops.weight, ops.eps, normed2d, 0, out2d.size(0), /*parallel=*/true);
+  };
+  return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused, unfused,
+                           allocate_normed, in_place);
 }
 
 }  // namespace
@@ -307,25 +398,16 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
     const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
-  FusedAddRmsNorm fused;
-  if (fused_with_epilogue) {
-    // The fused path calls back per row block, on the host, once those rows are final.
-    fused = [&](const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands& ops) {
-      const auto options = ops.residual2d.options();
-      const RowEpilogue epilogue = [&](void* out, int64_t row0, int64_t rows) {
-        at::Tensor out2d = at::from_blob(out, {call.m, call.n}, options);
-        at::Tensor normed2d = ops.normed2d;
-        add_rmsnorm_rows(out2d, ops.residual2d, ops.weight, ops.eps, normed2d, row0, rows, /*parallel=*/false);
-      };
-      return fused_with_epilogue(call, group, epilogue);
-    };
-  }
-  const UnfusedAddRmsNorm unfused = [](at::Tensor& out2d, const AddRmsNormOperands& ops) {
-    at::Tensor normed2d = ops.normed2d;
-    add_rmsnorm_rows(out2d, ops.residual2d, ops.weight, ops.eps, normed2d, 0, out2d.size(0), /*parallel=*/true);
-  };
-  return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused, unfused,
-                           allocate_normed);
+  return run_with_row_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend,
+                               fused_with_epilogue, allocate_normed, /*in_place=*/false);
+}
+
+at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
+  return std::get<1>(run_with_row_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend,
+                                           fused_with_epilogue, allocate_normed, /*in_place=*/true));
 }
 
 std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm_on_device(
@@ -333,7 +415,7 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm_on_device(
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
     const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm) {
   return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused_add_rmsnorm,
-                           &add_rmsnorm_tensor_ops, {});
+                           &add_rmsnorm_tensor_ops, {}, /*in_place=*/false);
 }
 
 void add_rmsnorm_tensor_ops(at::Tensor& out2d, const AddRmsNormOperands& ops) {

@@ -15,7 +15,8 @@ namespace gemm_ar {
 // device) of a call whose a/b/bias passed; records the first problem in call.error/error_code.
 void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at::Tensor& norm_weight, double eps);
 
-// Rows [row0, row0 + rows) of an [M, N] row-major `out`: out += residual (in place), normed = RMSNorm(out).
+// Rows [row0, row0 + rows) of an [M, N] row-major `out`: out += residual (in place), normed = RMSNorm(out); an
+// undefined `residual`: out already holds the sum (the in-place variant), normed = RMSNorm(out) only.
 // `residual` and `weight` are contiguous; deterministic (fixed summation order, the same whatever thread or
 // `parallel`), so equal inputs give bitwise equal outputs on every rank. `parallel`: spread rows over the intra-op
 // pool (only from the caller's thread).
@@ -23,9 +24,11 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
                       at::Tensor& normed2d, int64_t row0, int64_t rows, bool parallel);
 
 // A fused path that runs a per-row-block epilogue itself: it calls `epilogue(out, row0, rows)` exactly once for
-// every row of its [M, N] row-major output `out`, once those rows are final on this rank.
+// every row of its [M, N] row-major output `out`, once those rows are final on this rank. A defined `add_into`
+// (contiguous [M, N]): the path adds its result into that tensor, which is its output (the in-place variant).
 using RowEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
-using FusedWithEpilogue = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&)>;
+using FusedWithEpilogue = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&,
+                                                   const at::Tensor& add_into)>;
 
 // An uninitialised [rows, cols] output on the call's device (a backend's pool; empty: at::empty).
 using OutputAllocator = std::function<at::Tensor(int64_t rows, int64_t cols, at::ScalarType dtype)>;
@@ -40,10 +43,26 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const OutputAllocator& allocate_normed = {});
 
 // The epilogue's operands as a call gets them: residual [M, N] and weight [N] contiguous, normed [M, N] to fill.
+// in_place: the fused path adds its sum into residual2d (the in-place variant's output) instead of a new output.
 struct AddRmsNormOperands {
   at::Tensor residual2d, weight, normed2d;
   double eps = 0;
+  bool in_place = false;
 };
+
+// gemm_allreduce_add_rmsnorm_ (in place): the same op, with the new residual stream written into `residual`
+// itself; returns normed. The fused path adds the reduced sum straight into `residual` during the reduction and
+// the copy-out, so no separate output is written and read back.
+at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue,
+    const OutputAllocator& allocate_normed = {});
+
+// The in-place variant's extra checks: `residual` has no overlapping elements and shares no memory with a, b,
+// norm_weight or bias.
+void check_in_place_residual(CallArgs& call, const at::Tensor& residual, const at::Tensor& a, const at::Tensor& b,
+                             const at::Tensor& norm_weight, const std::optional<at::Tensor>& bias);
 
 // A fused path that applies the epilogue on the device itself (the NPU comm kernel): returns `out` (call.out_shape)
 // and has filled ops.normed2d.

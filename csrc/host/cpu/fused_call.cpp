@@ -346,7 +346,9 @@ class CommBlock {
     const int64_t rows = chunked_stripe_rows(p_, job_.chunks, mi, item.stripe), cols = tile_cols(p_, ni);
     uint8_t* out = job_.out + (row0 * p_.n + col0) * job_.out_elem;
     const int64_t bank_offset = reduced_entry_offset(w_, job_.bank, padded_row0, col0, p_.pad_n, job_.out_elem);
-    if (item.owner != me_) {
+    if (item.owner != me_ && job_.out_holds_addend) {
+      add_rows_into(job_.region(item.owner, bank_offset), p_.pad_n, out, p_.n, rows, cols, job_.out_dtype);
+    } else if (item.owner != me_) {
       copy_rows(job_.region(item.owner, bank_offset), p_.pad_n * job_.out_elem, out, p_.n * job_.out_elem, rows,
                 cols * job_.out_elem);
     } else {
@@ -355,7 +357,7 @@ class CommBlock {
       // No peer copies a reduce-scatter's result: no bank.
       reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype,
                              scatter ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out, p_.n, job_.out_dtype,
-                             rows, cols});
+                             rows, cols, job_.out_holds_addend});
       store_release(window_word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
       for (int64_t i = 0; i + 1 < world_; ++i)
         doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();

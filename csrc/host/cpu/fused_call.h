@@ -57,6 +57,9 @@ struct EngineSwitches {
   // false: on one core per rank the owner reduces through the comm block as with comm threads (tests and
   // benchmarks compare the two ways; see CallJob::owner_reduces_in_compute).
   std::atomic<bool> owner_last{true};
+  // false: a deliberate bug for a negative-control test: the in-place add+RMSNorm overwrites the residual with the
+  // reduced sum instead of adding into it (CallJob::out_holds_addend).
+  std::atomic<bool> add_into_residual{true};
 };
 EngineSwitches& engine_switches();
 
@@ -94,6 +97,9 @@ struct CallJob {
   at::ScalarType partial_dtype = at::kFloat, out_dtype = at::kFloat;
   int64_t partial_elem = 4, out_elem = 4;
   uint8_t* out = nullptr;  // [m, n] row-major, the caller's tensor (gemm_reduce_scatter: this rank's chunks)
+  // `out` starts as an addend, the residual of the in-place add+RMSNorm: every result row is added into it
+  // (out = round(round(sum) + out)) instead of overwriting it; the bank keeps the plain sums peers copy from.
+  bool out_holds_addend = false;
   const LocalGemm* gemm = nullptr;
   const WindowSet* window_set = nullptr;
   // Header validation happens in comm block 0 before any peer data is read; the others wait for its verdict.

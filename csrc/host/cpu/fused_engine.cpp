@@ -493,16 +493,20 @@ void FusedEngine::execute(CallJob& job) {
   }
 }
 
-at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_epilogue) {
+at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_epilogue, const at::Tensor& add_into) {
   const bool scatter = call.op == kOpGemmReduceScatter;
+  TORCH_CHECK(!add_into.defined() || (!scatter && add_into.is_contiguous() && add_into.numel() == call.m * call.n &&
+                                      add_into.scalar_type() == call.dtype),
+              call.op_name, ": internal error: bad in-place output");
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
   prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
-  auto out = pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
+  auto out = add_into.defined() ? add_into : pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
   job.out = static_cast<uint8_t*>(out.data_ptr());
+  job.out_holds_addend = add_into.defined() && engine_switches().add_into_residual.load();
   job.row_epilogue = row_epilogue;
   // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
   job.owner_reduces_in_compute = config_.comm_inline && job.overlap && engine_switches().owner_last.load();

@@ -93,7 +93,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                                 : job.region(job.rank, reduced_entry_offset(w, job.bank, mi * p.base_m, col0, p.pad_n,
                                                                             job.out_elem));
         reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,
-                               job.out_dtype, rows, cols});
+                               job.out_dtype, rows, cols, job.out_holds_addend});
         // Peers' partials read, bank written: the subtiles are final (release: a peer that sees the flag may copy
         // the bank and reuse its own window in its next call).
         for (int64_t s = 0; s < p.stripes; ++s) {

@@ -24,10 +24,31 @@ void reduce_typed(const ReduceRows& job) {
         const In* src = reinterpret_cast<const In*>(job.sources[r]) + i * job.source_stride + c0;
         for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<Acc>(src[j]);
       }
-      for (int64_t j = 0; j < n; ++j) out[c0 + j] = static_cast<Out>(acc[j]);
+      if (job.add_into_out) {
+        // The bank gets the plain sum (peers add their own residual); out the sum plus this rank's residual.
+        auto* bank = job.bank != nullptr ? reinterpret_cast<Out*>(job.bank) + i * job.bank_stride + c0 : nullptr;
+        for (int64_t j = 0; j < n; ++j) {
+          const Out sum = static_cast<Out>(acc[j]);
+          if (bank != nullptr) bank[j] = sum;
+          out[c0 + j] = static_cast<Out>(static_cast<Acc>(sum) + static_cast<Acc>(out[c0 + j]));
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) out[c0 + j] = static_cast<Out>(acc[j]);
+      }
     }
     // The row is still in cache: the copy peers read costs little here.
-    if (job.bank != nullptr) std::memcpy(job.bank + i * job.bank_stride * sizeof(Out), out, job.cols * sizeof(Out));
+    if (job.bank != nullptr && !job.add_into_out) {
+      std::memcpy(job.bank + i * job.bank_stride * sizeof(Out), out, job.cols * sizeof(Out));
+    }
+  }
+}
+
+template <typename T, typename Acc>
+void add_typed(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* s = src + i * src_stride;
+    T* d = dst + i * dst_stride;
+    for (int64_t j = 0; j < cols; ++j) d[j] = static_cast<T>(static_cast<Acc>(s[j]) + static_cast<Acc>(d[j]));
   }
 }
 
@@ -43,6 +64,26 @@ void reduce_rows(const ReduceRows& job) {
   if (in == at::kBFloat16 && out == at::kBFloat16) return reduce_typed<c10::BFloat16, float, c10::BFloat16>(job);
   if (in == at::kHalf && out == at::kHalf) return reduce_typed<c10::Half, float, c10::Half>(job);
   TORCH_CHECK(false, "gemm_allreduce: no CPU reduction from ", in, " partials to ", out);
+}
+
+void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows,
+                   int64_t cols, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return add_typed<float, float>(reinterpret_cast<const float*>(src), src_stride, reinterpret_cast<float*>(dst),
+                                     dst_stride, rows, cols);
+    case at::kDouble:
+      return add_typed<double, double>(reinterpret_cast<const double*>(src), src_stride,
+                                       reinterpret_cast<double*>(dst), dst_stride, rows, cols);
+    case at::kBFloat16:
+      return add_typed<c10::BFloat16, float>(reinterpret_cast<const c10::BFloat16*>(src), src_stride,
+                                             reinterpret_cast<c10::BFloat16*>(dst), dst_stride, rows, cols);
+    case at::kHalf:
+      return add_typed<c10::Half, float>(reinterpret_cast<const c10::Half*>(src), src_stride,
+                                         reinterpret_cast<c10::Half*>(dst), dst_stride, rows, cols);
+    default:
+      TORCH_CHECK(false, "gemm_allreduce_add_rmsnorm_: no CPU residual add for ", dtype);
+  }
 }
 
 void copy_rows(const uint8_t* src, int64_t src_stride_bytes, uint8_t* dst, int64_t dst_stride_bytes, int64_t rows,

@@ -18,10 +18,18 @@ struct ReduceRows {
   int64_t out_stride;
   at::ScalarType out_dtype;
   int64_t rows, cols;
+  // Set when `out` holds an addend (the residual of the in-place add+RMSNorm): out = round(round(sum) + out), the
+  // bank still gets round(sum). The same roundings as the epilogue's out = round(reduced + residual).
+  bool add_into_out = false;
 };
 
 // out (and bank, if any) = sum over ranks 0..world-1, in that order, rounded once to out_dtype.
 void reduce_rows(const ReduceRows& job);
+
+// dst = round(src + dst) elementwise, `rows` rows of `cols` elements of `dtype`, strides in elements: a finished
+// subtile of another owner added to this rank's residual (in-place add+RMSNorm).
+void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows,
+                   int64_t cols, at::ScalarType dtype);
 
 // Copies `rows` rows of `row_bytes` bytes between strided buffers.
 void copy_rows(const uint8_t* src, int64_t src_stride_bytes, uint8_t* dst, int64_t dst_stride_bytes, int64_t rows,
