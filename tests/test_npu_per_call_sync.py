@@ -70,6 +70,8 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
     "gemm_ar::npu::start_npu_clock": "auto's tuning calls only (a bucket's first few calls): records a timing event",
     "gemm_ar::npu::npu_stream_capturing": "a capture-status query (no device wait)",
+    "gemm_ar::monotonic_us": "auto's tuning calls: clock_gettime(CLOCK_MONOTONIC) on the host (host_clock.cpp)",
+    "gemm_ar::monotonic_clock_domain": "auto's tuning calls: a hash of /proc entries, read once per process",
     "gemm_ar::launch_gemm_compute": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_gemm_comm": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_rs_compute": "the bisheng launch shim: queues the kernel on the stream",
