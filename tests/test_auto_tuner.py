@@ -252,7 +252,8 @@ def test_a_late_rank_does_not_count_in_the_candidates_times(ranks, tmp_path, fro
     if from_last_start:
         assert all(0 < t < delay_us / 2 for t in times.values()), times
     else:
-        assert all(t >= delay_us for t in times.values()), times
+        # The early rank's wait for the late one, less the moment it itself started after that rank: near delay_us.
+        assert all(t > delay_us / 2 for t in times.values()), times
 
 
 def rounds_within_budget(rank, world, cache_path, budget_ms, min_reps, max_reps):
