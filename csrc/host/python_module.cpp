@@ -4,6 +4,7 @@
 #include "common/auto_tuner.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
+#include "cpu/engine_config.h"
 #include "cpu/fused_call.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
@@ -20,6 +21,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_add_into_residual", [&switches](bool on) { return switches.add_into_residual.exchange(on); },
         "CPU fused engine: False is a deliberate bug for negative-control tests (the in-place add+RMSNorm overwrites "
         "the residual with the sum); returns the old value");
+  m.def("_set_row_epilogue_geometry", [&switches](bool on) { return switches.row_epilogue_geometry.exchange(on); },
+        "CPU fused engine: False keeps the default tile geometry for add+RMSNorm calls (benchmarks, tests); returns "
+        "the old value");
+  m.def("_row_epilogue_geometry", [](int64_t m, int64_t n, int world) {
+          const auto c = gemm_ar::cpu::row_epilogue_geometry(gemm_ar::cpu::engine_config(world), m, n, world);
+          return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
+        },
+        "CPU fused engine: (tile rows, tile columns, stripe rows) of an add+RMSNorm call of M x N on `world` local "
+        "ranks (tests)");
   m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },

@@ -108,16 +108,21 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
     return mine.op_name + ": another rank rejected its arguments (" + others.str() +
            "); this rank's arguments were valid" + where.str();
   }
-  for (int64_t f = kSigM; f < kSigComparedFields; ++f) {
+  auto disagreement = [&](int64_t f) {
     bool same = true;
     for (int r = 1; r < world; ++r) same = same && all[r][f] == all[0][f];
-    if (same) continue;
+    if (same) return std::string();
     std::ostringstream os;
     os << mine.op_name << ": ranks of group '" << group_name << "' disagree on " << kFieldNames[f] << ":";
     for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f], all[r][kSigOp]);
     return os.str();
+  };
+  // The op first: other fields (the CPU engine's tile geometry, the op's parameter) follow from it.
+  std::string problem = disagreement(kSigOp);
+  for (int64_t f = kSigM; f < kSigComparedFields && problem.empty(); ++f) {
+    if (f != kSigOp) problem = disagreement(f);
   }
-  return "";
+  return problem;
 }
 
 namespace {

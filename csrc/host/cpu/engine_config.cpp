@@ -23,6 +23,7 @@ EngineConfig engine_config(int local_ranks) {
     config.base_m = m;
     config.base_n = n;
     config.sub_m = s;
+    config.tile_from_env = true;
   }
   // This rank's share of the cores, within the intra-op threads the user allowed (torchrun sets 1 per rank).
   const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
@@ -36,6 +37,21 @@ EngineConfig engine_config(int local_ranks) {
               "TORCH_GEMM_AR_COMM_THREADS=0 (communication between tiles) needs one compute thread; got "
               "TORCH_GEMM_AR_COMPUTE_THREADS=", config.compute_blocks);
   return config;
+}
+
+EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
+  // 16 rows of a 2048-column fp32 output are 128 KiB: a stripe, its partials and its bank stay in L2 between the
+  // reduction and the normalisation.
+  constexpr int64_t kStripeRows = 16;
+  constexpr int64_t kColumnAlign = 16;
+  if (config.tile_from_env || config.base_m % kStripeRows != 0) return config;
+  EngineConfig wide = config;
+  wide.sub_m = kStripeRows;
+  if (n > config.base_n) {
+    if (m < 2 * static_cast<int64_t>(world) * config.base_m) return config;  // two tile rows per rank at least
+    wide.base_n = (n + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+  }
+  return wide;
 }
 
 }  // namespace gemm_ar::cpu

@@ -13,8 +13,16 @@ struct EngineConfig {
   // when this rank's share of the cores is one: a comm thread could only take turns with the GEMM there);
   // N >= 1 runs N comm blocks on N threads (default 1 elsewhere).
   bool comm_inline;
+  bool tile_from_env = false;     // TORCH_GEMM_AR_CPU_TILE was set: every call keeps that geometry
 };
 
 EngineConfig engine_config(int local_ranks);
+
+// The geometry of one add+RMSNorm call (a row epilogue): full-width tiles with short stripes, so that a stripe's
+// rows are whole when the owner reduces them (or a peer copies them) and the epilogue normalises them while they
+// are still in cache; no later pass over the output. Kept as `config` when the tile is from the environment, or
+// when M is too short for every rank to own tiles of that height (full-width tiles would leave some rank without
+// a share of the reduction). The same inputs on every rank give the same geometry (it is in the call signature).
+EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 }  // namespace gemm_ar::cpu

@@ -60,6 +60,9 @@ struct EngineSwitches {
   // false: a deliberate bug for a negative-control test: the in-place add+RMSNorm overwrites the residual with the
   // reduced sum instead of adding into it (CallJob::out_holds_addend).
   std::atomic<bool> add_into_residual{true};
+  // false: add+RMSNorm calls keep the engine's default tile geometry (A/B benchmarks, tests of both geometries;
+  // see row_epilogue_geometry).
+  std::atomic<bool> row_epilogue_geometry{true};
 };
 EngineSwitches& engine_switches();
 

@@ -264,6 +264,9 @@ void FusedEngine::ring_peers() const {
 
 std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   config_ = engine_config(world_);
+  if (call.op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
+    config_ = row_epilogue_geometry(config_, call.m, call.n, world_);
+  }
   ++epoch_;
   signature_ = call_signature(call, chosen);
   // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too.

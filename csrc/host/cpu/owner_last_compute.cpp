@@ -58,9 +58,9 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
       const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
       const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
       const int64_t row0 = chunked_tile_row0(p, job.chunks, mi), col0 = ni * p.base_n;
-      // Padded position in the windows (mi * base_m); a's rows (row0) differ from it in row-chunked plans.
-      const int64_t partial_offset = partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem);
       if (run_owner_of(t, job.world, job.own_run) != job.rank) {
+        // Padded position in the windows (mi * base_m); a's rows (row0) differ from it in row-chunked plans.
+        const int64_t partial_offset = partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem);
         job.gemm->compute(row0, rows, col0, cols,
                           at::from_blob(job.region(job.rank, partial_offset), {rows, cols}, {p.pad_n, 1},
                                         partial_options));
@@ -83,30 +83,34 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
             [&] { return progress ? progress() : false; }, [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
             [&] { return undelivered_tile(job, t); },
             doorbell(job.windows[job.rank], ag_block_of(first_local, job.comm_blocks)), job.timeout, &job.abort);
-        for (int r = 0; r < job.world; ++r) {
-          sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr()) : job.region(r, partial_offset);
-        }
         // This rank's output holds only its own chunks when scattering; no peer copies a reduce-scatter's result.
         const int64_t out_row0 = scatter ? chunked_owner_row0(p, job.chunks, mi, job.world) : row0;
-        uint8_t* out = job.out + (out_row0 * p.n + col0) * job.out_elem;
-        uint8_t* bank = scatter ? nullptr
-                                : job.region(job.rank, reduced_entry_offset(w, job.bank, mi * p.base_m, col0, p.pad_n,
-                                                                            job.out_elem));
-        reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,
-                               job.out_dtype, rows, cols, job.out_holds_addend});
-        // Peers' partials read, bank written: the subtiles are final (release: a peer that sees the flag may copy
-        // the bank and reuse its own window in its next call).
+        // Stripe by stripe: each stripe's final flag goes out as soon as it is reduced, and a row epilogue runs on
+        // its rows while they are in cache (with full-width tiles a stripe holds whole rows).
         for (int64_t s = 0; s < p.stripes; ++s) {
+          const int64_t stripe_rows = chunked_stripe_rows(p, job.chunks, mi, s);
           const int64_t l = run_local_subtile(t, s, job.world, p.stripes, job.own_run);
-          store_release(window_word(job.region(job.rank, final_entry_offset(w, l))), job.epoch);
-        }
-        for (int r = 0; r < job.world; ++r)
-          if (r != job.rank) ring_every_doorbell(job.windows[r], job.comm_blocks);
-        if (job.row_epilogue) {
-          for (int64_t s = 0; s < p.stripes; ++s) {
-            const int64_t stripe_rows = chunked_stripe_rows(p, job.chunks, mi, s);
-            if (stripe_rows > 0) job.subtile_final(mi, s, out_row0 + s * p.sub_m, stripe_rows);
+          if (stripe_rows > 0) {
+            const int64_t padded_row = mi * p.base_m + s * p.sub_m;  // the stripe's first row in the windows
+            for (int r = 0; r < job.world; ++r) {
+              sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr()) +
+                                               s * p.sub_m * p.pad_n * job.partial_elem
+                                         : job.region(r, partial_entry_offset(w, padded_row, col0, p.pad_n,
+                                                                              job.partial_elem));
+            }
+            uint8_t* out = job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem;
+            uint8_t* bank = scatter ? nullptr
+                                    : job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0,
+                                                                                p.pad_n, job.out_elem));
+            reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,
+                                   job.out_dtype, stripe_rows, cols, job.out_holds_addend});
           }
+          // Peers' partial rows read, bank rows written: the subtile is final (release: a peer that sees the flag
+          // may copy the bank and reuse its own window in its next call). Stripes wholly in the padding too.
+          store_release(window_word(job.region(job.rank, final_entry_offset(w, l))), job.epoch);
+          for (int r = 0; r < job.world; ++r)
+            if (r != job.rank) ring_every_doorbell(job.windows[r], job.comm_blocks);
+          if (job.row_epilogue && stripe_rows > 0) job.subtile_final(mi, s, out_row0 + s * p.sub_m, stripe_rows);
         }
       }
       // Entry, then the count with release order, as the comm blocks' way does (for an own tile the flag it turns
