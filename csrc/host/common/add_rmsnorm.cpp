@@ -1,5 +1,7 @@
 #include "common/add_rmsnorm.h"
 
+#include "common/element_casts.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/OpMathType.h>
@@ -23,32 +25,6 @@ std::string shape_str(at::IntArrayRef sizes) {
   os << sizes;
   return os.str();
 }
-
-// Element conversions of the row loop: plain casts, or for bf16 the same round-to-nearest-even as c10::BFloat16
-// (NaN -> 0x7FC0) written without branches, so that the loop vectorises.
-template <class T, class Acc>
-struct Casts {
-  static Acc load(T v) { return static_cast<Acc>(v); }
-  static T store(Acc v) { return static_cast<T>(v); }
-};
-
-struct BFloat16Bits {
-  static float load(at::BFloat16 v) {
-    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-  static at::BFloat16 store(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    // NaN tested on the bits: a float compare (f != f) compiles to a branch and stops the loop from vectorising
-    // (measured: the bf16 epilogue ran scalar, 2.4x the fp32 one's time for half the bytes).
-    const uint32_t nan = static_cast<uint32_t>((bits & 0x7FFFFFFFu) > 0x7F800000u);
-    return at::BFloat16(static_cast<uint16_t>(rounded ^ ((rounded ^ 0x7FC0u) & (0u - nan))), at::BFloat16::from_bits());
-  }
-};
 
 // normed[j] = out[j] * rstd * weight[j] for j in [begin, end), ordinary stores.
 template <class T, class Acc, class Cast>
@@ -93,14 +69,6 @@ inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, 
   scale_row<T, Acc, Cast>(out, weight, normed, 0, n, rstd);
 }
 
-// The wheel is built for any x86-64, so the row loops are also compiled for AVX2 and AVX-512 and picked at run
-// time (GCC function multi-versioning). The build has -ffp-contract=off: no FMA contraction, so every version
-// rounds alike and ranks on different CPUs still agree bitwise.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define GEMM_AR_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define GEMM_AR_VECTOR_CLONES
-#endif
 
 // residual == nullptr: normalise only (kAdd=false), in every row function below.
 GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_f32(float* out, const float* residual, const float* weight, float* normed,
