@@ -7,8 +7,8 @@ sets, both outputs checked against float64 first.
 Issue 13's target on the CPU engine: fused epilogue / gemm_allreduce alone <= 1.03 at M4096 K256 N2048.
 
 The "floor" row is gemm_allreduce followed by one copy of `residual` into a buffer of normed's size: the memory
-traffic no out-of-place epilogue can avoid (read residual, write normed) as a single pass, so floor/alone is what
-such an epilogue costs at least on this machine when nothing runs beside it (one core per rank).
+traffic no out-of-place epilogue can avoid (read residual, write normed), as a separate pass after the call. The
+fused epilogue does that traffic inside the call, stripe by stripe, and can come in below it.
 
 The in-place variant (gemm_allreduce_add_rmsnorm_) writes the new residual stream into `residual`: the reduction
 adds into it, so reading `residual` replaces the read-for-ownership of a separate output, and what is left over

@@ -2,10 +2,12 @@
 #include <torch/extension.h>
 
 #include "common/auto_tuner.h"
+#include "common/local_gemm.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
 #include "cpu/engine_config.h"
 #include "cpu/fused_call.h"
+#include "cpu/packed_b_panels.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
 
@@ -30,6 +32,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "CPU fused engine: (tile rows, tile columns, stripe rows) of an add+RMSNorm call of M x N on `world` local "
         "ranks (tests)");
+  m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
+        "CPU fused engine: False multiplies every tile through at::mm instead of B's panels packed once per call "
+        "(benchmarks, tests); returns the old value");
+  m.def("_packed_b_available", &gemm_ar::cpu::packed_b_gemm_available,
+        "whether torch's BLAS has the packed GEMM the CPU engine's tiles use (oneMKL)");
+  m.def("_computes_in_fp32", [](const at::Tensor& t) { return gemm_ar::computes_in_fp32(t); },
+        "whether this CPU computes GEMMs of t's dtype in fp32 (no half-precision matrix instructions)");
+  m.def("_packed_b_panels", &gemm_ar::cpu::packed_b_panel_count,
+        "how many B panels this process packed for the CPU engine's tiles (tests)");
   m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
         "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
   m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },

@@ -39,6 +39,15 @@ void LocalGemm::refresh_rows(int64_t row0, int64_t rows) const {
   if (source_a_.defined() && rows > 0) a_.narrow(0, row0, rows).copy_(source_a_.narrow(0, row0, rows));
 }
 
+bool LocalGemm::try_panels(const at::Tensor& a_rows, int64_t col0, int64_t cols, at::Tensor& target) const {
+  if (!bias_) return panels_->multiply(a_rows, col0, cols, target, /*accumulate=*/false);
+  // out = bias + a @ b: the bias rows first, then the product accumulated onto them (addmm's beta = 1).
+  at::Tensor bias_rows = bias_->narrow(0, col0, cols).expand({a_rows.size(0), cols});
+  target.copy_(bias_rows);
+  if (panels_->multiply(a_rows, col0, cols, target, /*accumulate=*/true)) return true;
+  return false;  // declined before writing: at::addmm_out overwrites the bias rows
+}
+
 void LocalGemm::compute(int64_t row0, int64_t rows, int64_t col0, int64_t cols, at::Tensor out) const {
   if (rows == 0 || cols == 0) return;
   auto a_rows = a_.narrow(0, row0, rows);
@@ -48,6 +57,8 @@ void LocalGemm::compute(int64_t row0, int64_t rows, int64_t col0, int64_t cols, 
   if (a_.size(1) == 0) {
     target.zero_();
     if (bias_) target.add_(bias_->narrow(0, col0, cols));
+  } else if (panels_ != nullptr && try_panels(a_rows, col0, cols, target)) {
+    // done
   } else if (bias_) {
     at::addmm_out(target, bias_->narrow(0, col0, cols), a_rows, b_cols);
   } else {

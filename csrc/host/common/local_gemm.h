@@ -11,6 +11,16 @@ namespace gemm_ar {
 // call) and rounded once when stored; where the instructions exist, natively (oneDNN accumulates in fp32).
 bool computes_in_fp32(const at::Tensor& t);
 
+// A faster way to multiply by one of b's column panels (the CPU engine's packed B): out (the compute dtype, unit
+// column stride) = a_rows @ b[:, col0 : col0 + cols], plus out when `accumulate`. Returns false to decline, having
+// written nothing.
+class ColumnPanelGemm {
+ public:
+  virtual ~ColumnPanelGemm() = default;
+  virtual bool multiply(const at::Tensor& a_rows, int64_t col0, int64_t cols, at::Tensor& out,
+                        bool accumulate) const = 0;
+};
+
 class LocalGemm {
  public:
   // `add_bias`: whether this rank contributes the bias (exactly one rank does, so it is added once).
@@ -23,6 +33,12 @@ class LocalGemm {
 
   at::ScalarType compute_dtype() const { return a_.scalar_type(); }
 
+  // b as the GEMM sees it (the fp32 copy where the call's dtype is computed in fp32).
+  const at::Tensor& b() const { return b_; }
+
+  // Tiles go through `panels` first (it must outlive the calls of compute); nullptr: at::mm only.
+  void use_panels(const ColumnPanelGemm* panels) { panels_ = panels; }
+
   // Rows [row0, row0 + rows) of a2d were written after construction (allgather_gemm's gathered a fills while the
   // GEMM runs): converts them again where a2d was converted. Thread-safe for disjoint rows.
   void refresh_rows(int64_t row0, int64_t rows) const;
@@ -31,6 +47,8 @@ class LocalGemm {
   at::Tensor source_a_;  // a2d, kept only when a_ is its fp32 copy
   at::Tensor a_, b_;
   std::optional<at::Tensor> bias_;
+  bool try_panels(const at::Tensor& a_rows, int64_t col0, int64_t cols, at::Tensor& target) const;
+  const ColumnPanelGemm* panels_ = nullptr;
 };
 
 }  // namespace gemm_ar

@@ -63,6 +63,8 @@ struct EngineSwitches {
   // false: add+RMSNorm calls keep the engine's default tile geometry (A/B benchmarks, tests of both geometries;
   // see row_epilogue_geometry).
   std::atomic<bool> row_epilogue_geometry{true};
+  // false: tiles multiply through at::mm even where B's panels could be packed once (A/B benchmarks, tests).
+  std::atomic<bool> packed_b{true};
 };
 EngineSwitches& engine_switches();
 

@@ -10,12 +10,14 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "common/settings.h"
 #include "cpu/call_header.h"
 #include "cpu/host_identity.h"
 #include "cpu/output_pool.h"
+#include "cpu/packed_b_panels.h"
 #include "cpu/store_exchange.h"
 
 namespace gemm_ar::cpu {
@@ -505,6 +507,13 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
   prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
+  // B's panels packed once for every tile row (cpu/packed_b_panels.h): worth it from two tile rows on. One compute
+  // thread only: the packed GEMM threads as oneMKL is told, not as ATen's parallel regions are.
+  std::optional<PackedBPanels> panels;
+  if (engine_switches().packed_b.load() && job.compute_blocks == 1 && job.plan.m_tiles >= 2) {
+    panels.emplace(gemm.b(), job.plan.base_n, job.plan.base_m);
+    if (panels->usable()) gemm.use_panels(&*panels);
+  }
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
   auto out = add_into.defined() ? add_into : pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
