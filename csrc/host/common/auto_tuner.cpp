@@ -270,18 +270,21 @@ std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available
   return out;
 }
 
-std::string bucket_key(const CallArgs& call, int world, const at::Device& device, bool fused_available) {
-  std::ostringstream os;
-  os << "op=" << call.op << ";world=" << world << ";m<=" << next_power_of_two(call.m) << ";k=" << call.k
-     << ";n=" << call.n << ";dtype=" << c10::toString(call.dtype) << ";bias=" << (call.bias.has_value() ? 1 : 0)
-     << ";device=" << c10::DeviceTypeName(device.type(), /*lower_case=*/true) << ";fused=" << fused_available;
-  return sanitized(os.str());
-}
-
 FastKey fast_key(const CallArgs& call, c10d::ProcessGroup& group, const at::Device& device, bool fused_available) {
   return FastKey{group.getGroupName(),
                  {call.op, group.getSize(), next_power_of_two(call.m), call.k, call.n, static_cast<int64_t>(call.dtype),
                   call.bias.has_value() ? 1 : 0, static_cast<int64_t>(device.type()), fused_available ? 1 : 0}};
+}
+
+// The bucket's persisted key (the tune cache's format), written out from its numeric identity.
+std::string bucket_key(const FastKey& fast) {
+  const auto& f = fast.fields;
+  std::ostringstream os;
+  os << "op=" << f[0] << ";world=" << f[1] << ";m<=" << f[2] << ";k=" << f[3] << ";n=" << f[4]
+     << ";dtype=" << c10::toString(static_cast<at::ScalarType>(f[5])) << ";bias=" << f[6]
+     << ";device=" << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[7]), /*lower_case=*/true)
+     << ";fused=" << f[8];
+  return sanitized(os.str());
 }
 
 // A candidate's time: the lower quartile of its runs (with up to 4 runs, the fastest). Load from elsewhere only adds time,
@@ -345,7 +348,7 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
       return hit->second.bucket->decision;
     }
   }
-  const std::string key = bucket_key(call, group.getSize(), device, fused_available);
+  const std::string key = bucket_key(fast);
   if (!may_tune) {  // a decision made earlier in this process, else the static policy; no tuning state is touched
     std::lock_guard<std::mutex> lock(st.mutex);
     const TuneBucket* known = st.find(group, key);
