@@ -9,6 +9,7 @@ import torch
 
 import torch_gemm_ar
 from inputs import assert_matches, bias_vector, digest, reference, shard, weight
+from scoped_env import scoped_env
 from torch_gemm_ar import _C
 
 # (M, K, N, bias, transposed b, 3-D a): M over two tile rows (256), none a multiple of the tiles.
@@ -44,6 +45,24 @@ def packed_and_unpacked(rank, world, seed, dtype, owner_last):
         _C._set_packed_b(previous[0])
         _C._set_owner_last(previous[1])
     return digests
+
+
+def cap_zero_keeps_mm(rank, world):
+    """TORCH_GEMM_AR_PACKED_B_MAX_MB=0: no panel fits the cap, every tile goes through at::mm (and still right)."""
+    shards = [shard(5, r, 600, 70, torch.float32) for r in range(world)]
+    b = weight(5, 70, 777, torch.float32, True)
+    with scoped_env(TORCH_GEMM_AR_PACKED_B_MAX_MB="0"):
+        before = _C._packed_b_panels()
+        out = torch_gemm_ar.gemm_allreduce(shards[rank], b, algorithm="fused")
+        packed = _C._packed_b_panels() - before
+    assert_matches(out, reference(shards, b), torch.float32, 70, world, "capped")
+    return packed
+
+
+@pytest.mark.skipif(not _C._packed_b_available(),
+                    reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
+def test_the_memory_cap_keeps_at_mm(ranks):
+    assert ranks(2).run(cap_zero_keeps_mm) == [0, 0]
 
 
 @pytest.mark.skipif(not _C._packed_b_available(),
