@@ -18,6 +18,13 @@ SHAPES = [(600, 70, 777, True, True, False), (513, 1, 1030, False, False, False)
 
 
 def packed_and_unpacked(rank, world, seed, dtype, owner_last):
+    # One compute thread (the packed path's condition) and, for the owner-last walk, communication between tiles,
+    # whatever the host's core count.
+    with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0" if owner_last else "1"):
+        return packed_and_unpacked_here(rank, world, seed, dtype, owner_last)
+
+
+def packed_and_unpacked_here(rank, world, seed, dtype, owner_last):
     previous = (_C._set_packed_b(True), _C._set_owner_last(owner_last))
     digests = []
     try:
@@ -47,22 +54,29 @@ def packed_and_unpacked(rank, world, seed, dtype, owner_last):
     return digests
 
 
-def cap_zero_keeps_mm(rank, world):
-    """TORCH_GEMM_AR_PACKED_B_MAX_MB=0: no panel fits the cap, every tile goes through at::mm (and still right)."""
+def packed_unless_capped(rank, world):
+    """Panels packed under the default cap; TORCH_GEMM_AR_PACKED_B_MAX_MB=0: none fits, every tile goes through
+    at::mm (and is still right). Also a transposed weight read through an expanded a (row stride 0): at::mm's."""
     shards = [shard(5, r, 600, 70, torch.float32) for r in range(world)]
     b = weight(5, 70, 777, torch.float32, True)
-    with scoped_env(TORCH_GEMM_AR_PACKED_B_MAX_MB="0"):
-        before = _C._packed_b_panels()
-        out = torch_gemm_ar.gemm_allreduce(shards[rank], b, algorithm="fused")
-        packed = _C._packed_b_panels() - before
-    assert_matches(out, reference(shards, b), torch.float32, 70, world, "capped")
-    return packed
+    expanded = [s[:1].expand(600, 70) for s in shards]
+    counts = []
+    with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1"):
+        for cap, inputs in (("256", shards), ("0", shards), ("256", expanded)):
+            with scoped_env(TORCH_GEMM_AR_PACKED_B_MAX_MB=cap):
+                before = _C._packed_b_panels()
+                out = torch_gemm_ar.gemm_allreduce(inputs[rank], b, algorithm="fused")
+                counts.append(_C._packed_b_panels() - before)
+            assert_matches(out, reference(inputs, b), torch.float32, 70, world, f"cap {cap}")
+    return counts
 
 
 @pytest.mark.skipif(not _C._packed_b_available(),
                     reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
-def test_the_memory_cap_keeps_at_mm(ranks):
-    assert ranks(2).run(cap_zero_keeps_mm) == [0, 0]
+def test_the_memory_cap_and_unsuitable_strides_keep_at_mm(ranks):
+    # 2 panels of 512 columns for N=777; none under a zero cap; none for an expanded a (declined before packing).
+    for counts in ranks(2).run(packed_unless_capped):
+        assert counts == [2, 0, 0], counts
 
 
 @pytest.mark.skipif(not _C._packed_b_available(),

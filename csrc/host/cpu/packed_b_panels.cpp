@@ -106,9 +106,12 @@ bool PackedBPanels::multiply(const at::Tensor& a_rows, int64_t col0, int64_t col
                              bool accumulate) const {
   if (!usable_ || col0 % panel_cols_ != 0 || cols != std::min(panel_cols_, n_ - col0)) return false;
   const int64_t rows = a_rows.size(0);
+  // Row-major operands as BLAS takes them: lda >= k and ldc >= cols (an expanded or single-row view of a may have
+  // any row stride, which at::mm copes with and the packed GEMM would refuse without writing out).
   if (rows > tile_rows_ || a_rows.scalar_type() != at::kFloat || a_rows.size(1) != k_ || a_rows.stride(1) != 1 ||
-      !fits_int(a_rows.stride(0)) || out.scalar_type() != at::kFloat || out.stride(1) != 1 ||
-      !fits_int(out.stride(0)) || out.size(0) != rows || out.size(1) != cols) {
+      a_rows.stride(0) < k_ || !fits_int(a_rows.stride(0)) || out.scalar_type() != at::kFloat ||
+      out.stride(1) != 1 || out.stride(0) < cols || !fits_int(out.stride(0)) || out.size(0) != rows ||
+      out.size(1) != cols) {
     return false;
   }
   if (rows == 0) return true;
