@@ -218,7 +218,12 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
     assert list(rows) == ["compute_only", "allreduce_only", "sequential", "sequential_portable", "chunked",
                           "fused_sequential", "fused", "auto", "baseline"]
     assert rows["chunked"]["sequential_reference"] == "sequential"
-    assert rows["chunked"]["speedup_vs_sequential"] > 0 and rows["chunked"]["overlap_efficiency"] is not None
+    assert rows["chunked"]["speedup_vs_sequential"] > 0
+    # Defined only when sequential took longer than compute alone, which 2 timed calls of a tiny shape on a loaded
+    # machine do not promise: checked against the formula on the report's own medians.
+    t_comp, t_seq = rows["compute_only"]["median_s"], rows["sequential"]["median_s"]
+    expected = metrics.overlap_efficiency(t_comp, metrics.comm_time(t_seq, t_comp), rows["chunked"]["median_s"])
+    assert rows["chunked"]["overlap_efficiency"] == (pytest.approx(expected) if expected is not None else None)
     assert rows["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)
     # The table names every row and shows the error column.
     for label in ("compute only", "sequential", "chunked", "fused", "auto", "baseline (float32)", "rel err"):
