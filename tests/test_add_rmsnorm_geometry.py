@@ -7,12 +7,11 @@ owner-last walk (forced: one compute thread, communication between tiles) and th
 bf16; world 2 and 3."""
 import random
 
-import pytest
 import torch
 
 import torch_gemm_ar
+from engine_walks import engine_grid, walk_env
 from inputs import TOLERANCE, assert_matches, bias_vector, digest, reference, shard, weight
-from scoped_env import scoped_env
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
 from torch_gemm_ar import _C
 
@@ -21,7 +20,7 @@ LONG_SHAPES = {2: [(1031, 37, 613), (1100, 20, 1031)], 3: [(1543, 29, 517)]}
 
 
 def both_geometries_checked(rank, world, seed, dtype, owner_last):
-    with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0" if owner_last else "1"):
+    with walk_env(owner_last):
         return both_geometries_here(rank, world, seed, dtype, owner_last)
 
 
@@ -78,9 +77,7 @@ def test_long_calls_take_full_width_tiles_and_short_ones_keep_the_default(monkey
     assert _C._row_epilogue_geometry(4096, 2048, 2) == (128, 256, 32)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("owner_last", [True, False], ids=["owner_last", "comm_blocks"])
+@engine_grid
 def test_both_geometries_match_float64_and_ranks_agree(ranks, world, dtype, owner_last):
     per_rank = ranks(world).run(both_geometries_checked, random.randrange(1 << 30), dtype, owner_last)
     assert len(set(map(tuple, per_rank))) == 1, "ranks returned different tensors"

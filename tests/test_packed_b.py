@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torch_gemm_ar
+from engine_walks import engine_grid, walk_env
 from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from scoped_env import scoped_env
 from torch_gemm_ar import _C
@@ -20,7 +21,7 @@ SHAPES = [(600, 70, 777, True, True, False), (513, 1, 1030, False, False, False)
 def packed_and_unpacked(rank, world, seed, dtype, owner_last):
     # One compute thread (the packed path's condition) and, for the owner-last walk, communication between tiles,
     # whatever the host's core count.
-    with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0" if owner_last else "1"):
+    with walk_env(owner_last):
         return packed_and_unpacked_here(rank, world, seed, dtype, owner_last)
 
 
@@ -81,9 +82,7 @@ def test_the_memory_cap_and_unsuitable_strides_keep_at_mm(ranks):
 
 @pytest.mark.skipif(not _C._packed_b_available(),
                     reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("owner_last", [True, False], ids=["owner_last", "comm_blocks"])
+@engine_grid
 def test_packed_panels_match_float64_on_every_rank(ranks, world, dtype, owner_last):
     per_rank = ranks(world).run(packed_and_unpacked, random.randrange(1 << 30), dtype, owner_last)
     assert len(set(map(tuple, per_rank))) == 1, "ranks returned different tensors"
