@@ -48,6 +48,20 @@ cpu_sources = _rel("csrc/host/*.cpp") + _rel("csrc/host/common/*.cpp") + _rel("c
 if os.environ.get("TORCH_GEMM_AR_UNITY_BUILD", "1") != "0":
     cpu_sources = _unity_sources(cpu_sources)
 
+def _source_hash():
+    """A hash of the C++ sources: the auto tuner's cache keeps decisions per build (a rebuilt engine may be faster or
+    slower than the one that decided), not only per version number."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    found = glob.glob(os.path.join(ROOT, "csrc", "**", "*"), recursive=True)
+    for path in sorted(os.path.relpath(p, ROOT) for p in found if p.endswith((".cpp", ".h", ".hpp"))):
+        digest.update(path.encode())
+        with open(os.path.join(ROOT, path), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
+
+
 cpu_extension = CppExtension(
     "torch_gemm_ar._C",
     sources=cpu_sources,
@@ -57,7 +71,8 @@ cpu_extension = CppExtension(
     # -ffp-contract=off: no FMA contraction, so code compiled for several ISAs (target_clones) rounds alike.
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-ffp-contract=off"],
     libraries=["rt"],
-    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"')],  # the auto tuner's cache is per library version
+    # The auto tuner's cache is per library version and per build of its sources.
+    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"'), ("TORCH_GEMM_AR_SOURCE_HASH", f'"{_source_hash()}"')],
 )
 
 setup(

@@ -4,6 +4,7 @@ tune() decides ahead of time, ranks whose tuning states drift apart get a clear 
 import json
 import logging
 import os
+import re
 import random
 
 import pytest
@@ -105,6 +106,8 @@ def rank_own_cache(rank, world, seed, directory, reps):
     with open(path) as f:
         data = json.load(f)
     (fingerprint,) = data
+    # Per build: the sources' hash is in the fingerprint, so a rebuilt engine tunes anew.
+    assert re.search(r"torch_gemm_ar [^ ]+ \(sources [0-9a-f]{12}\)", fingerprint), fingerprint
     data[fingerprint][decision["bucket"]] = ["fused", "sequential"][rank % 2]
     with open(path, "w") as f:
         json.dump(data, f)

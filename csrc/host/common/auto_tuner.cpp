@@ -49,11 +49,16 @@ std::string cpu_model() {
   return "unknown cpu";
 }
 
-// Decisions are valid for one machine and one build: the CPU, its core count, this library and torch.
+#ifndef TORCH_GEMM_AR_SOURCE_HASH
+#define TORCH_GEMM_AR_SOURCE_HASH "unknown"
+#endif
+
+// Decisions are valid for one machine and one build: the CPU, its core count, this library (its version and its
+// sources' hash: a rebuilt engine may rank the candidates differently) and torch.
 std::string host_fingerprint() {
   std::ostringstream os;
   os << cpu_model() << " | " << std::thread::hardware_concurrency() << " cores | torch_gemm_ar "
-     << TORCH_GEMM_AR_VERSION << " | torch " << TORCH_VERSION;
+     << TORCH_GEMM_AR_VERSION << " (sources " << TORCH_GEMM_AR_SOURCE_HASH << ") | torch " << TORCH_VERSION;
   return sanitized(os.str());
 }
 
