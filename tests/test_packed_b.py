@@ -13,8 +13,9 @@ from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from scoped_env import scoped_env
 from torch_gemm_ar import _C
 
-# (M, K, N, bias, transposed b, 3-D a): M over two tile rows (256), none a multiple of the tiles.
-SHAPES = [(600, 70, 777, True, True, False), (513, 1, 1030, False, False, False), (1000, 300, 65, True, False, True),
+# (M, K, N, bias, transposed b, 3-D a): M over two tile rows (256), K x N over 16K elements (the engine packs no
+# smaller B), none a multiple of the tiles.
+SHAPES = [(600, 70, 777, True, True, False), (513, 17, 1030, False, False, False), (1000, 300, 65, True, False, True),
           (300, 129, 513, False, True, False)]
 
 
