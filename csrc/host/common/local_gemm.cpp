@@ -44,8 +44,8 @@ bool LocalGemm::try_panels(const at::Tensor& a_rows, int64_t col0, int64_t cols,
   // out = bias + a @ b: the bias rows first, then the product accumulated onto them (addmm's beta = 1).
   at::Tensor bias_rows = bias_->narrow(0, col0, cols).expand({a_rows.size(0), cols});
   target.copy_(bias_rows);
-  if (panels_->multiply(a_rows, col0, cols, target, /*accumulate=*/true)) return true;
-  return false;  // declined before writing: at::addmm_out overwrites the bias rows
+  // Declined: at::addmm_out then overwrites the bias rows.
+  return panels_->multiply(a_rows, col0, cols, target, /*accumulate=*/true);
 }
 
 void LocalGemm::compute(int64_t row0, int64_t rows, int64_t col0, int64_t cols, at::Tensor out) const {

@@ -507,14 +507,10 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
   prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
-  // B's panels packed once for every tile row (cpu/packed_b_panels.h): worth it from two tile rows on, and for a B
-  // of 16K elements or more (re-packing a smaller one per tile costs next to nothing, and a packed buffer of a new
-  // size per call would only churn the output pool). One compute thread only: the packed GEMM threads as oneMKL is
-  // told, not as ATen's parallel regions are.
-  constexpr int64_t kMinPackedElements = 16384;
+  // B's panels packed once for every tile row (cpu/packed_b_panels.h): worth it from two tile rows on. One compute
+  // thread only: the packed GEMM threads as oneMKL is told, not as ATen's parallel regions are.
   std::optional<PackedBPanels> panels;
-  if (engine_switches().packed_b.load() && job.compute_blocks == 1 && job.plan.m_tiles >= 2 &&
-      call.k * call.n >= kMinPackedElements) {
+  if (engine_switches().packed_b.load() && job.compute_blocks == 1 && job.plan.m_tiles >= 2) {
     panels.emplace(gemm.b(), job.plan.base_n, job.plan.base_m);
     if (panels->usable()) gemm.use_panels(&*panels);
   }

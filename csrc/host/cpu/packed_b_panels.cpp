@@ -1,6 +1,7 @@
 #include "cpu/packed_b_panels.h"
 
 #include <dlfcn.h>
+#include <gemm_ar/tile_plan.hpp>
 
 #include <atomic>
 #include <climits>
@@ -58,7 +59,10 @@ PackedBPanels::PackedBPanels(const at::Tensor& b, int64_t panel_cols, int64_t ti
   if (!api.found() || b.scalar_type() != at::kFloat || b.dim() != 2 || !b.is_cpu()) return;
   k_ = b.size(0);
   n_ = b.size(1);
-  if (k_ == 0 || n_ == 0 || panel_cols <= 0 || tile_rows <= 0) return;
+  // A B under 16K elements stays with at::mm: re-packing it per tile costs next to nothing, and a packed buffer of
+  // a new size per call would only churn the output pool (RSS grew through 40,000 random tiny calls).
+  constexpr int64_t kMinElements = 16384;
+  if (k_ * n_ < kMinElements || panel_cols <= 0 || tile_rows <= 0) return;
   // Row-major [K, N] with unit column stride, or the transpose of one (a weight's .t()).
   if (b.stride(1) == 1 && b.stride(0) >= n_) {
     transposed_ = false;
@@ -68,14 +72,14 @@ PackedBPanels::PackedBPanels(const at::Tensor& b, int64_t panel_cols, int64_t ti
     return;
   }
   if (!fits_int(k_) || !fits_int(n_) || !fits_int(tile_rows) || !fits_int(std::max(b.stride(0), b.stride(1)))) return;
-  const int64_t panels = (n_ + panel_cols - 1) / panel_cols;
+  const int64_t panels = ceil_div(n_, panel_cols);
   int64_t total = 0;
   for (int64_t p = 0; p < panels; ++p) {
     offsets_.push_back(total);
     const int64_t cols = std::min(panel_cols, n_ - p * panel_cols);
     const size_t bytes = api.get_size(kBMatrix, static_cast<int>(tile_rows), static_cast<int>(cols), static_cast<int>(k_));
     if (bytes == 0) return;
-    total += (static_cast<int64_t>(bytes) + 63) / 64 * 64;  // each panel 64-byte aligned
+    total += ceil_div(static_cast<int64_t>(bytes), 64) * 64;  // each panel 64-byte aligned
   }
   // The packed panels live for the whole call (about twice b's bytes): large weights keep at::mm.
   if (total > env_int("TORCH_GEMM_AR_PACKED_B_MAX_MB", 256, 0, 1 << 20) * (int64_t{1} << 20)) return;

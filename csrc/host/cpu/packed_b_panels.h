@@ -18,7 +18,8 @@ class PackedBPanels final : public ColumnPanelGemm {
  public:
   // b: the call's fp32 [K, N] operand (row-major or a transposed row-major view); panels of `panel_cols` columns,
   // packed for products of up to `tile_rows` rows. usable() is false when the BLAS has no packed GEMM, or b's
-  // dtype, strides or sizes do not suit it; the caller then keeps at::mm.
+  // dtype, strides or sizes do not suit it (under 16K elements, or packed panels over
+  // TORCH_GEMM_AR_PACKED_B_MAX_MB); the caller then keeps at::mm.
   PackedBPanels(const at::Tensor& b, int64_t panel_cols, int64_t tile_rows);
 
   bool usable() const { return usable_; }
