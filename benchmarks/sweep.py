@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchkit import crossover, dist_env, models, plot, report  # noqa: E402
+from benchkit import crossover, dist_env, metrics, models, plot, report  # noqa: E402
 from benchkit.measure import Settings, Shape, measure_shape  # noqa: E402
 from benchkit.progress import Progress  # noqa: E402
 from benchkit.rows import available_row_keys  # noqa: E402
@@ -49,10 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on cpu, float16 on npu")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="timing budget per point after warm-up (default 2.0; quick 1.5)")
-    p.add_argument("--min-iters", type=int, default=5, help="timed iterations per point at least")
-    p.add_argument("--max-iters", type=int, default=None, help="timed iterations per point at most (default 40; "
-                                                                "quick 30)")
+                   help="timing budget per point after warm-up (default 4.0)")
+    p.add_argument("--min-iters", type=int, default=9, help="timed iterations per point at least")
+    p.add_argument("--max-iters", type=int, default=100, help="timed iterations per point at most")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference (saves time at large M)")
@@ -64,8 +63,7 @@ def parse_args(argv=None):
     args.m_list = int_list(args.m_list or (QUICK_MS if args.quick else FULL_MS))
     args.scale = args.scale or (8 if args.device == "cpu" else 1)
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "float16")
-    args.budget_s = args.budget_s if args.budget_s is not None else (1.5 if args.quick else 2.0)
-    args.max_iters = args.max_iters or (30 if args.quick else 40)
+    args.budget_s = args.budget_s if args.budget_s is not None else 4.0
     args.min_iters = min(args.min_iters, args.max_iters)
     if min(args.m_list, default=0) < 1 or min(args.tp) < 1 or args.scale < 1 or args.k_scale < 1:
         p.error("--m-list, --tp, --scale and --k-scale take positive integers")
@@ -74,7 +72,7 @@ def parse_args(argv=None):
 
 def layer_table(ms, points) -> str:
     keys = [k for k in SWEPT_ROWS if k != "baseline" and any(k in p["rows"] for p in points)]
-    headers = ["M", "baseline us", *[f"{k} x" for k in keys], "best", "auto/best x"]
+    headers = ["M", "baseline us", *[f"{k} x" for k in keys], "best", "auto ran", "auto/best x (95%)"]
     body = []
     for m, point in zip(ms, points):
         base = point["rows"]["baseline"]
@@ -85,9 +83,13 @@ def layer_table(ms, points) -> str:
                          ("absent" if not e.get("available") else "-"))
         best = crossover.best_algorithm(point)
         cells.append(best or "-")
+        cells.append(point.get("auto_choice") or "-")
         auto = point["rows"].get("auto", {})
-        cells.append(f"{point['rows'][best]['median_s'] / auto['median_s']:.3f}" if best and auto.get("available")
-                     else "-")
+        if best and auto.get("available"):
+            speed = metrics.paired_speedup(point["rows"][best]["iteration_s"], auto["iteration_s"])
+            cells.append(f"{speed['estimate']:.3f} ({speed['low']:.2f}-{speed['high']:.2f})")
+        else:
+            cells.append("-")
         body.append(cells)
     return report.format_table(headers, body)
 
@@ -100,22 +102,32 @@ def conclusions(analysis: dict) -> str:
     rec = analysis["recommended_thresholds"]
     lines.append("Recommended (every layer): " + ", ".join(
         f"{k} = {v}" if v is not None else f"{k} = none (some layer never gains)" for k, v in rec.items()))
-    worst = analysis["auto_worst"]
-    if worst is None:
-        lines.append("auto: not measured")
-    else:
-        below = analysis["auto_below_floor"]
-        verdict = "OK" if not below else f"BELOW {analysis['auto_floor']}x at {len(below)} point(s): " + ", ".join(
-            f"{r['layer']} M={r['m']} ({r['speed_vs_baseline']:.3f}x)" for r in below)
-        lines.append(f"auto vs baseline: worst {worst['speed_vs_baseline']:.3f}x ({worst['layer']}, M={worst['m']}); "
-                     f"floor {analysis['auto_floor']}x: {verdict}")
-    worst = analysis["auto_worst_vs_best"]
-    if worst is not None:
-        below = analysis["auto_below_best_floor"]
-        verdict = "OK" if not below else f"BELOW {analysis['auto_best_floor']}x at {len(below)} point(s): " + ", ".join(
-            f"{r['layer']} M={r['m']} ({r['speed_vs_best']:.3f}x of {r['best']})" for r in below)
-        lines.append(f"auto vs best single algorithm: worst {worst['speed_vs_best']:.3f}x of {worst['best']} "
-                     f"({worst['layer']}, M={worst['m']}); floor {analysis['auto_best_floor']}x: {verdict}")
+    for what, worst_key, speed_key, floor_key, below_key, noise_key in (
+            ("baseline", "auto_worst", "speed_vs_baseline", "auto_floor", "auto_below_floor",
+             "auto_under_floor_within_noise"),
+            ("best single algorithm", "auto_worst_vs_best", "speed_vs_best", "auto_best_floor",
+             "auto_below_best_floor", "auto_under_best_floor_within_noise")):
+        worst = analysis[worst_key]
+        if worst is None:
+            lines.append(f"auto vs {what}: not measured")
+            continue
+        floor = analysis[floor_key]
+
+        def where(r):
+            of = f" of {r['best']}" if "best" in r else ""
+            return (f"{r['layer']} M={r['m']} ({r[speed_key]:.3f}x{of}, 95% {r['interval'][0]:.2f}-"
+                    f"{r['interval'][1]:.2f}, auto ran {r['auto_choice'] or '?'})")
+
+        below, noise = analysis[below_key], analysis[noise_key]
+        verdict = "OK" if not below else f"BELOW {floor}x at {len(below)} point(s): " + ", ".join(map(where, below))
+        lines.append(f"auto vs {what}: worst {where(worst)}; floor {floor}x (the whole 95% interval under it): "
+                     f"{verdict}")
+        if noise:
+            lines.append(f"  under {floor}x by the estimate only, the interval reaching it, at {len(noise)} "
+                         f"point(s): " + ", ".join(map(where, noise)))
+    if analysis.get("auto_vs_best"):
+        lines.append(f"auto ran the best single algorithm at {analysis['auto_chose_best']} of "
+                     f"{len(analysis['auto_vs_best'])} points")
     return "\n".join(lines)
 
 

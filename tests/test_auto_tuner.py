@@ -68,9 +68,11 @@ def test_first_calls_tune_then_every_rank_decides_alike(ranks, world, tmp_path):
     assert first["source"] == "measured"
     assert set(first["candidate_us"]) == {"fused", "sequential", "chunked"}, first
     assert first["algorithm"] == min(first["candidate_us"], key=first["candidate_us"].get)
+    assert first["candidate_runs"] == {"fused": reps, "sequential": reps, "chunked": reps}, first
     assert "m<=128" in first["bucket"] and f"world={world}" in first["bucket"]
     for _, messages in results:
-        assert any(first["algorithm"] in m and f"lower quartile of {reps} runs" in m for m in messages), messages
+        assert any(first["algorithm"] in m and f"median of its runs" in m and f"in {reps} runs" in m
+                   for m in messages), messages
     with open(tmp_path / "tune.json") as f:
         cached = json.load(f)
     (entries,) = cached.values()
@@ -259,30 +261,55 @@ def test_a_late_rank_does_not_count_in_the_candidates_times(ranks, tmp_path, fro
         assert all(t > delay_us / 2 for t in times.values()), times
 
 
-def rounds_within_budget(rank, world, cache_path, budget_ms, min_reps, max_reps):
+def race(rank, world, cache_path, budget_ms, min_reps, max_reps, slow, slow_us, m=100):
     fresh_tuner(cache_path, budget_ms)
     os.environ["TORCH_GEMM_AR_AUTOTUNE_REPS"] = str(min_reps)
     os.environ["TORCH_GEMM_AR_AUTOTUNE_MAX_REPS"] = str(max_reps)
+    _C._set_tuner_slow_candidate(slow, slow_us)
     handler = Captured()
     tuning.logger.addHandler(handler)
     tuning.logger.setLevel(logging.INFO)
     try:
-        calls = tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, 5, 100, 40, 90))
+        calls = tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, 5, m, 40, 90))
         return calls, tuning.in_progress(), tuning.decisions(), handler.messages
     finally:
+        _C._set_tuner_slow_candidate("", 0)
         tuning.logger.removeHandler(handler)
         os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS")
         os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS")
 
 
-@pytest.mark.parametrize("budget_ms,runs", [(0, 2), (60_000, 6)], ids=["no_budget", "budget"])
-def test_small_calls_get_more_runs_within_the_budget(ranks, tmp_path, budget_ms, runs):
-    """A bucket takes TORCH_GEMM_AR_AUTOTUNE_REPS rounds, then more while its tuning fits the budget (these calls
-    take far less than a minute) up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS; every rank takes as many calls, and
-    warm_up_until_tuned stops at the deciding call."""
-    results = ranks(2).run(rounds_within_budget, str(tmp_path / "t.json"), budget_ms, 2, 6)
+def check_race(results, runs):
+    """Every rank took the same calls (one per run, plus the deciding call) and the same decision, with `runs` runs
+    per candidate."""
     for calls, still_tuning, decisions, messages in results:
-        assert calls == 3 * runs + 1 and not still_tuning, (calls, still_tuning)
         assert len(decisions) == 1 and decisions[0]["source"] == "measured", decisions
-        assert any(f"lower quartile of {runs} runs each" in m for m in messages), messages
+        assert decisions[0]["candidate_runs"] == runs, decisions
+        assert calls == sum(runs.values()) + 1 and not still_tuning, (calls, still_tuning)
+    assert results[0][2][0]["algorithm"] == results[1][2][0]["algorithm"]
+    return results[0][2][0], results[0][3]
+
+
+# Every candidate's run padded by 200 ms: fused and sequential (M=5: too few rows for chunked) then cost the same
+# (their own times, about a millisecond at K=40 N=90, differ by far less than the 2% that takes a candidate out of
+# the race: the lower quartile of 3 runs is their fastest, and a gloo all_reduce's wake-up tail rarely hits all 3),
+# so the budget and the most runs per candidate alone end the race. 3 rounds take 1.2 s; with 1.8 s of budget a
+# fourth round still fits (0.4 s), a fifth does not.
+@pytest.mark.parametrize("budget_ms,runs", [(0, 3), (1_800, 4), (60_000, 6)], ids=["no_budget", "budget", "max_reps"])
+def test_candidates_that_cost_the_same_race_within_the_budget(ranks, tmp_path, budget_ms, runs):
+    results = ranks(2).run(race, str(tmp_path / "t.json"), budget_ms, 3, 6, "*", 200_000, 5)
+    decision, _ = check_race(results, {"fused": runs, "sequential": runs})
+    assert all(200_000 < t < 300_000 for t in decision["candidate_us"].values()), decision["candidate_us"]
+
+
+def test_a_clearly_slower_candidate_leaves_the_race(ranks, tmp_path):
+    """With a minute of budget and up to 40 runs, a candidate 100 ms slower than the others (calls well under a
+    millisecond) runs the 4 times a candidate runs before it may leave the race, and is not chosen. Its negative control is the test above: there every
+    candidate is padded alike, and none leaves the race."""
+    results = ranks(2).run(race, str(tmp_path / "t.json"), 60_000, 3, 40, "sequential", 100_000)
+    for calls, still_tuning, decisions, messages in results:
+        (decision,) = decisions
+        assert not still_tuning and calls == sum(decision["candidate_runs"].values()) + 1, (calls, decisions)
+        assert decision["candidate_runs"]["sequential"] == 4 and decision["algorithm"] != "sequential", decision
+        assert any("sequential" in m and "in 4 runs (out of the race)" in m for m in messages), messages
     assert results[0][2][0]["algorithm"] == results[1][2][0]["algorithm"]

@@ -1,6 +1,7 @@
 """The benchmarks: their formulas against the seed's published figures, their tables and sweep analysis on
 synthetic data, and every script end to end on tiny odd shapes with real ranks (JSON structure and the error
 column checked; no timing assertions: this machine is shared)."""
+import collections
 import json
 import os
 import random
@@ -13,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 sys.path.insert(0, BENCH)
 
-from benchkit import crossover, metrics, models, plot, report  # noqa: E402
+from benchkit import crossover, metrics, models, plot, report, timing  # noqa: E402
 from rank_pool import free_port  # noqa: E402
 
 RUN_TIMEOUT_S = 400
@@ -47,10 +48,38 @@ def test_gflops_and_bus_bandwidth():
     assert metrics.bus_bandwidth_gbs(1000, 1000, 4, 1, 1e-3) is None
 
 
-def test_rank_stats_uses_slowest_rank_median():
-    stats = metrics.rank_stats([[1.0, 5.0, 2.0], [3.0, 3.5, 0.5]])
-    assert stats["rank_medians_s"] == [2.0, 3.0]
-    assert (stats["median_s"], stats["min_s"], stats["max_s"]) == (3.0, 0.5, 5.0)
+# Three iterations of two ranks, each (start, end): rank 1 is released from the barrier later in iterations 0 and 2.
+STAMPS = [[(0.0, 1.0), (10.0, 15.0), (20.0, 22.0)],
+          [(0.5, 1.25), (10.0, 13.0), (21.0, 22.5)]]
+
+
+def test_row_stats_count_an_iteration_from_its_last_start_on_one_clock():
+    stats = metrics.row_stats(STAMPS, one_clock=True)
+    assert stats["iteration_s"] == [0.75, 5.0, 1.5]  # last end - last start: rank 0's wait for rank 1 is left out
+    assert (stats["median_s"], stats["min_s"], stats["max_s"]) == (1.5, 0.75, 5.0)
+    assert stats["timings_s"] == [[1.0, 5.0, 2.0], [0.75, 3.0, 1.5]]
+    assert stats["rank_medians_s"] == [2.0, 1.5]
+
+
+def test_row_stats_take_each_iterations_slowest_rank_across_clocks():
+    # Negative control of the test above: without a shared clock the early rank's wait counts.
+    stats = metrics.row_stats(STAMPS, one_clock=False)
+    assert stats["iteration_s"] == [1.0, 5.0, 2.0]
+    assert (stats["median_s"], stats["min_s"], stats["max_s"]) == (2.0, 1.0, 5.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_williams_orders_put_every_row_after_every_other_equally_often(n):
+    orders = timing.williams_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    if n > 1:
+        assert set(follows) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(follows.values())) == 1, follows
+    # Negative control: rotating one order (the earlier scheme) keeps every row's predecessor.
+    rotations = [list(range(s, n)) + list(range(s)) for s in range(n)]
+    rotated = collections.Counter((a, b) for order in rotations for a, b in zip(order, order[1:]))
+    assert n <= 2 or len(rotated) < n * (n - 1)
 
 
 def test_first_index_from_which():
@@ -72,8 +101,11 @@ def test_table_columns_are_aligned():
     assert set(lines[1].replace(" ", "")) == {"-"}
 
 
-def _point(times):
-    return {"rows": {k: {"available": t is not None, "median_s": t} for k, t in times.items()}}
+def _point(times, auto_iterations=None):
+    rows = {k: {"available": t is not None, "median_s": t, "iteration_s": [t] * 7} for k, t in times.items()}
+    if auto_iterations is not None:
+        rows["auto"]["iteration_s"] = auto_iterations
+    return {"rows": rows}
 
 
 def test_crossovers_thresholds_and_auto_floor():
@@ -94,6 +126,29 @@ def test_crossovers_thresholds_and_auto_floor():
     assert [(r["layer"], r["m"], r["best"]) for r in result["auto_below_best_floor"]] == [("a", 16, "chunked")]
     assert result["auto_worst_vs_best"]["speed_vs_best"] == pytest.approx(0.9)
     assert len(result["auto_vs_best"]) == 8
+
+
+def test_auto_under_a_floor_only_by_noise_is_told_apart_from_auto_below_it():
+    # Against a best row of 1.0 s in every iteration: auto's iterations scatter around 1.0 (median ratio 0.952, its
+    # interval reaching past 1), or sit 10% slower in every iteration (0.909, the interval with it).
+    noisy = [1.2, 0.85, 1.15, 0.9, 1.05, 1.1, 0.95]
+    slower = [1.1, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1]
+    points = [_point({"sequential": 1.0, "auto": 1.0, "baseline": 1.0}, noisy),
+              _point({"sequential": 1.0, "auto": 1.0, "baseline": 1.0}, slower)]
+    result = crossover.analyse(["a"], [1, 16], [points])
+    noise = result["auto_under_best_floor_within_noise"]
+    assert [r["m"] for r in noise] == [1] and noise[0]["speed_vs_best"] == pytest.approx(1 / 1.05)
+    assert noise[0]["interval"][0] < 0.97 <= noise[0]["interval"][1]
+    assert [r["m"] for r in result["auto_below_best_floor"]] == [16]
+    assert [r["m"] for r in result["auto_below_floor"]] == [16]
+    assert result["auto_below_best_floor"][0]["interval"] == [pytest.approx(1 / 1.1)] * 2
+
+
+def test_paired_speedup_is_the_median_ratio_with_a_reproducible_interval():
+    speed = metrics.paired_speedup([2.0, 2.0, 2.0, 4.0], [1.0, 1.0, 2.0, 1.0])
+    assert speed["estimate"] == pytest.approx(2.0) and speed["iterations"] == 4
+    assert speed["low"] <= speed["estimate"] <= speed["high"]
+    assert speed == metrics.paired_speedup([2.0, 2.0, 2.0, 4.0], [1.0, 1.0, 2.0, 1.0])
 
 
 def test_model_layers():

@@ -1,14 +1,14 @@
 """`algorithm="auto"` by measurement: what the tuner decided, where it keeps its decisions, and `tune()` to decide
 before serving or before graph capture.
 
-The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) run
-each candidate algorithm round-robin: TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3), and more (up to
-TORCH_GEMM_AR_AUTOTUNE_MAX_REPS, default 15) while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS
-(default 200), so small calls, whose times scatter most, are measured most often. Every call returns its correct
-result. Each rank times its own calls and passes its times to the others inside the next call's signature, so no
-extra collective runs and every rank takes the same decision: on one host a run counts from its last rank's start
-to its last rank's end (an early rank's wait for a late one is not the algorithm's cost), else with its slowest
-rank's time; the candidate with the lowest lower quartile of its runs wins (load from elsewhere only adds time). Decisions are logged on the
+The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) race
+the candidate algorithms round-robin: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
+candidate whose lower quartile is over 2% slower than the leader's upper quartile leaves the race, and the rest run more rounds while the
+bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000), up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS
+(default 25) runs. The lowest median wins. Every call returns its correct result. Each rank times its own calls and
+passes its times to the others inside the next call's signature, so no extra collective runs and every rank takes
+the same decision: on one host a run counts from its last rank's start to its last rank's end (an early rank's wait
+for a late one is not the algorithm's cost), else with its slowest rank's time. Decisions are logged on the
 `torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host fingerprint (CPU
 model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
@@ -32,7 +32,8 @@ _MAX_CANDIDATES = 3
 
 def decisions() -> List[dict]:
     """Every decision this process took: group, bucket, algorithm, source ("measured" or "cache") and, when
-    measured, `candidate_us`: each candidate's time in microseconds (the lower quartile of its runs)."""
+    measured, `candidate_us`: each candidate's time in microseconds (the median of its runs) and `candidate_runs`:
+    how many runs it had (fewer when it left the race early)."""
     return list(_C._tuner_decisions())
 
 
@@ -52,7 +53,7 @@ def _env_int(name: str, default: int) -> int:
 def calls_to_decide() -> int:
     """The most calls on one shape bucket `auto` may spend tuning before it has decided (small calls take the
     most; in_progress() says when tuning is over)."""
-    reps = max(_env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3), _env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 15))
+    reps = max(_env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3), _env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 25))
     return _MAX_CANDIDATES * reps + 1
 
 

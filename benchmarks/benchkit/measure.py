@@ -13,7 +13,7 @@ from . import metrics
 from .dist_env import DistEnv
 from .inputs import make_references, make_sets
 from .rows import COMM, PIPELINED, SEQUENTIAL, build_rows, is_not_available
-from .timing import time_rows
+from .timing import clock_domain, time_rows
 
 
 @dataclass
@@ -91,9 +91,12 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
                                   shape.bias) if settings.check else None)
     rows = build_rows(env, sets, shape.dtype, row_keys)
     tune = getattr(env.library, "tune", None)
+    auto_choice = None
     if "auto" in rows and tune is not None and os.environ.get("TORCH_GEMM_AR_AUTOTUNE", "1") != "0":
         # auto's first calls on a shape time every candidate: decide before timing, as a server would with tune().
-        tune([(shape.m, sets[0].a.shape[-1], shape.n)], env.group, shape.dtype, bias=shape.bias)
+        k = sets[0].a.shape[-1]
+        tune([(shape.m, k, shape.n)], env.group, shape.dtype, bias=shape.bias)
+        auto_choice = _decided(env.library, shape, k, env.world)
     status = _probe_and_check(env, rows, references)
     for key, entry in status.items():
         if not entry["available"]:
@@ -101,20 +104,33 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
     # The probe was one warm-up call of every row; the rest follow inside time_rows.
     local_times = time_rows(env, list(rows.values()), settings.input_sets, max(settings.warmup - 1, 0),
                             settings.iters, settings.budget_s, settings.min_iters, settings.max_iters)
-    all_times: List[Dict[str, List[float]]] = [None] * env.world
-    dist.all_gather_object(all_times, local_times, group=env.group)
-    return summarize(env.world, shape, rows, status, all_times, settings)
+    gathered = [None] * env.world
+    dist.all_gather_object(gathered, (local_times, clock_domain()), group=env.group)
+    all_times = [times for times, _ in gathered]
+    one_clock = len({domain for _, domain in gathered}) == 1
+    summary = summarize(env.world, shape, rows, status, all_times, settings, one_clock)
+    summary["auto_choice"] = auto_choice
+    return summary
 
 
-def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times, settings: Settings) -> dict:
+def _decided(library, shape: Shape, k: int, world: int) -> Optional[str]:
+    """The algorithm `auto` decided for the shape's bucket (measured now or earlier, or from the tune cache)."""
+    bucket = f"op=0;world={world};m<={1 << max(shape.m - 1, 0).bit_length()};k={k};n={shape.n};"
+    for decision in reversed(library.tuning.decisions()):
+        if decision["bucket"].startswith(bucket) and f";bias={int(shape.bias)};" in decision["bucket"]:
+            return decision["algorithm"]
+    return None
+
+
+def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times, settings: Settings,
+              one_clock: bool) -> dict:
     """The JSON-ready result: per row its raw per-rank timings, statistics and the seed's derived numbers."""
     out_rows = {}
     for key, row in rows.items():
         entry = {"label": row.label, "kind": row.kind, "note": row.note or None}
         entry.update(status.get(key, {}))
         if entry.get("available"):
-            entry["timings_s"] = [times[key] for times in all_times]
-            entry.update(metrics.rank_stats(entry["timings_s"]))
+            entry.update(metrics.row_stats([times[key] for times in all_times], one_clock))
         else:
             entry.setdefault("available", False)
         out_rows[key] = entry

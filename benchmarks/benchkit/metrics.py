@@ -1,20 +1,45 @@
 """The numbers the benchmarks report, in the seed's terms (design.md §9). Pure functions of times in seconds, so they
 can be checked against the seed's published figures without running anything."""
+import random
 import statistics
 from typing import Dict, List, Optional, Sequence
 
 
-def rank_stats(per_rank_times: Sequence[Sequence[float]]) -> Dict[str, float]:
-    """Per-rank medians of the timed iterations; the row's time is the slowest rank's median (a tensor-parallel step
-    waits for its slowest rank). min/max are the fastest and slowest single iteration on any rank."""
-    medians = [statistics.median(times) for times in per_rank_times]
-    every = [t for times in per_rank_times for t in times]
+def row_stats(per_rank_stamps: Sequence[Sequence[Sequence[float]]], one_clock: bool) -> Dict[str, object]:
+    """A row's times from every rank's timed iterations, each its (start, end). On one clock (ranks of one host) an
+    iteration counts from its last rank's start to its last rank's end: what a tensor-parallel step waits for once
+    every rank has arrived (how far apart a barrier releases the ranks is no row's cost). Otherwise the iteration's
+    slowest rank. median_s is the median over iterations; min/max the fastest and slowest iteration;
+    timings_s and rank_medians_s each rank's own durations and their medians."""
+    durations = [[end - start for start, end in stamps] for stamps in per_rank_stamps]
+    iterations = min(len(stamps) for stamps in per_rank_stamps)
+    if one_clock:
+        group = [max(stamps[i][1] for stamps in per_rank_stamps) - max(stamps[i][0] for stamps in per_rank_stamps)
+                 for i in range(iterations)]
+    else:
+        group = [max(times[i] for times in durations) for i in range(iterations)]
     return {
-        "median_s": max(medians),
-        "min_s": min(every),
-        "max_s": max(every),
-        "rank_medians_s": medians,
+        "median_s": statistics.median(group),
+        "min_s": min(group),
+        "max_s": max(group),
+        "iteration_s": group,
+        "timings_s": durations,
+        "rank_medians_s": [statistics.median(times) for times in durations],
+        "one_clock": one_clock,
     }
+
+
+def paired_speedup(reference_iters: Sequence[float], iters: Sequence[float], resamples: int = 400,
+                   seed: int = 0) -> Dict[str, float]:
+    """How many times faster a row is than a reference row measured in the same iterations: the median over
+    iterations of reference_i / t_i (each pair ran moments apart, so a slow phase of a shared machine hits both),
+    with a 95% bootstrap interval over the iterations (a fixed seed: the same data give the same interval)."""
+    ratios = [r / t for r, t in zip(reference_iters, iters)]
+    estimate = statistics.median(ratios)
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return {"estimate": estimate, "low": medians[int(0.025 * (resamples - 1))],
+            "high": medians[int(0.975 * (resamples - 1))], "iterations": len(ratios)}
 
 
 def speedup(reference_s: float, t_s: float) -> float:

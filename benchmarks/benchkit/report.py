@@ -83,8 +83,8 @@ rows: compute only = the library's GEMM with no communication (a one-rank group)
   sequential (same engine) = fused's engine with its communication after the whole GEMM; baseline = what a user
   writes: torch.matmul + dist.all_reduce (+ bias after it) in the input dtype; baseline (fp32 compute) = the same on
   .float() inputs (the library computes CPU bf16/fp16 in fp32).
-median/min/max us: per rank the median of the timed iterations, the row shows the slowest rank's median; min and max
-  are single iterations on any rank.
+median/min/max us: over the timed iterations, each counted from its last rank's start to its last rank's end (ranks
+  of one host share a clock; across hosts, the iteration's slowest rank); min and max are single iterations.
 vs base = t_baseline / t.  vs seq = t_sequential / t and saved = t_sequential - t, against the row's
   compute-then-communicate counterpart (chunked: sequential; fused: sequential on the same engine).
 overlap = (t_comp + t_comm - t) / min(t_comp, t_comm) with t_comp = compute only, t_comm = t_sequential - t_comp.

@@ -1,11 +1,16 @@
 """Per-rank timing of the rows, by the conventions of every benchmark here: warm-up first, then timed iterations
 that rotate the input sets and, per iteration, go round-robin over the rows (noise from a shared machine hits every
-row alike), starting each iteration one row further on, so that every row follows every other equally often (a
-call right after a gloo collective runs slower than one after an engine call; in a fixed order the row after
-`fused` measured up to 1.35x faster than `fused` itself on a 2-core VM); a barrier before each timed call so all ranks start together; time.perf_counter around the call, with
-the device synchronized on both sides (NPU)."""
+row alike), in orders of a Williams design, so that over its iterations every row comes right after every other
+equally often (what ran just before a call changes its time: in a fixed order the row after `fused` measured up to
+1.35x faster than `fused` itself on a 2-core VM; merely starting each iteration one row further on keeps every
+row's predecessor, and put `auto` 1.1-1.3x ahead of `fused` at small calls, which run the same engine code); a barrier before each timed call so all
+ranks start together; the host's monotonic clock read on both sides of the call, with the device synchronized on
+both sides (NPU). Each timed call is kept as its (start, end) on that clock: on one host, metrics.row_stats counts
+an iteration from its last rank's start to its last rank's end, so how far apart a gloo barrier releases the ranks
+(up to milliseconds on a loaded VM) is in no row's time."""
+import socket
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,17 +26,49 @@ def agree_max(env: DistEnv, value: float) -> float:
     return float(t.item())
 
 
-def timed_call(env: DistEnv, row: Row, set_index: int) -> float:
+def now() -> float:
+    """Seconds on the host's monotonic clock, which every process of a host reads alike (CLOCK_MONOTONIC)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def clock_domain() -> str:
+    """Which monotonic clock this process reads: ranks with the same domain share one time line."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def timed_call(env: DistEnv, row: Row, set_index: int) -> Tuple[float, float]:
+    """The call's (start, end) on the host's monotonic clock."""
     if row.prepare is not None:
         row.prepare(set_index)
     env.synchronize()
     env.barrier()
-    start = time.perf_counter()
+    start = now()
     out = row.run(set_index)
     env.synchronize()
-    elapsed = time.perf_counter() - start
+    end = now()
     del out
-    return elapsed
+    return start, end
+
+
+def williams_orders(n: int) -> List[List[int]]:
+    """Orders of n rows in which every row comes right after every other row equally often (a Williams design:
+    n orders for an even n, 2n for an odd n)."""
+    if n <= 1:
+        return [list(range(n))]
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(r + shift) % n for r in first] for shift in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
 
 
 def iterations_for_budget(env: DistEnv, round_s: float, budget_s: float, min_iters: int, max_iters: int) -> int:
@@ -41,22 +78,23 @@ def iterations_for_budget(env: DistEnv, round_s: float, budget_s: float, min_ite
 
 
 def time_rows(env: DistEnv, rows: List[Row], n_sets: int, warmup: int, iters: Optional[int],
-              budget_s: float = 0.0, min_iters: int = 3, max_iters: int = 50) -> Dict[str, List[float]]:
-    """This rank's timed iterations per row key (seconds). With iters=None the count comes from budget_s."""
+              budget_s: float = 0.0, min_iters: int = 3, max_iters: int = 50) -> Dict[str, List[Tuple[float, float]]]:
+    """This rank's timed iterations per row key, each its (start, end) in seconds on the host's monotonic clock
+    (metrics.row_stats turns every rank's into the row's times). With iters=None the count comes from budget_s."""
     rows = [r for r in rows if r.absent_reason is None]
     if iters is None:
         warmup = max(warmup, 1)  # the budget is split by the time of one warm-up round
-    warm_start = time.perf_counter()
+    warm_start = now()
     for w in range(warmup):
         for row in rows:
             timed_call(env, row, w % n_sets)
     if iters is None:
-        round_s = (time.perf_counter() - warm_start) / max(warmup, 1)
+        round_s = (now() - warm_start) / max(warmup, 1)
         iters = iterations_for_budget(env, round_s, budget_s, min_iters, max_iters)
-    times: Dict[str, List[float]] = {row.key: [] for row in rows}
+    times: Dict[str, List[Tuple[float, float]]] = {row.key: [] for row in rows}
+    orders = williams_orders(len(rows))  # the same on every rank: the rows' collectives stay matched
     for it in range(iters):
         set_index = (warmup + it) % n_sets
-        first = it % len(rows)  # the same on every rank: the rows' collectives stay matched
-        for row in rows[first:] + rows[:first]:
-            times[row.key].append(timed_call(env, row, set_index))
+        for r in orders[it % len(orders)]:
+            times[rows[r].key].append(timed_call(env, rows[r], set_index))
     return times

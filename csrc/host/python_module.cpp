@@ -55,11 +55,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_tuner_decisions", [&tuner] {
     pybind11::list out;
     for (const auto& d : tuner.decisions()) {
-      pybind11::dict times;
+      pybind11::dict times, runs;
       for (const auto& [name, us] : d.candidate_us) times[pybind11::str(name)] = us;
+      for (const auto& [name, count] : d.candidate_runs) runs[pybind11::str(name)] = count;
       out.append(pybind11::dict(pybind11::arg("group") = d.group, pybind11::arg("bucket") = d.bucket,
                                 pybind11::arg("algorithm") = d.algorithm, pybind11::arg("source") = d.source,
-                                pybind11::arg("candidate_us") = times));
+                                pybind11::arg("candidate_us") = times, pybind11::arg("candidate_runs") = runs));
     }
     return out;
   }, "auto tuner: every decision of this process, in order");
@@ -69,6 +70,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_tuner_clear_memory", [&tuner] { tuner.clear_memory(); }, "tests: forget in-memory decisions");
   m.def("_set_tuner_start_delay_us", [&tuner](int64_t us) { return tuner.set_start_delay_us(us); },
         "tests: this rank starts every tuning run `us` late (a late rank); returns the old value");
+  m.def("_set_tuner_slow_candidate", [&tuner](const std::string& algorithm, int64_t us) {
+    const auto parsed = gemm_ar::parse_algorithm(algorithm);
+    TORCH_CHECK_VALUE(parsed.has_value() || algorithm.empty() || algorithm == "*", "unknown algorithm '", algorithm, "'");
+    tuner.set_slow_candidate(parsed.has_value() ? static_cast<int>(*parsed)
+                             : algorithm == "*" ? gemm_ar::AutoTuner::kEveryCandidate : -1, us);
+  }, "tests: every tuning run of `algorithm` (\"*\": of every candidate) takes `us` longer (\"\": none)");
   m.def("_set_tuner_from_last_start", [&tuner](bool on) { return tuner.set_from_last_start(on); },
         "tests: False counts tuning runs by the slowest rank's own time (a negative control); returns the old value");
   m.def("_set_tuner_logger", [&tuner](pybind11::object fn) {

@@ -109,8 +109,11 @@ struct TuneBucket {
   FastKey fast;                         // the same, as numbers
   std::vector<Algorithm> candidates;
   int64_t step = 0;                     // next tuning step (0: the bucket is met by its next call)
-  int64_t rounds = 0;                   // runs per candidate planned so far (min_reps(), grown by another_round)
+  int64_t rounds = 0;                   // rounds completed (each runs every candidate still in the race once)
   std::vector<std::vector<double>> samples;  // per candidate: each run as the group saw it (run_seconds), s
+  std::vector<bool> beaten;             // per candidate: out of the race (even its good runs trail the leader)
+  std::vector<size_t> order;            // this round's candidates, in the order they run
+  size_t position = 0;                  // the entry of `order` that the previous step ran
   double last_seconds = 0;              // this rank's time of the previous step
   int64_t last_start_us = 0, last_end_us = 0;  // ... on this host's monotonic clock (0: timed on a device)
   std::function<double()> pending_seconds;  // ... when a device clock still has to be read (record_pending)
@@ -202,6 +205,8 @@ struct AutoTuner::State {
   std::function<void(const std::string&)> logger;
   std::atomic<int64_t> start_delay_us{0};
   std::atomic<bool> from_last_start{true};
+  std::atomic<int> slow_algorithm{-1};
+  std::atomic<int64_t> slow_us{0};
 };
 
 AutoTuner::AutoTuner() : state_(new State()) {}
@@ -292,16 +297,17 @@ std::string bucket_key(const FastKey& fast) {
   return sanitized(os.str());
 }
 
-// A candidate's time: the lower quartile of its runs (with up to 4 runs, the fastest). Load from elsewhere only adds time,
-// so the low runs are the closest to the algorithm's own cost; a quartile of many runs rather than the single
-// fastest, because a noisy VM's spread is wider than the gaps between candidates (issue 11: the best of 3 runs
-// picked sequential where fused runs twice as fast).
-double lower_quartile(std::vector<double> v) {
+// Order statistics of a candidate's runs. Its time is the median (what a steady stream of calls mostly costs: a
+// gloo all_reduce's long wake-up tail is part of sequential's cost); its lower quartile says how fast it can be.
+double quantile(std::vector<double> v, size_t numerator, size_t denominator) {
   if (v.empty()) return 0.0;
-  const auto q = v.begin() + static_cast<std::ptrdiff_t>((v.size() - 1) / 4);
+  const auto q = v.begin() + static_cast<std::ptrdiff_t>((v.size() - 1) * numerator / denominator);
   std::nth_element(v.begin(), q, v.end());
   return *q;
 }
+double median(const std::vector<double>& v) { return quantile(v, 1, 2); }
+double lower_quartile(const std::vector<double>& v) { return quantile(v, 1, 4); }
+double upper_quartile(const std::vector<double>& v) { return quantile(v, 3, 4); }
 
 // The previous step's time as the group saw it. On one time line: from the last rank's start to the last rank's
 // end (what a tensor-parallel step waits for once everyone has arrived; an early rank's wait for a late one is
@@ -319,22 +325,76 @@ double run_seconds(const std::vector<CallSignature>& all, bool from_last_start) 
   return static_cast<double>(one_clock ? last_end - last_start : slowest) * 1e-6;
 }
 
-// Runs per candidate while tuning: at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3); more rounds follow while the
-// bucket's tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 200) and a round fits in what is
-// left, up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 15). Small calls, whose times scatter most, get the most
-// runs; a large call is measured min_reps times. Decided from the agreed samples, so alike on every rank.
+// Tuning is a race (README, "auto"). Every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times;
+// from its 4th run on, after each round, a candidate whose lower quartile is over 2% slower than the leader's upper
+// quartile (its fast runs trail even the leader's slow ones) leaves the race, and the rest run more rounds, while the bucket's
+// tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what is left, up
+// to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The lowest median wins. A noisy VM scatters a call's time
+// by 2x and more, wider than the gaps between candidates: three runs each chose sequential or chunked where fused
+// was 1.06-1.6x faster (issue 11); close candidates now get the runs that separate them, clear losers no more.
+// The rounds' orders vary so that every candidate follows every other alike. Everything here is decided from the
+// agreed samples, so alike on every rank.
 int64_t min_reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
-int64_t max_reps() { return std::max(min_reps(), env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 15, 1, 1000)); }
-double budget_seconds() { return static_cast<double>(env_int("TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS", 200, 0, 3'600'000)) * 1e-3; }
+int64_t max_reps() { return std::max(min_reps(), env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 25, 1, 1000)); }
+double budget_seconds() {
+  return static_cast<double>(env_int("TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS", 2000, 0, 3'600'000)) * 1e-3;
+}
 
-// Whether the bucket, all of whose `rounds` planned rounds are in, measures one more round.
-bool another_round(const TuneBucket& bucket) {
-  if (bucket.rounds >= max_reps()) return false;
-  double spent = 0;
-  for (const auto& runs : bucket.samples) {
-    for (double t : runs) spent += t;
+// How much slower than the leader's upper quartile a candidate's lower quartile must be for it to leave the race:
+// candidates that cost the same stay in it (either would do; the margin keeps timer jitter from deciding).
+constexpr double kClearlySlower = 1.02;
+// Runs before a candidate may leave: with 3, the quartiles are the fastest run and the median, and one burst of
+// load from elsewhere took fused out behind sequential that it beats by 1.24x (issue 11, a quick sweep's M512 K1792).
+constexpr int64_t kRunsBeforeLeaving = 4;
+
+// The candidate still in the race with the lowest median.
+size_t leader(const TuneBucket& bucket) {
+  size_t best = bucket.candidates.size();
+  for (size_t i = 0; i < bucket.candidates.size(); ++i) {
+    if (bucket.beaten[i]) continue;
+    if (best == bucket.candidates.size() || median(bucket.samples[i]) < median(bucket.samples[best])) best = i;
   }
-  return spent + spent / static_cast<double>(bucket.rounds) <= budget_seconds();
+  return best;
+}
+
+// After a complete round: takes clear losers out of the race; true when the bucket is decided.
+bool race_over(TuneBucket& bucket) {
+  if (bucket.rounds < min_reps()) return false;
+  const bool may_leave = bucket.rounds >= kRunsBeforeLeaving;
+  const double leading = upper_quartile(bucket.samples[leader(bucket)]);
+  size_t running = 0;
+  double spent = 0, next_round = 0;
+  for (size_t i = 0; i < bucket.candidates.size(); ++i) {
+    for (double t : bucket.samples[i]) spent += t;
+    if (may_leave && !bucket.beaten[i] && lower_quartile(bucket.samples[i]) > kClearlySlower * leading) {
+      bucket.beaten[i] = true;
+    }
+    if (!bucket.beaten[i]) {
+      ++running;
+      next_round += median(bucket.samples[i]);
+    }
+  }
+  return running <= 1 || bucket.rounds >= max_reps() || spent + next_round > budget_seconds();
+}
+
+// The next round's order: the candidates still in the race, in the orders of a Williams design, so that over the
+// rounds each comes right after each other alike (what ran just before a call changes its time; rotating one order
+// would keep every candidate's predecessor).
+void plan_round(TuneBucket& bucket) {
+  std::vector<size_t> running;
+  for (size_t i = 0; i < bucket.candidates.size(); ++i) {
+    if (!bucket.beaten[i]) running.push_back(i);
+  }
+  const size_t n = running.size();
+  const size_t orders = n % 2 == 0 ? n : 2 * n;  // n orders balance an even n; an odd n also needs them mirrored
+  const size_t round = static_cast<size_t>(bucket.rounds) % orders;
+  bucket.order.assign(n, 0);
+  for (size_t j = 0; j < n; ++j) {
+    // The first order is 0, 1, n-1, 2, n-2, ...; order r adds r (mod n) to it.
+    const size_t first = j == 0 ? 0 : j % 2 == 1 ? (j + 1) / 2 : n - j / 2;
+    bucket.order[round < n ? j : n - 1 - j] = running[(first + round) % n];
+  }
+  bucket.position = 0;
 }
 
 }  // namespace
@@ -374,7 +434,8 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
       return static_choice;
     }
     bucket.samples.assign(bucket.candidates.size(), {});
-    bucket.rounds = min_reps();
+    bucket.beaten.assign(bucket.candidates.size(), false);
+    bucket.rounds = 0;
     if (!st.file_loaded) {
       load_cache(cache_path(), st.file);
       st.file_loaded = true;
@@ -402,7 +463,6 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
     std::lock_guard<std::mutex> lock(st.mutex);
     TuneBucket& bucket = st.bucket(group, call.tune_bucket);
     const int64_t step = bucket.step;
-    const int64_t c = static_cast<int64_t>(bucket.candidates.size());
     if (step == 0) {
       // A cached decision counts only when every rank has the same one (ranks on other hosts may not).
       bool same = call.tune_cached >= 0;
@@ -411,42 +471,52 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       if (same && std::find(bucket.candidates.begin(), bucket.candidates.end(), cached) != bucket.candidates.end()) {
         bucket.decided = true;
         bucket.decision = cached;
-        st.remember({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}});
+        st.remember({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}, {}});
         message = "torch_gemm_ar auto: group '" + group.getGroupName() + "' " + bucket.key + " -> " +
                   algorithm_name(cached) + " (from the tune cache, every rank agreeing)";
+      } else {
+        plan_round(bucket);
       }
     } else {
-      bucket.samples[(step - 1) % c].push_back(run_seconds(all, st.from_last_start.load(std::memory_order_relaxed)));
-    }
-    if (!bucket.decided && step == c * bucket.rounds && another_round(bucket)) ++bucket.rounds;
-    if (!bucket.decided && step == c * bucket.rounds) {
-      std::vector<std::pair<std::string, double>> best;
-      size_t winner = 0;
-      for (size_t i = 0; i < bucket.candidates.size(); ++i) {
-        best.emplace_back(algorithm_name(bucket.candidates[i]), lower_quartile(bucket.samples[i]) * 1e6);
-        if (best[i].second < best[winner].second) winner = i;
+      bucket.samples[bucket.order[bucket.position]].push_back(
+          run_seconds(all, st.from_last_start.load(std::memory_order_relaxed)));
+      if (++bucket.position == bucket.order.size()) {
+        ++bucket.rounds;
+        if (race_over(bucket)) {
+          const size_t winner = leader(bucket);
+          TunerDecision decision{group.getGroupName(), bucket.key, algorithm_name(bucket.candidates[winner]),
+                                 "measured", {}, {}};
+          std::ostringstream os;
+          os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
+             << decision.algorithm << " (median of its runs, from the last rank's start:";
+          for (size_t i = 0; i < bucket.candidates.size(); ++i) {
+            const char* name = algorithm_name(bucket.candidates[i]);
+            decision.candidate_us.emplace_back(name, median(bucket.samples[i]) * 1e6);
+            decision.candidate_runs.emplace_back(name, static_cast<int64_t>(bucket.samples[i].size()));
+            os << " " << name << " " << static_cast<int64_t>(decision.candidate_us.back().second) << " us in "
+               << bucket.samples[i].size() << " runs" << (bucket.beaten[i] ? " (out of the race)" : "")
+               << (i + 1 < bucket.candidates.size() ? "," : "");
+          }
+          os << ")";
+          message = os.str();
+          bucket.decided = true;
+          bucket.decision = bucket.candidates[winner];
+          st.remember(std::move(decision));
+          auto& cached = st.file[st.fingerprint];
+          if (cached.size() >= kMaxCachedPerHost && cached.count(bucket.key) == 0) cached.erase(cached.begin());
+          cached[bucket.key] = algorithm_name(bucket.decision);
+          save_cache(cache_path(), st.file);
+        } else {
+          plan_round(bucket);
+        }
       }
-      bucket.decided = true;
-      bucket.decision = bucket.candidates[winner];
-      st.remember({group.getGroupName(), bucket.key, algorithm_name(bucket.decision), "measured", best});
-      std::ostringstream os;
-      os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
-         << algorithm_name(bucket.decision) << " (lower quartile of " << bucket.rounds
-         << " runs each, from the last rank's start:";
-      for (const auto& [alg, us] : best) os << " " << alg << " " << us << " us";
-      os << ")";
-      message = os.str();
-      auto& cached = st.file[st.fingerprint];
-      if (cached.size() >= kMaxCachedPerHost && cached.count(bucket.key) == 0) cached.erase(cached.begin());
-      cached[bucket.key] = algorithm_name(bucket.decision);
-      save_cache(cache_path(), st.file);
     }
     if (bucket.decided) {
       run = bucket.decision;
       auto& g = st.groups[group.getGroupName()];
       st.decided[bucket.fast] = DecidedBucket{&group, &g, &bucket};
     } else {
-      run = bucket.candidates[step % c];
+      run = bucket.candidates[bucket.order[bucket.position]];
       bucket.step = step + 1;
     }
   }
@@ -518,6 +588,22 @@ bool AutoTuner::in_progress(const std::string& group_name) const {
 int64_t AutoTuner::set_start_delay_us(int64_t us) { return state_->start_delay_us.exchange(us); }
 bool AutoTuner::set_from_last_start(bool on) { return state_->from_last_start.exchange(on); }
 int64_t AutoTuner::start_delay_us() const { return state_->start_delay_us.load(std::memory_order_relaxed); }
+
+void AutoTuner::set_slow_candidate(int algorithm, int64_t us) {
+  state_->slow_us.store(us, std::memory_order_relaxed);
+  state_->slow_algorithm.store(algorithm, std::memory_order_relaxed);
+}
+
+int64_t AutoTuner::slowdown_us(const CallArgs& call, c10d::ProcessGroup& group) const {
+  const int slow = state_->slow_algorithm.load(std::memory_order_relaxed);
+  if (slow == -1) return 0;  // none (kEveryCandidate is -2)
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  const TuneBucket* bucket = state_->find(group, call.tune_bucket);
+  if (bucket == nullptr || bucket->decided || bucket->order.empty()) return 0;
+  const bool is_slow = slow == kEveryCandidate ||
+                       static_cast<int>(bucket->candidates[bucket->order[bucket->position]]) == slow;
+  return is_slow ? state_->slow_us.load(std::memory_order_relaxed) : 0;
+}
 
 std::vector<TunerDecision> AutoTuner::decisions() const {
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -1,5 +1,5 @@
-// `algorithm="auto"` by measurement (README, "auto"): the first calls of a group on a shape bucket run each
-// candidate algorithm a few times, round-robin (small calls more often, within a time budget). Every rank times its
+// `algorithm="auto"` by measurement (README, "auto"): the first calls of a group on a shape bucket race the candidate
+// algorithms, round-robin: each runs a few times, clear losers leave, close ones run more (within a time budget). Every rank times its
 // own calls and tells the others through the call signature of the next call (carried fields, never an extra
 // collective), so every rank decides alike. A run counts from the moment its last rank started it to the moment its
 // last rank finished, when the ranks share a host's monotonic clock (an early rank's wait for a late one is not the
@@ -22,7 +22,8 @@ namespace gemm_ar {
 
 struct TunerDecision {
   std::string group, bucket, algorithm, source;  // source: measured | cache
-  std::vector<std::pair<std::string, double>> candidate_us;  // per candidate: the lower quartile of its runs
+  std::vector<std::pair<std::string, double>> candidate_us;  // per candidate: the median of its runs
+  std::vector<std::pair<std::string, int64_t>> candidate_runs;  // per candidate: how many runs it had
 };
 
 class AutoTuner {
@@ -57,6 +58,12 @@ class AutoTuner {
   int64_t set_start_delay_us(int64_t us);
   bool set_from_last_start(bool on);
   int64_t start_delay_us() const;
+  // Tests: every tuning run of `algorithm` takes `us` longer (a candidate that is clearly slower); -1: none;
+  // kEveryCandidate: all of them (candidates that cost the same).
+  static constexpr int kEveryCandidate = -2;
+  void set_slow_candidate(int algorithm, int64_t us);
+  // How much longer the tuning call about to run must take (set_slow_candidate), 0 normally.
+  int64_t slowdown_us(const CallArgs& call, c10d::ProcessGroup& group) const;
 
  private:
   struct State;

@@ -72,6 +72,9 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
   AutoTuner& tuner = AutoTuner::instance();
   if (const int64_t delay = tuner.start_delay_us(); delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
   const int64_t start = monotonic_us();
+  if (const int64_t slower = tuner.slowdown_us(call, group); slower > 0) {
+    std::this_thread::sleep_for(std::chrono::microseconds(slower));
+  }
   at::Tensor out = body();
   tuner.record(call, group, start, monotonic_us());
   return out;
