@@ -250,9 +250,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 # The comparison script.
 # ---------------------------------------------------------------------------------------------------------------
 def _median_ms(fns, warmup: int, iters: int, group) -> list:
-    """Median wall time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike. The
-    warm-up runs `warmup` rounds, then more until `auto` has finished tuning every shape the functions meet (its
-    tuning calls time each algorithm)."""
+    """Median time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike, in alternating
+    order (what ran just before a step changes its time). Each iteration counts from its last rank's start to its
+    last rank's end on the host's monotonic clock (ranks of one host; across hosts, its slowest rank), so how far
+    apart the barrier releases the ranks is in no variant's time. The warm-up runs `warmup` rounds, then more until
+    `auto` has finished tuning every shape the functions meet (its tuning calls time each algorithm)."""
+    import socket
+
     import torch_gemm_ar
 
     def one_round():
@@ -260,14 +264,25 @@ def _median_ms(fns, warmup: int, iters: int, group) -> list:
             fn()
 
     torch_gemm_ar.tuning.warm_up_until_tuned(one_round, warmup)
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, bucket in zip(fns, times):
+    stamps = [[] for _ in fns]
+    for it in range(iters):
+        for i in (range(len(fns)) if it % 2 == 0 else reversed(range(len(fns)))):
             dist.barrier(group)
-            start = time.perf_counter()
-            fn()
-            bucket.append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(bucket) for bucket in times]
+            start = time.clock_gettime(time.CLOCK_MONOTONIC)
+            fns[i]()
+            stamps[i].append((start, time.clock_gettime(time.CLOCK_MONOTONIC)))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (socket.gethostname(), stamps), group=group)
+    one_clock = len({host for host, _ in every}) == 1
+    medians = []
+    for i in range(len(fns)):
+        per_rank = [rank_stamps[i] for _, rank_stamps in every]
+        if one_clock:
+            times = [max(s[k][1] for s in per_rank) - max(s[k][0] for s in per_rank) for k in range(iters)]
+        else:
+            times = [max(s[k][1] - s[k][0] for s in per_rank) for k in range(iters)]
+        medians.append(statistics.median(times) * 1e3)
+    return medians
 
 
 def _max_difference(a: nn.Module, b: nn.Module) -> float:
@@ -348,7 +363,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bias", action="store_true", help="give every linear layer a bias")
     parser.add_argument("--steps", type=int, default=3, help="training steps compared")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations (median reported)")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations (median reported)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
