@@ -1,90 +1,30 @@
 #include "common/auto_tuner.h"
 
 #include <c10/util/Exception.h>
-#include <torch/version.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <unordered_map>
 #include <sstream>
-#include <thread>
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "common/host_clock.h"
 #include "common/settings.h"
-
-#ifndef TORCH_GEMM_AR_VERSION
-#define TORCH_GEMM_AR_VERSION "unknown"
-#endif
+#include "common/tune_cache_file.h"
 
 namespace gemm_ar {
+
 namespace {
-
-// Strings written into the JSON cache: no quotes, backslashes or control characters (the reader is line-based).
-std::string sanitized(std::string s) {
-  for (char& c : s) {
-    if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) c = '_';
-  }
-  return s;
-}
-
-std::string cpu_model() {
-  std::ifstream cpuinfo("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(cpuinfo, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  }
-  return "unknown cpu";
-}
-
-#ifndef TORCH_GEMM_AR_SOURCE_HASH
-#define TORCH_GEMM_AR_SOURCE_HASH "unknown"
-#endif
-
-// Decisions are valid for one machine and one build: the CPU, its core count, this library (its version and its
-// sources' hash: a rebuilt engine may rank the candidates differently) and torch.
-std::string host_fingerprint() {
-  std::ostringstream os;
-  os << cpu_model() << " | " << std::thread::hardware_concurrency() << " cores | torch_gemm_ar "
-     << TORCH_GEMM_AR_VERSION << " (sources " << TORCH_GEMM_AR_SOURCE_HASH << ") | torch " << TORCH_VERSION;
-  return sanitized(os.str());
-}
 
 int64_t next_power_of_two(int64_t m) {
   int64_t p = 1;
   while (p < m) p <<= 1;
   return p;
-}
-
-// The line after `"key": ` up to the closing quote, or "" when the line does not have that form.
-bool parse_entry(const std::string& line, std::string* key, std::string* value) {
-  const auto k0 = line.find('"');
-  const auto k1 = k0 == std::string::npos ? k0 : line.find('"', k0 + 1);
-  if (k1 == std::string::npos) return false;
-  *key = line.substr(k0 + 1, k1 - k0 - 1);
-  const auto colon = line.find(':', k1);
-  if (colon == std::string::npos) return false;
-  const auto v0 = line.find('"', colon);
-  if (v0 == std::string::npos) {
-    value->clear();  // an object opens: `"fingerprint": {`
-    return line.find('{', colon) != std::string::npos;
-  }
-  const auto v1 = line.find('"', v0 + 1);
-  if (v1 == std::string::npos) return false;
-  *value = line.substr(v0 + 1, v1 - v0 - 1);
-  return true;
 }
 
 }  // namespace
@@ -198,7 +138,7 @@ struct AutoTuner::State {
     if (decisions.size() >= kMaxDecisionsKept) decisions.erase(decisions.begin());
     decisions.push_back(std::move(decision));
   }
-  std::map<std::string, std::map<std::string, std::string>> file;  // fingerprint -> bucket key -> algorithm
+  TuneCacheFile file;
   bool file_loaded = false;
   std::string fingerprint = host_fingerprint();
   std::vector<TunerDecision> decisions;
@@ -228,47 +168,6 @@ std::string AutoTuner::cache_path() const {
 
 namespace {
 
-void load_cache(const std::string& path, std::map<std::string, std::map<std::string, std::string>>& file) {
-  std::ifstream in(path);
-  std::string line, key, value, section;
-  while (std::getline(in, line)) {
-    if (!parse_entry(line, &key, &value)) continue;
-    if (value.empty()) {
-      section = key;
-    } else if (!section.empty() && parse_algorithm(value).has_value()) {
-      file[section][key] = value;
-    }
-  }
-}
-
-// Written whole to a private temporary file, then renamed over the cache: readers never see half a file, and
-// ranks of one host writing at once leave one complete version (they hold the same decisions).
-void save_cache(const std::string& path, const std::map<std::string, std::map<std::string, std::string>>& file) {
-  std::error_code ignored;  // an unwritable cache only costs re-tuning in the next process
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
-  const std::string tmp = path + ".tmp." + std::to_string(getpid());
-  {
-    std::ofstream out(tmp);
-    if (!out) return;
-    out << "{\n";
-    size_t s = 0;
-    for (const auto& [fingerprint, entries] : file) {
-      out << " \"" << fingerprint << "\": {\n";
-      size_t e = 0;
-      for (const auto& [key, algorithm] : entries) {
-        out << "  \"" << key << "\": \"" << algorithm << "\"" << (++e < entries.size() ? "," : "") << "\n";
-      }
-      out << " }" << (++s < file.size() ? "," : "") << "\n";
-    }
-    out << "}\n";
-  }
-  std::rename(tmp.c_str(), path.c_str());
-}
-
-}  // namespace
-
-namespace {
-
 std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available) {
   std::vector<Algorithm> out;
   if (fused_available) out.push_back(Algorithm::Fused);
@@ -294,7 +193,7 @@ std::string bucket_key(const FastKey& fast) {
      << ";dtype=" << c10::toString(static_cast<at::ScalarType>(f[5])) << ";bias=" << f[6]
      << ";device=" << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[7]), /*lower_case=*/true)
      << ";fused=" << f[8];
-  return sanitized(os.str());
+  return tune_cache_text(os.str());
 }
 
 // Order statistics of a candidate's runs. Its time is the median (what a steady stream of calls mostly costs: a
@@ -437,7 +336,7 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
     bucket.beaten.assign(bucket.candidates.size(), false);
     bucket.rounds = 0;
     if (!st.file_loaded) {
-      load_cache(cache_path(), st.file);
+      load_tune_cache(cache_path(), st.file);
       st.file_loaded = true;
     }
     auto section = st.file.find(st.fingerprint);
@@ -505,7 +404,7 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
           auto& cached = st.file[st.fingerprint];
           if (cached.size() >= kMaxCachedPerHost && cached.count(bucket.key) == 0) cached.erase(cached.begin());
           cached[bucket.key] = algorithm_name(bucket.decision);
-          save_cache(cache_path(), st.file);
+          save_tune_cache(cache_path(), st.file);
         } else {
           plan_round(bucket);
         }
