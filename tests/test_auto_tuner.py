@@ -304,8 +304,8 @@ def test_candidates_that_cost_the_same_race_within_the_budget(ranks, tmp_path, b
 
 def test_a_clearly_slower_candidate_leaves_the_race(ranks, tmp_path):
     """With a minute of budget and up to 40 runs, a candidate 100 ms slower than the others (calls well under a
-    millisecond) runs the 4 times a candidate runs before it may leave the race, and is not chosen. Its negative control is the test above: there every
-    candidate is padded alike, and none leaves the race."""
+    millisecond) runs the 4 times a candidate runs before it may leave the race, and is not chosen. Its negative
+    control is the test above: there every candidate is padded alike, and none leaves the race."""
     results = ranks(2).run(race, str(tmp_path / "t.json"), 60_000, 3, 40, "sequential", 100_000)
     for calls, still_tuning, decisions, messages in results:
         (decision,) = decisions

@@ -1,16 +1,16 @@
 """`algorithm="auto"` by measurement: what the tuner decided, where it keeps its decisions, and `tune()` to decide
 before serving or before graph capture.
 
-The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) race
-the candidate algorithms round-robin: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
-candidate whose lower quartile is over 2% slower than the leader's upper quartile leaves the race, and the rest run more rounds while the
-bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000), up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS
-(default 25) runs. The lowest median wins. Every call returns its correct result. Each rank times its own calls and
-passes its times to the others inside the next call's signature, so no extra collective runs and every rank takes
-the same decision: on one host a run counts from its last rank's start to its last rank's end (an early rank's wait
-for a late one is not the algorithm's cost), else with its slowest rank's time. Decisions are logged on the
-`torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host fingerprint (CPU
-model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
+The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) race the
+candidate algorithms round-robin: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
+candidate whose lower quartile is over 2% slower than the leader's upper quartile leaves the race, and the rest run
+more rounds while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000), up to
+TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The lowest median wins. Every call returns its correct result.
+Each rank times its own calls and passes its times to the others inside the next call's signature, so no extra
+collective runs and every rank takes the same decision: on one host a run counts from its last rank's start to its
+last rank's end (an early rank's wait for a late one is not the algorithm's cost), else with its slowest rank's time.
+Decisions are logged on the `torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host
+fingerprint (CPU model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
 has the same one. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
 """

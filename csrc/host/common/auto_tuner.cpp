@@ -226,13 +226,13 @@ double run_seconds(const std::vector<CallSignature>& all, bool from_last_start) 
 
 // Tuning is a race (README, "auto"). Every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times;
 // from its 4th run on, after each round, a candidate whose lower quartile is over 2% slower than the leader's upper
-// quartile (its fast runs trail even the leader's slow ones) leaves the race, and the rest run more rounds, while the bucket's
-// tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what is left, up
-// to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The lowest median wins. A noisy VM scatters a call's time
-// by 2x and more, wider than the gaps between candidates: three runs each chose sequential or chunked where fused
-// was 1.06-1.6x faster (issue 11); close candidates now get the runs that separate them, clear losers no more.
-// The rounds' orders vary so that every candidate follows every other alike. Everything here is decided from the
-// agreed samples, so alike on every rank.
+// quartile (its fast runs trail even the leader's slow ones) leaves the race, and the rest run more rounds, while
+// the bucket's tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what
+// is left, up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The lowest median wins. A noisy VM scatters a
+// call's time by 2x and more, wider than the gaps between candidates: three runs each chose sequential or chunked
+// where fused was 1.06-1.6x faster (issue 11); close candidates now get the runs that separate them, clear losers no
+// more. The rounds' orders vary so that every candidate follows every other alike. Everything here is decided from
+// the agreed samples, so alike on every rank.
 int64_t min_reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
 int64_t max_reps() { return std::max(min_reps(), env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 25, 1, 1000)); }
 double budget_seconds() {
