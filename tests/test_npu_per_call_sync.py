@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 # What a fused call runs on the host, call after call (op flow -> NPU hooks -> fused path).
 PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
     "npu/fused_npu.cpp", "npu/npu_op.cpp", "common/op_flow.cpp", "common/call_args.cpp", "common/settings.cpp",
-    "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp",
+    "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp", "common/tune_cache_file.cpp",
     "common/sequence_parallel_flow.cpp", "npu/add_rmsnorm_npu_op.cpp", "common/add_rmsnorm.cpp",
 )]
 
