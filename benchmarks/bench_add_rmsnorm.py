@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchkit import dist_env, metrics, report  # noqa: E402
 from benchkit.inputs import make_references, make_sets  # noqa: E402
 from benchkit.rows import PIPELINED, Row  # noqa: E402
-from benchkit.timing import clock_domain, time_rows  # noqa: E402
+from benchkit.timing import gather_timed, time_rows  # noqa: E402
 from bench_cpu_fused import parse_shapes  # noqa: E402
 
 DEFAULT_SHAPES = "4096x256x2048,64x256x2048,1x256x2048"
@@ -129,8 +129,6 @@ def check(rows, reference, residual, weight, in_place_residuals):
 
 
 def measure(env, shape, dtype, args):
-    import torch.distributed as dist
-
     m, k, n = shape
     sets = make_sets(args.seed, args.input_sets, env.rank, m, k, n, dtype, False, env.device)
     extras = epilogue_inputs(args.seed, args.input_sets, m, n, dtype)
@@ -138,14 +136,12 @@ def measure(env, shape, dtype, args):
     reference = make_references(args.seed, env.world, env.rank, m, k, n, dtype, False).reduced
     errors = check(rows, reference, *extras[0], in_place_residuals)
     local = time_rows(env, rows, args.input_sets, max(args.warmup - 1, 0), args.iters)
-    every_rank = [None] * env.world
-    dist.all_gather_object(every_rank, (local, errors, clock_domain()), group=env.group)
-    one_clock = len({domain for _, _, domain in every_rank}) == 1
+    every_rank, one_clock = gather_timed(env, (local, errors))
     result = {"shape": {"m": m, "k": k, "n": n, "dtype": args.dtype}, "rows": {}}
     for row in rows:
-        stamps = [times[row.key] for times, _, _ in every_rank]
+        stamps = [times[row.key] for times, _ in every_rank]
         result["rows"][row.key] = {"label": row.label, **metrics.row_stats(stamps, one_clock),
-                                   "max_rel_error": max(errs[row.key] for _, errs, _ in every_rank)}
+                                   "max_rel_error": max(errs[row.key] for _, errs in every_rank)}
     med = {key: entry["median_s"] for key, entry in result["rows"].items()}
     result["ratios"] = {"fused_over_alone": med["fused_epilogue"] / med["gemm_allreduce"],
                         "floor_over_alone": med["floor"] / med["gemm_allreduce"],
@@ -185,8 +181,8 @@ def main(argv=None) -> int:
         results = [measure(env, shape, dtype, args) for shape in parse_shapes(args.shapes)]
         if env.rank == 0:
             print(report.header("torch-gemm-ar: fused add+RMSNorm epilogue", "cpu", env.world, env.threads))
-            print(f"algorithm={args.algorithm}; median of {args.iters} interleaved calls, each from its last rank's start to its last rank's end; "
-                  f"target fused/alone <= {TARGET_RATIO}")
+            print(f"algorithm={args.algorithm}; median of {args.iters} interleaved calls, each from its last rank's "
+                  f"start to its last rank's end; target fused/alone <= {TARGET_RATIO}")
             print(summary_table(results))
             report.write_run_json(args.json, "cpu", env.world, env.threads,
                                   {"algorithm": args.algorithm, "target_fused_over_alone": TARGET_RATIO,

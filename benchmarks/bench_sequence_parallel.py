@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchkit import dist_env, metrics, report  # noqa: E402
 from benchkit.inputs import make_sets  # noqa: E402
 from benchkit.rows import COMPUTE, PIPELINED, SEQUENTIAL, BASELINE, Row  # noqa: E402
-from benchkit.timing import clock_domain, time_rows  # noqa: E402
+from benchkit.timing import gather_timed, time_rows  # noqa: E402
 from bench_cpu_fused import parse_shapes  # noqa: E402
 
 DEFAULT_SHAPES = "4096x256x2048,512x256x2048"
@@ -132,8 +132,6 @@ def check(rows, refs):
 
 
 def measure(env, shape, dtype, args):
-    import torch.distributed as dist
-
     m, k, n = shape
     if m % env.world:
         raise SystemExit(f"--shapes: M={m} must be divisible by the world size {env.world} (M is the whole sequence)")
@@ -142,17 +140,15 @@ def measure(env, shape, dtype, args):
     errors = check(rows, references(every, env.rank, env.world, m))
     flat = [row for op_rows in rows.values() for row in op_rows]
     local = time_rows(env, flat, args.input_sets, max(args.warmup - 1, 0), args.iters)
-    every_rank = [None] * env.world
-    dist.all_gather_object(every_rank, (local, errors, clock_domain()), group=env.group)
-    one_clock = len({domain for _, _, domain in every_rank}) == 1
+    every_rank, one_clock = gather_timed(env, (local, errors))
     result = {"shape": {"m": m, "k": k, "n": n, "dtype": args.dtype}, "ops": {}}
     for op, op_rows in rows.items():
         entries = {}
         for row in op_rows:
-            stamps = [times[row.key] for times, _, _ in every_rank]
+            stamps = [times[row.key] for times, _ in every_rank]
             entry = {"label": row.label, **metrics.row_stats(stamps, one_clock)}
             if row.key in errors:
-                entry["max_rel_error"] = max(errs[row.key] for _, errs, _ in every_rank)
+                entry["max_rel_error"] = max(errs[row.key] for _, errs in every_rank)
             entries[row.key.split("/")[1]] = entry
         med = {key: e["median_s"] for key, e in entries.items()}
         result["ops"][op] = {"rows": entries, "target_fused_over_compute_only": TARGETS[op], "ratios": {
@@ -194,8 +190,8 @@ def main(argv=None) -> int:
         if env.rank == 0:
             print(report.header("torch-gemm-ar: sequence parallelism (GEMM+RS, AG+GEMM)", "cpu", env.world,
                                 env.threads))
-            print(f"median of {args.iters} interleaved calls, each from its last rank's start to its last rank's end; targets fused/"
-                  f"compute: {', '.join(f'{op} <= {t}' for op, t in TARGETS.items())}")
+            print(f"median of {args.iters} interleaved calls, each from its last rank's start to its last rank's end; "
+                  f"targets fused/compute: {', '.join(f'{op} <= {t}' for op, t in TARGETS.items())}")
             print(summary_table(results))
             report.write_run_json(args.json, "cpu", env.world, env.threads, {"targets": TARGETS, "shapes": results})
     finally:

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchkit import crossover, dist_env, metrics, models, plot, report  # noqa: E402
+from benchkit import crossover, dist_env, models, plot, report  # noqa: E402
 from benchkit.measure import Settings, Shape, measure_shape  # noqa: E402
 from benchkit.progress import Progress  # noqa: E402
 from benchkit.rows import available_row_keys  # noqa: E402
@@ -70,9 +70,10 @@ def parse_args(argv=None):
     return args
 
 
-def layer_table(ms, points) -> str:
+def layer_table(name, ms, points, analysis) -> str:
     keys = [k for k in SWEPT_ROWS if k != "baseline" and any(k in p["rows"] for p in points)]
     headers = ["M", "baseline us", *[f"{k} x" for k in keys], "best", "auto ran", "auto/best x (95%)"]
+    vs_best_at = {r["m"]: r for r in analysis["auto_vs_best"] if r["layer"] == name}
     body = []
     for m, point in zip(ms, points):
         base = point["rows"]["baseline"]
@@ -84,12 +85,9 @@ def layer_table(ms, points) -> str:
         best = crossover.best_algorithm(point)
         cells.append(best or "-")
         cells.append(point.get("auto_choice") or "-")
-        auto = point["rows"].get("auto", {})
-        if best and auto.get("available"):
-            speed = metrics.paired_speedup(point["rows"][best]["iteration_s"], auto["iteration_s"])
-            cells.append(f"{speed['estimate']:.3f} ({speed['low']:.2f}-{speed['high']:.2f})")
-        else:
-            cells.append("-")
+        vs_best = vs_best_at.get(m)  # analyse() compared auto with the best row already
+        cells.append(f"{vs_best['speed_vs_best']:.3f} ({vs_best['interval'][0]:.2f}-{vs_best['interval'][1]:.2f})"
+                     if vs_best else "-")
         body.append(cells)
     return report.format_table(headers, body)
 
@@ -160,7 +158,7 @@ def main(argv=None) -> int:
             print(report.header(title, args.device, env.world, env.threads))
             for name, points in zip(names, points_by_layer):
                 print(f"\n{name}: speedup over the torch baseline (x) per algorithm")
-                print(layer_table(args.m_list, points))
+                print(layer_table(name, args.m_list, points, analysis))
             print()
             print(conclusions(analysis))
             png = os.path.join(args.out, "sweep.png")

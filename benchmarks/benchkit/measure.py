@@ -13,7 +13,7 @@ from . import metrics
 from .dist_env import DistEnv
 from .inputs import make_references, make_sets
 from .rows import COMM, PIPELINED, SEQUENTIAL, build_rows, is_not_available
-from .timing import clock_domain, time_rows
+from .timing import gather_timed, time_rows
 
 
 @dataclass
@@ -104,10 +104,7 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
     # The probe was one warm-up call of every row; the rest follow inside time_rows.
     local_times = time_rows(env, list(rows.values()), settings.input_sets, max(settings.warmup - 1, 0),
                             settings.iters, settings.budget_s, settings.min_iters, settings.max_iters)
-    gathered = [None] * env.world
-    dist.all_gather_object(gathered, (local_times, clock_domain()), group=env.group)
-    all_times = [times for times, _ in gathered]
-    one_clock = len({domain for _, domain in gathered}) == 1
+    all_times, one_clock = gather_timed(env, local_times)
     summary = summarize(env.world, shape, rows, status, all_times, settings, one_clock)
     summary["auto_choice"] = auto_choice
     return summary

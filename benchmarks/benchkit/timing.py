@@ -41,6 +41,14 @@ def clock_domain() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def gather_timed(env: DistEnv, payload) -> Tuple[list, bool]:
+    """Every rank's `payload` (its time_rows result, and whatever goes with it), and whether all ranks read one
+    monotonic clock (metrics.row_stats' one_clock). Collective."""
+    gathered = [None] * env.world
+    dist.all_gather_object(gathered, (payload, clock_domain()), group=env.group)
+    return [p for p, _ in gathered], len({domain for _, domain in gathered}) == 1
+
+
 def timed_call(env: DistEnv, row: Row, set_index: int) -> Tuple[float, float]:
     """The call's (start, end) on the host's monotonic clock."""
     if row.prepare is not None:
