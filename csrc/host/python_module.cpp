@@ -32,6 +32,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "CPU fused engine: (tile rows, tile columns, stripe rows) of an add+RMSNorm call of M x N on `world` local "
         "ranks (tests)");
+  m.def("_set_wide_row_panels", [&switches](bool on) { return switches.wide_row_panels.exchange(on); },
+        "CPU fused engine: False keeps the default tile geometry for gemm_allreduce and gemm_reduce_scatter calls on "
+        "one-core ranks (benchmarks, tests); returns the old value");
+  m.def("_wide_row_geometry", [](int64_t m, int64_t n, int world) {
+          const auto c = gemm_ar::cpu::wide_row_geometry(gemm_ar::cpu::engine_config(world), m, n, world);
+          return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
+        },
+        "CPU fused engine: (tile rows, tile columns, stripe rows) of a gemm_allreduce or gemm_reduce_scatter call of "
+        "M x N on `world` local ranks (tests)");
   m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
         "CPU fused engine: False multiplies every tile through at::mm instead of B's panels packed once per call "
         "(benchmarks, tests); returns the old value");

@@ -25,4 +25,12 @@ EngineConfig engine_config(int local_ranks);
 // a share of the reduction). The same inputs on every rank give the same geometry (it is in the call signature).
 EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
+// The geometry of one gemm_allreduce or gemm_reduce_scatter call when communication runs between tiles on a one-core
+// rank (comm_inline): tiles as wide as the output, up to 2048 columns (N split into equal panels beyond). Every
+// tile packs its rows of A once per panel of B it multiplies, so 256x512 tiles cost 3-20% more than one whole GEMM
+// where full-width ones cost 1-3% (Intel Xeon, oneMKL, two ranks at once); the pipeline's finer grain buys nothing
+// there, as no comm thread overlaps the GEMM. Kept as `config` under the same conditions as row_epilogue_geometry,
+// and with comm threads. The same inputs on every rank give the same geometry (it is in the call signature).
+EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
+
 }  // namespace gemm_ar::cpu

@@ -63,6 +63,9 @@ struct EngineSwitches {
   // false: add+RMSNorm calls keep the engine's default tile geometry (A/B benchmarks, tests of both geometries;
   // see row_epilogue_geometry).
   std::atomic<bool> row_epilogue_geometry{true};
+  // false: gemm_allreduce and gemm_reduce_scatter calls keep the default tile geometry on one-core ranks (A/B
+  // benchmarks, tests of both geometries; see wide_row_geometry).
+  std::atomic<bool> wide_row_panels{true};
   // false: tiles multiply through at::mm even where B's panels could be packed once (A/B benchmarks, tests).
   std::atomic<bool> packed_b{true};
 };

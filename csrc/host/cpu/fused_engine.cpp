@@ -268,6 +268,9 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
   config_ = engine_config(world_);
   if (call.op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
     config_ = row_epilogue_geometry(config_, call.m, call.n, world_);
+  } else if ((call.op == kOpGemmAllreduce || call.op == kOpGemmReduceScatter) &&
+             engine_switches().wide_row_panels.load()) {
+    config_ = wide_row_geometry(config_, call.m, call.n, world_);
   }
   ++epoch_;
   signature_ = call_signature(call, chosen);
