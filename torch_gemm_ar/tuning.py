@@ -2,10 +2,12 @@
 before serving or before graph capture.
 
 The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) race the
-candidate algorithms round-robin: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
-candidate whose lower quartile is over 2% slower than the leader's upper quartile leaves the race, and the rest run
-more rounds while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000), up to
-TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The lowest median wins. Every call returns its correct result.
+candidate algorithms in rounds: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
+candidate over 2% slower than the leader in three rounds of four (the lower quartile of its paired ratios) leaves the
+race, and the rest run more rounds while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default
+2000), up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The leader and winner is the candidate with the lowest
+median of its runs relative to each round's fastest run (a round's candidates run back to back, so a slow spell of
+the machine cancels out). Every call returns its correct result.
 Each rank times its own calls and passes its times to the others inside the next call's signature, so no extra
 collective runs and every rank takes the same decision: on one host a run counts from its last rank's start to its
 last rank's end (an early rank's wait for a late one is not the algorithm's cost), else with its slowest rank's time.
@@ -32,8 +34,9 @@ _MAX_CANDIDATES = 3
 
 def decisions() -> List[dict]:
     """Every decision this process took: group, bucket, algorithm, source ("measured" or "cache") and, when
-    measured, `candidate_us`: each candidate's time in microseconds (the median of its runs) and `candidate_runs`:
-    how many runs it had (fewer when it left the race early)."""
+    measured, `candidate_us`: each candidate's time in microseconds (the median of its runs), `candidate_runs`:
+    how many runs it had (fewer when it left the race early) and `candidate_relative`: the median of its runs over
+    the fastest run of their rounds (the winner has the lowest)."""
     return list(_C._tuner_decisions())
 
 

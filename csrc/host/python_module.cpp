@@ -64,12 +64,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_tuner_decisions", [&tuner] {
     pybind11::list out;
     for (const auto& d : tuner.decisions()) {
-      pybind11::dict times, runs;
+      pybind11::dict times, runs, relative;
       for (const auto& [name, us] : d.candidate_us) times[pybind11::str(name)] = us;
       for (const auto& [name, count] : d.candidate_runs) runs[pybind11::str(name)] = count;
+      for (const auto& [name, ratio] : d.candidate_relative) relative[pybind11::str(name)] = ratio;
       out.append(pybind11::dict(pybind11::arg("group") = d.group, pybind11::arg("bucket") = d.bucket,
                                 pybind11::arg("algorithm") = d.algorithm, pybind11::arg("source") = d.source,
-                                pybind11::arg("candidate_us") = times, pybind11::arg("candidate_runs") = runs));
+                                pybind11::arg("candidate_us") = times, pybind11::arg("candidate_runs") = runs,
+                                pybind11::arg("candidate_relative") = relative));
     }
     return out;
   }, "auto tuner: every decision of this process, in order");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -225,33 +226,68 @@ double run_seconds(const std::vector<CallSignature>& all, bool from_last_start) 
 }
 
 // Tuning is a race (README, "auto"). Every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times;
-// from its 4th run on, after each round, a candidate whose lower quartile is over 2% slower than the leader's upper
-// quartile (its fast runs trail even the leader's slow ones) leaves the race, and the rest run more rounds, while
-// the bucket's tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what
-// is left, up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The lowest median wins. A noisy VM scatters a
-// call's time by 2x and more, wider than the gaps between candidates: three runs each chose sequential or chunked
-// where fused was 1.06-1.6x faster (issue 11); close candidates now get the runs that separate them, clear losers no
-// more. The rounds' orders vary so that every candidate follows every other alike. Everything here is decided from
-// the agreed samples, so alike on every rank.
+// from its 4th run on, after each round, a candidate that is over 2% slower than the leader in three rounds of four
+// (the lower quartile of its paired ratios to the leader) leaves the race, and the rest run more rounds, while the
+// bucket's tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what is
+// left, up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The leader is the candidate with the lowest median
+// of its runs relative to each round's fastest run. A noisy VM scatters a call's time by 2x and more, wider than the
+// gaps between candidates: three runs each chose sequential or chunked where fused was 1.06-1.6x faster (issue 11);
+// close candidates now get the runs that separate them, clear losers no more. The candidates of a round run back to
+// back, so comparing them round by round cancels a slow spell that spans the round: by raw medians, a tuning of
+// M2048 K7168 N512 whose every candidate ran 1.4x slow in its first rounds chose sequential where fused was 1.07x
+// faster. The rounds' orders vary so that every candidate follows every other alike. Everything here is decided
+// from the agreed samples, so alike on every rank.
 int64_t min_reps() { return env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3, 1, 100); }
 int64_t max_reps() { return std::max(min_reps(), env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 25, 1, 1000)); }
 double budget_seconds() {
   return static_cast<double>(env_int("TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS", 2000, 0, 3'600'000)) * 1e-3;
 }
 
-// How much slower than the leader's upper quartile a candidate's lower quartile must be for it to leave the race:
-// candidates that cost the same stay in it (either would do; the margin keeps timer jitter from deciding).
+// How much slower than the leader a candidate must be in three rounds of four to leave the race: candidates that
+// cost the same stay in it (either would do; the margin keeps timer jitter from deciding).
 constexpr double kClearlySlower = 1.02;
 // Runs before a candidate may leave: with 3, the quartiles are the fastest run and the median, and one burst of
 // load from elsewhere took fused out behind sequential that it beats by 1.24x (issue 11, a quick sweep's M512 K1792).
 constexpr int64_t kRunsBeforeLeaving = 4;
 
-// The candidate still in the race with the lowest median.
+// Candidate i's runs, each over the fastest run of its round (1.0: it was the round's fastest). samples[i][r] is
+// candidate i's run in round r: every candidate runs once per round until it leaves the race.
+std::vector<double> relative_runs(const TuneBucket& bucket, size_t i) {
+  std::vector<double> out;
+  for (size_t r = 0; r < bucket.samples[i].size(); ++r) {
+    double fastest = bucket.samples[i][r];
+    for (const auto& runs : bucket.samples) {
+      if (r < runs.size()) fastest = std::min(fastest, runs[r]);
+    }
+    out.push_back(fastest > 0 ? bucket.samples[i][r] / fastest : 1.0);
+  }
+  return out;
+}
+
+double relative_time(const TuneBucket& bucket, size_t i) { return median(relative_runs(bucket, i)); }
+
+// Candidate i's runs over the leader's, round by round (the rounds both ran).
+std::vector<double> paired_ratios(const TuneBucket& bucket, size_t i, size_t lead) {
+  std::vector<double> out;
+  const auto& mine = bucket.samples[i];
+  const auto& theirs = bucket.samples[lead];
+  for (size_t r = 0; r < std::min(mine.size(), theirs.size()); ++r) {
+    if (theirs[r] > 0) out.push_back(mine[r] / theirs[r]);
+  }
+  return out;
+}
+
+// The candidate still in the race with the lowest median relative to its rounds' fastest runs.
 size_t leader(const TuneBucket& bucket) {
   size_t best = bucket.candidates.size();
+  double best_time = 0;
   for (size_t i = 0; i < bucket.candidates.size(); ++i) {
     if (bucket.beaten[i]) continue;
-    if (best == bucket.candidates.size() || median(bucket.samples[i]) < median(bucket.samples[best])) best = i;
+    const double t = relative_time(bucket, i);
+    if (best == bucket.candidates.size() || t < best_time) {
+      best = i;
+      best_time = t;
+    }
   }
   return best;
 }
@@ -260,12 +296,13 @@ size_t leader(const TuneBucket& bucket) {
 bool race_over(TuneBucket& bucket) {
   if (bucket.rounds < min_reps()) return false;
   const bool may_leave = bucket.rounds >= kRunsBeforeLeaving;
-  const double leading = upper_quartile(bucket.samples[leader(bucket)]);
+  const size_t lead = leader(bucket);
   size_t running = 0;
   double spent = 0, next_round = 0;
   for (size_t i = 0; i < bucket.candidates.size(); ++i) {
     for (double t : bucket.samples[i]) spent += t;
-    if (may_leave && !bucket.beaten[i] && lower_quartile(bucket.samples[i]) > kClearlySlower * leading) {
+    if (may_leave && !bucket.beaten[i] && i != lead &&
+        lower_quartile(paired_ratios(bucket, i, lead)) > kClearlySlower) {
       bucket.beaten[i] = true;
     }
     if (!bucket.beaten[i]) {
@@ -370,7 +407,7 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       if (same && std::find(bucket.candidates.begin(), bucket.candidates.end(), cached) != bucket.candidates.end()) {
         bucket.decided = true;
         bucket.decision = cached;
-        st.remember({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}, {}});
+        st.remember({group.getGroupName(), bucket.key, algorithm_name(cached), "cache", {}, {}, {}});
         message = "torch_gemm_ar auto: group '" + group.getGroupName() + "' " + bucket.key + " -> " +
                   algorithm_name(cached) + " (from the tune cache, every rank agreeing)";
       } else {
@@ -384,16 +421,21 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
         if (race_over(bucket)) {
           const size_t winner = leader(bucket);
           TunerDecision decision{group.getGroupName(), bucket.key, algorithm_name(bucket.candidates[winner]),
-                                 "measured", {}, {}};
+                                 "measured", {}, {}, {}};
           std::ostringstream os;
           os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
-             << decision.algorithm << " (median of its runs, from the last rank's start:";
+             << decision.algorithm << " (median of its runs, from the last rank's start, and relative to each round's "
+                "fastest run:";
           for (size_t i = 0; i < bucket.candidates.size(); ++i) {
             const char* name = algorithm_name(bucket.candidates[i]);
             decision.candidate_us.emplace_back(name, median(bucket.samples[i]) * 1e6);
             decision.candidate_runs.emplace_back(name, static_cast<int64_t>(bucket.samples[i].size()));
-            os << " " << name << " " << static_cast<int64_t>(decision.candidate_us.back().second) << " us in "
-               << bucket.samples[i].size() << " runs" << (bucket.beaten[i] ? " (out of the race)" : "")
+            decision.candidate_relative.emplace_back(name, relative_time(bucket, i));
+            char relative[32];
+            std::snprintf(relative, sizeof relative, "%.3f", decision.candidate_relative.back().second);
+            os << " " << name << " " << static_cast<int64_t>(decision.candidate_us.back().second) << " us ("
+               << relative << "x its rounds' fastest) in " << bucket.samples[i].size() << " runs"
+               << (bucket.beaten[i] ? " (out of the race)" : "")
                << (i + 1 < bucket.candidates.size() ? "," : "");
           }
           os << ")";

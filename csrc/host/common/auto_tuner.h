@@ -24,6 +24,8 @@ struct TunerDecision {
   std::string group, bucket, algorithm, source;  // source: measured | cache
   std::vector<std::pair<std::string, double>> candidate_us;  // per candidate: the median of its runs
   std::vector<std::pair<std::string, int64_t>> candidate_runs;  // per candidate: how many runs it had
+  // per candidate: the median of its runs over the fastest run of their rounds (the winner has the lowest)
+  std::vector<std::pair<std::string, double>> candidate_relative;
 };
 
 class AutoTuner {
