@@ -72,9 +72,18 @@ def shape_table(summary: dict) -> str:
     lines = [title, format_table(headers, body)]
     ratio = summary.get("ratios", {}).get("fused_over_compute_only")
     if ratio is not None:
-        lines.append(f"fused / compute-only = {ratio:.3f} (target <= 1.10)")
+        lines.append(f"fused / compute-only = {ratio:.3f} (target <= {fused_target(dtype):.2f})")
     lines.extend(notes)
     return "\n".join(lines)
+
+
+# fused / compute-only, the most a fused call may cost over its GEMM alone (issue 11): fp32 1.08; bf16 and fp16,
+# which CPUs without half-precision matrix units compute in fp32 after a conversion, 1.25.
+FUSED_OVER_COMPUTE_TARGETS = {"float32": 1.08, "bfloat16": 1.25, "float16": 1.25}
+
+
+def fused_target(dtype: str) -> float:
+    return FUSED_OVER_COMPUTE_TARGETS.get(str(dtype).replace("torch.", ""), 1.08)
 
 
 LEGEND = """\
