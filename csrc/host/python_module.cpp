@@ -11,6 +11,21 @@
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
 
+namespace {
+
+using GeometryRule = gemm_ar::cpu::EngineConfig (*)(const gemm_ar::cpu::EngineConfig&, int64_t, int64_t, int);
+
+// A per-call geometry rule of the CPU engine as the tests see it: (tile rows, tile columns, stripe rows) of an
+// M x N call on `world` local ranks, under this process's engine settings.
+auto geometry_of(GeometryRule rule) {
+  return [rule](int64_t m, int64_t n, int world) {
+    const auto c = rule(gemm_ar::cpu::engine_config(world), m, n, world);
+    return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
+  };
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch-gemm-ar native extension: pto::gemm_allreduce and its engines";
   gemm_ar::bind_protocol(m);
@@ -26,19 +41,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_row_epilogue_geometry", [&switches](bool on) { return switches.row_epilogue_geometry.exchange(on); },
         "CPU fused engine: False keeps the default tile geometry for add+RMSNorm calls (benchmarks, tests); returns "
         "the old value");
-  m.def("_row_epilogue_geometry", [](int64_t m, int64_t n, int world) {
-          const auto c = gemm_ar::cpu::row_epilogue_geometry(gemm_ar::cpu::engine_config(world), m, n, world);
-          return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
-        },
+  m.def("_row_epilogue_geometry", geometry_of(&gemm_ar::cpu::row_epilogue_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of an add+RMSNorm call of M x N on `world` local "
         "ranks (tests)");
   m.def("_set_wide_row_panels", [&switches](bool on) { return switches.wide_row_panels.exchange(on); },
         "CPU fused engine: False keeps the default tile geometry for gemm_allreduce and gemm_reduce_scatter calls on "
         "one-core ranks (benchmarks, tests); returns the old value");
-  m.def("_wide_row_geometry", [](int64_t m, int64_t n, int world) {
-          const auto c = gemm_ar::cpu::wide_row_geometry(gemm_ar::cpu::engine_config(world), m, n, world);
-          return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
-        },
+  m.def("_wide_row_geometry", geometry_of(&gemm_ar::cpu::wide_row_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of a gemm_allreduce or gemm_reduce_scatter call of "
         "M x N on `world` local ranks (tests)");
   m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
