@@ -53,7 +53,9 @@ def tune_by_calls(rank, world, seed, cache_path, calls):
             checked_auto_call(rank, world, seed + i, random.Random(seed + i).randint(65, 128), 40, 90)
     finally:
         tuning.logger.removeHandler(handler)
-    return tuning.decisions(), handler.messages
+    # What auto runs per shape: the bucket's decision (any M of 65..128), none for a K never met.
+    looked_up = [tuning.decision_for(m, 40, 90) for m in (65, 100, 128)] + [tuning.decision_for(100, 41, 90)]
+    return tuning.decisions(), handler.messages, looked_up
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -61,7 +63,7 @@ def test_first_calls_tune_then_every_rank_decides_alike(ranks, world, tmp_path):
     reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
     calls = 3 * reps + 4  # fused, sequential, chunked x reps, the deciding call, then decided calls
     results = ranks(world).run(tune_by_calls, random.randrange(1 << 20), str(tmp_path / "tune.json"), calls)
-    decisions = [d for d, _ in results]
+    decisions = [d for d, _, _ in results]
     assert all(len(d) == 1 for d in decisions), decisions
     assert len({d[0]["algorithm"] for d in decisions}) == 1, decisions  # the same on every rank
     first = decisions[0][0]
@@ -71,9 +73,10 @@ def test_first_calls_tune_then_every_rank_decides_alike(ranks, world, tmp_path):
     assert first["algorithm"] == min(relative, key=relative.get) and min(relative.values()) >= 1.0, first
     assert first["candidate_runs"] == {"fused": reps, "sequential": reps, "chunked": reps}, first
     assert "m<=128" in first["bucket"] and f"world={world}" in first["bucket"]
-    for _, messages in results:
+    for _, messages, looked_up in results:
         assert any(first["algorithm"] in m and f"median of its runs" in m and f"in {reps} runs" in m
                    for m in messages), messages
+        assert looked_up == [first["algorithm"]] * 3 + [None], looked_up
     with open(tmp_path / "tune.json") as f:
         cached = json.load(f)
     (entries,) = cached.values()

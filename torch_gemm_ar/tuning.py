@@ -40,6 +40,21 @@ def decisions() -> List[dict]:
     return list(_C._tuner_decisions())
 
 
+def decision_for(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, *, bias: bool = False,
+                 group: GroupLike = None, device: str = "cpu") -> Optional[str]:
+    """The algorithm `auto` runs for gemm_allreduce calls of M x K x N (K: this rank's shard) on `group`, once this
+    process has decided their bucket (measured, or from the tune cache); None until then."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if isinstance(group, str):
+        group = _resolve_process_group(group)
+    world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    name = _C._tuner_decision_for(group_name_of(group), world, int(m), int(k), int(n), dtype, bool(bias),
+                                  str(device))
+    return name or None
+
+
 def cache_path() -> str:
     """The JSON file that keeps decisions across processes (TORCH_GEMM_AR_TUNE_CACHE or the default)."""
     return _C._tuner_cache_path()
@@ -105,4 +120,5 @@ def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.
     return decisions()[before:]
 
 
-__all__ = ["cache_path", "calls_to_decide", "decisions", "in_progress", "tune", "warm_up_until_tuned"]
+__all__ = ["cache_path", "calls_to_decide", "decision_for", "decisions", "in_progress", "tune",
+           "warm_up_until_tuned"]

@@ -96,7 +96,7 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
         # auto's first calls on a shape time every candidate: decide before timing, as a server would with tune().
         k = sets[0].a.shape[-1]
         tune([(shape.m, k, shape.n)], env.group, shape.dtype, bias=shape.bias)
-        auto_choice = _decided(env.library, shape, k, env.world)
+        auto_choice = _decided(env.library, shape, k, env.group, env.device)
     status = _probe_and_check(env, rows, references)
     for key, entry in status.items():
         if not entry["available"]:
@@ -110,13 +110,12 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
     return summary
 
 
-def _decided(library, shape: Shape, k: int, world: int) -> Optional[str]:
+def _decided(library, shape: Shape, k: int, group, device) -> Optional[str]:
     """The algorithm `auto` decided for the shape's bucket (measured now or earlier, or from the tune cache)."""
-    bucket = f"op=0;world={world};m<={1 << max(shape.m - 1, 0).bit_length()};k={k};n={shape.n};"
-    for decision in reversed(library.tuning.decisions()):
-        if decision["bucket"].startswith(bucket) and f";bias={int(shape.bias)};" in decision["bucket"]:
-            return decision["algorithm"]
-    return None
+    decision_for = getattr(library.tuning, "decision_for", None)
+    if decision_for is None:  # a build of the library before decision_for
+        return None
+    return decision_for(shape.m, k, shape.n, shape.dtype, bias=shape.bias, group=group, device=str(device))
 
 
 def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times, settings: Settings,

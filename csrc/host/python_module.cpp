@@ -84,6 +84,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     return out;
   }, "auto tuner: every decision of this process, in order");
+  m.def("_tuner_decision_for",
+        [&tuner](const std::string& group_name, int64_t world, int64_t m, int64_t k, int64_t n, at::ScalarType dtype,
+                 bool bias, const std::string& device) {
+          return tuner.decision_for(group_name, world, m, k, n, dtype, bias, c10::Device(device).type());
+        },
+        "auto tuner: the algorithm decided for a gemm_allreduce call of that shape on the group (\"\": none yet)");
   m.def("_tuner_cache_path", [&tuner] { return tuner.cache_path(); });
   m.def("_tuner_in_progress", [&tuner](const std::string& group_name) { return tuner.in_progress(group_name); },
         "auto tuner: whether a shape bucket of the group (\"\": any group) is being tuned");

@@ -515,6 +515,20 @@ void AutoTuner::reset(const CallArgs& call, c10d::ProcessGroup& group) {
   if (g != state_->groups.end()) g->second.buckets.erase(call.tune_bucket);
 }
 
+std::string AutoTuner::decision_for(const std::string& group_name, int64_t world, int64_t m, int64_t k, int64_t n,
+                                    at::ScalarType dtype, bool bias, c10::DeviceType device) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  auto g = state_->groups.find(group_name);
+  if (g == state_->groups.end()) return "";
+  for (const int64_t fused : {1, 0}) {  // whether fused was available: the bucket of the calls made
+    const FastKey fast{group_name, {kOpGemmAllreduce, world, next_power_of_two(m), k, n, static_cast<int64_t>(dtype),
+                                    bias ? 1 : 0, static_cast<int64_t>(device), fused}};
+    auto b = g->second.buckets.find(bucket_key(fast));
+    if (b != g->second.buckets.end() && b->second.decided) return algorithm_name(b->second.decision);
+  }
+  return "";
+}
+
 bool AutoTuner::in_progress(const std::string& group_name) const {
   std::lock_guard<std::mutex> lock(state_->mutex);
   for (const auto& [name, g] : state_->groups) {

@@ -49,6 +49,11 @@ class AutoTuner {
   void reset(const CallArgs& call, c10d::ProcessGroup& group);
 
   std::vector<TunerDecision> decisions() const;
+  // What `auto` runs for a gemm_allreduce call (op 0, bias or not, on `device`) of M x K x N of `dtype` on
+  // `group_name` of `world` ranks, once this process has decided its bucket (measured or from the tune cache); ""
+  // while it is undecided or never met.
+  std::string decision_for(const std::string& group_name, int64_t world, int64_t m, int64_t k, int64_t n,
+                           at::ScalarType dtype, bool bias, c10::DeviceType device) const;
   // Whether a bucket of `group_name` ("": of any group) has had tuning calls and is not decided yet.
   bool in_progress(const std::string& group_name) const;
   void set_logger(std::function<void(const std::string&)> logger);
