@@ -253,9 +253,10 @@ def check_shape_summary(summary, dtype, world=2, iters=None):
         assert all(t > 0 for times in entry["timings_s"] for t in times)
         assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
         assert entry["max_rel_error"] < REL_TOL[dtype], f"{key}: relative error {entry['max_rel_error']}"
-        if key not in ("compute_only",):
+        local = key in ("compute_only", "engine_gemm")  # each rank's own product, not the reduced one
+        if not local:
             assert entry["identical_on_all_ranks"], f"{key}: ranks returned different tensors"
-        if key not in ("compute_only", "allreduce_only"):
+        if not local and key != "allreduce_only":
             assert entry["speedup_vs_baseline"] > 0
     return rows
 
@@ -270,8 +271,8 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
                                "flops_per_rank": 2 * 37 * 19 * 23}
     assert result["run"]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py --")
     rows = check_shape_summary(result, "float32", iters=2)
-    assert list(rows) == ["compute_only", "allreduce_only", "sequential", "sequential_portable", "chunked",
-                          "fused_sequential", "fused", "auto", "baseline"]
+    assert list(rows) == ["compute_only", "engine_gemm", "allreduce_only", "sequential", "sequential_portable",
+                          "chunked", "fused_sequential", "fused", "auto", "baseline"]
     assert rows["chunked"]["sequential_reference"] == "sequential"
     assert rows["chunked"]["speedup_vs_sequential"] > 0
     # Defined only when sequential took longer than compute alone, which 2 timed calls of a tiny shape on a loaded
@@ -281,8 +282,10 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
     assert rows["chunked"]["overlap_efficiency"] == (pytest.approx(expected) if expected is not None else None)
     assert rows["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)
     # The table names every row and shows the error column.
-    for label in ("compute only", "sequential", "chunked", "fused", "auto", "baseline (float32)", "rel err"):
+    for label in ("compute only", "engine GEMM only", "sequential", "chunked", "fused", "auto", "baseline (float32)",
+                  "rel err"):
         assert label in stdout
+    assert result["ratios"]["engine_gemm_over_compute_only"] > 0 and "engine GEMM only / compute-only" in stdout
 
 
 def test_bench_bfloat16_reports_both_baselines(tmp_path):
@@ -304,13 +307,15 @@ def test_bench_cpu_fused_end_to_end(tmp_path):
     with open(out) as f:
         result = json.load(f)
     assert result["target_fused_over_compute_only"] == pytest.approx(1.08)
+    assert result["target_engine_gemm_over_compute_only"] == pytest.approx(1.02)
     assert [(s["shape"]["m"], s["shape"]["k"], s["shape"]["n"]) for s in result["shapes"]] == [(37, 19, 23), (5, 130, 9)]
     for summary in result["shapes"]:
         rows = check_shape_summary(summary, "float32", iters=2)
-        assert list(rows) == ["compute_only", "fused_sequential", "fused", "baseline"]
+        assert list(rows) == ["compute_only", "engine_gemm", "fused_sequential", "fused", "baseline"]
+        assert summary["ratios"]["engine_gemm_over_compute_only"] > 0
         if rows["fused"]["available"]:
             assert summary["ratios"]["fused_over_compute_only"] > 0
-    assert "fused/compute" in stdout
+    assert "fused/compute" in stdout and "engine GEMM/compute" in stdout
 
 
 def test_bench_sequence_parallel_end_to_end(tmp_path):

@@ -132,8 +132,10 @@ def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times
         out_rows[key] = entry
     _derive(world, shape, rows, out_rows)
     ratios = {}
-    if out_rows.get("fused", {}).get("available") and out_rows.get("compute_only", {}).get("available"):
-        ratios["fused_over_compute_only"] = out_rows["fused"]["median_s"] / out_rows["compute_only"]["median_s"]
+    if out_rows.get("compute_only", {}).get("available"):
+        for key in ("fused", "engine_gemm"):
+            if out_rows.get(key, {}).get("available"):
+                ratios[f"{key}_over_compute_only"] = out_rows[key]["median_s"] / out_rows["compute_only"]["median_s"]
     return {
         "shape": {"m": shape.m, "k": shape.k, "n": shape.n, "dtype": str(shape.dtype).replace("torch.", ""),
                   "bias": shape.bias, "world": world, "flops_per_rank": metrics.gemm_flops(shape.m, shape.k, shape.n)},

@@ -14,6 +14,7 @@ from .inputs import InputSet
 # Every row key, in table order. The library's algorithms keep their own names; the rest say what they time.
 ROW_ORDER = (
     "compute_only",
+    "engine_gemm",
     "allreduce_only",
     "sequential",
     "sequential_portable",
@@ -58,6 +59,7 @@ def available_row_keys(device_type: str, dtype) -> List[str]:
     keys = [k for k in ROW_ORDER if k != "npu_mm_all_reduce_base" or device_type == "npu"]
     if device_type != "cpu":
         keys.remove("sequential_portable")
+        keys.remove("engine_gemm")
     if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)):
         keys.remove("baseline_fp32")
     return keys
@@ -80,6 +82,18 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
         # A one-rank group takes the library's no-communication path: the very GEMM the algorithms run.
         rows["compute_only"] = Row("compute_only", "compute only", COMPUTE,
                                    library_call("auto", env.self_group), "local", reduce_bytes)
+
+    if "engine_gemm" in keys:
+        walk = getattr(getattr(lib, "_C", None), "_engine_tile_walk", None)
+
+        def engine_gemm(i: int) -> torch.Tensor:
+            if walk is None:
+                raise RuntimeError("the engine's tile walk is not available in this build of the library")
+            s = sets[i]
+            return walk(s.a.reshape(-1, s.a.shape[-1]), s.b, s.bias, env.world)
+
+        # The fused engine's GEMM alone: its tiles and packed B panels for this call, no communication.
+        rows["engine_gemm"] = Row("engine_gemm", "engine GEMM only", COMPUTE, engine_gemm, "local", reduce_bytes)
 
     if "allreduce_only" in keys:
         # The buffer the library reduces (in the input dtype), refilled untimed because all_reduce is in place.

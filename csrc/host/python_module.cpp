@@ -6,6 +6,7 @@
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
 #include "cpu/engine_config.h"
+#include "cpu/engine_tile_walk.h"
 #include "cpu/fused_call.h"
 #include "cpu/packed_b_panels.h"
 
@@ -53,6 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
         "CPU fused engine: False multiplies every tile through at::mm instead of B's panels packed once per call "
         "(benchmarks, tests); returns the old value");
+  m.def("_engine_tile_walk", &gemm_ar::cpu::engine_tile_walk, pybind11::arg("a"), pybind11::arg("b"),
+        pybind11::arg("bias") = std::nullopt, pybind11::arg("world") = 1,
+        "CPU fused engine: a @ b (+ bias) multiplied as a gemm_allreduce call on `world` local ranks multiplies it "
+        "(its tiles, packed B panels), without communication (benchmarks)");
   m.def("_packed_b_available", &gemm_ar::cpu::packed_b_gemm_available,
         "whether torch's BLAS has the packed GEMM the CPU engine's tiles use (oneMKL)");
   m.def("_computes_in_fp32", [](const at::Tensor& t) { return gemm_ar::computes_in_fp32(t); },

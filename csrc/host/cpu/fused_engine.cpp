@@ -264,14 +264,19 @@ void FusedEngine::ring_peers() const {
   }
 }
 
-std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
-  config_ = engine_config(world_);
-  if (call.op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
-    config_ = row_epilogue_geometry(config_, call.m, call.n, world_);
-  } else if ((call.op == kOpGemmAllreduce || call.op == kOpGemmReduceScatter) &&
-             engine_switches().wide_row_panels.load()) {
-    config_ = wide_row_geometry(config_, call.m, call.n, world_);
+EngineConfig call_config(int64_t op, int64_t m, int64_t n, int world) {
+  const EngineConfig config = engine_config(world);
+  if (op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
+    return row_epilogue_geometry(config, m, n, world);
   }
+  if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
+    return wide_row_geometry(config, m, n, world);
+  }
+  return config;
+}
+
+std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
+  config_ = call_config(call.op, call.m, call.n, world_);
   ++epoch_;
   signature_ = call_signature(call, chosen);
   // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too.

@@ -20,6 +20,11 @@
 
 namespace gemm_ar::cpu {
 
+// The engine's configuration for one call of `op` (OpKind) of M x N on `world` local ranks: the settings
+// (engine_config) with the op's own tile geometry (add+RMSNorm: row_epilogue_geometry; gemm_allreduce and
+// gemm_reduce_scatter: wide_row_geometry) where the engine switches allow it.
+EngineConfig call_config(int64_t op, int64_t m, int64_t n, int world);
+
 class FusedEngine {
  public:
   // The engine of `group`; the first call for a group is collective (all its ranks make it, as they do for the
