@@ -4,7 +4,6 @@
 
 #include "common/call_args.h"
 #include "common/local_gemm.h"
-#include "cpu/fused_call.h"
 #include "cpu/fused_engine.h"
 #include "cpu/packed_b_panels.h"
 
@@ -23,11 +22,8 @@ at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std:
   TORCH_CHECK(make_tile_plan(&plan, m, n, k, config.base_m, config.base_n, 1, 1, config.sub_m),
               "engine_tile_walk: invalid tile plan for M=", m, " N=", n, " K=", k);
   LocalGemm gemm(a, b, bias, /*add_bias=*/true);
-  std::optional<PackedBPanels> panels;  // as FusedEngine::run packs them
-  if (engine_switches().packed_b.load() && config.compute_blocks == 1 && plan.m_tiles >= 2) {
-    panels.emplace(gemm.b(), plan.base_n, plan.base_m);
-    if (panels->usable()) gemm.use_panels(&*panels);
-  }
+  std::optional<PackedBPanels> panels;
+  use_packed_panels(gemm, plan, config.compute_blocks, panels);
   at::Tensor out = at::empty({m, n}, a.options().dtype(gemm.compute_dtype()));
   for (int64_t t = 0; t < plan.tiles; ++t) {
     const int64_t mi = tile_row(plan, t), ni = tile_col(plan, t);

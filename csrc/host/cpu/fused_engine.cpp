@@ -275,6 +275,15 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t n, int world) {
   return config;
 }
 
+void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,
+                       std::optional<PackedBPanels>& panels) {
+  // Worth it from two tile rows on. One compute thread only: the packed GEMM threads as oneMKL is told, not as
+  // ATen's parallel regions are.
+  if (!engine_switches().packed_b.load() || compute_blocks != 1 || plan.m_tiles < 2) return;
+  panels.emplace(gemm.b(), plan.base_n, plan.base_m);
+  if (panels->usable()) gemm.use_panels(&*panels);
+}
+
 std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   config_ = call_config(call.op, call.m, call.n, world_);
   ++epoch_;
@@ -515,13 +524,8 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
   prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
-  // B's panels packed once for every tile row (cpu/packed_b_panels.h): worth it from two tile rows on. One compute
-  // thread only: the packed GEMM threads as oneMKL is told, not as ATen's parallel regions are.
   std::optional<PackedBPanels> panels;
-  if (engine_switches().packed_b.load() && job.compute_blocks == 1 && job.plan.m_tiles >= 2) {
-    panels.emplace(gemm.b(), job.plan.base_n, job.plan.base_m);
-    if (panels->usable()) gemm.use_panels(&*panels);
-  }
+  use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
   auto out = add_into.defined() ? add_into : pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);

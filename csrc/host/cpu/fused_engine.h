@@ -5,8 +5,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <condition_variable>
+#include <gemm_ar/tile_plan.hpp>
+
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -16,6 +19,7 @@
 #include "common/rank_agreement.h"
 #include "cpu/engine_config.h"
 #include "cpu/fused_call.h"
+#include "cpu/packed_b_panels.h"
 #include "cpu/window_set.h"
 
 namespace gemm_ar::cpu {
@@ -24,6 +28,11 @@ namespace gemm_ar::cpu {
 // (engine_config) with the op's own tile geometry (add+RMSNorm: row_epilogue_geometry; gemm_allreduce and
 // gemm_reduce_scatter: wide_row_geometry) where the engine switches allow it.
 EngineConfig call_config(int64_t op, int64_t m, int64_t n, int world);
+
+// B's panels packed once for every tile row of `plan` (cpu/packed_b_panels.h) where the engine packs them: `gemm`
+// then multiplies through `panels`, which must outlive its calls.
+void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,
+                       std::optional<PackedBPanels>& panels);
 
 class FusedEngine {
  public:
