@@ -49,7 +49,7 @@ def decision_for(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, *, 
 
     if isinstance(group, str):
         group = _resolve_process_group(group)
-    world = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    world = dist.get_world_size(group)
     name = _C._tuner_decision_for(group_name_of(group), world, int(m), int(k), int(n), dtype, bool(bias),
                                   str(device))
     return name or None

@@ -180,10 +180,16 @@ std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available
   return out;
 }
 
+// A bucket's identity: the one place that lays out its fields.
+FastKey bucket_of(const std::string& group_name, int64_t op, int64_t world, int64_t m, int64_t k, int64_t n,
+                  at::ScalarType dtype, bool bias, c10::DeviceType device, bool fused_available) {
+  return FastKey{group_name, {op, world, next_power_of_two(m), k, n, static_cast<int64_t>(dtype), bias ? 1 : 0,
+                              static_cast<int64_t>(device), fused_available ? 1 : 0}};
+}
+
 FastKey fast_key(const CallArgs& call, c10d::ProcessGroup& group, const at::Device& device, bool fused_available) {
-  return FastKey{group.getGroupName(),
-                 {call.op, group.getSize(), next_power_of_two(call.m), call.k, call.n, static_cast<int64_t>(call.dtype),
-                  call.bias.has_value() ? 1 : 0, static_cast<int64_t>(device.type()), fused_available ? 1 : 0}};
+  return bucket_of(group.getGroupName(), call.op, group.getSize(), call.m, call.k, call.n, call.dtype,
+                   call.bias.has_value(), device.type(), fused_available);
 }
 
 // The bucket's persisted key (the tune cache's format), written out from its numeric identity.
@@ -520,9 +526,8 @@ std::string AutoTuner::decision_for(const std::string& group_name, int64_t world
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto g = state_->groups.find(group_name);
   if (g == state_->groups.end()) return "";
-  for (const int64_t fused : {1, 0}) {  // whether fused was available: the bucket of the calls made
-    const FastKey fast{group_name, {kOpGemmAllreduce, world, next_power_of_two(m), k, n, static_cast<int64_t>(dtype),
-                                    bias ? 1 : 0, static_cast<int64_t>(device), fused}};
+  for (const bool fused : {true, false}) {  // whether fused was available: the bucket of the calls made
+    const FastKey fast = bucket_of(group_name, kOpGemmAllreduce, world, m, k, n, dtype, bias, device, fused);
     auto b = g->second.buckets.find(bucket_key(fast));
     if (b != g->second.buckets.end() && b->second.decided) return algorithm_name(b->second.decision);
   }
