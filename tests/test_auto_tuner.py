@@ -131,6 +131,40 @@ def test_caches_that_differ_between_ranks_are_not_trusted(ranks, tmp_path):
     assert results[0][0]["algorithm"] == results[1][0]["algorithm"]
 
 
+def cache_kept_across_builds(rank, world, seed, directory, reps):
+    """Tunes one bucket, then (as other processes would) adds to the file: an entry in this build's section, a section
+    of an older build of this host, a section of another host. Tuning a second bucket must keep the other process's
+    entry and the other host, and drop the older build."""
+    path = os.path.join(directory, f"rank{rank}.json")  # per rank: the edits below are not a race between ranks
+    fresh_tuner(path)
+    for i in range(3 * reps + 1):
+        checked_auto_call(rank, world, seed + i, 100, 40, 90)
+    with open(path) as f:
+        data = json.load(f)
+    (fingerprint,) = data
+    host, build = fingerprint.split(" | torch_gemm_ar ")
+    older = f"{host} | torch_gemm_ar 0.0.0 (sources 000000000000) | torch 1.0.0"
+    elsewhere = f"Another CPU | 96 cores | torch_gemm_ar {build}"
+    data[fingerprint]["m<=1 k=1 n=1 from another process"] = "sequential"
+    data[older] = {"m<=128 k=40 n=90 of an older build": "fused"}
+    data[elsewhere] = {"m<=128 k=40 n=90 elsewhere": "chunked"}
+    with open(path, "w") as f:
+        json.dump(data, f)
+    for i in range(3 * reps + 1):  # a second bucket (another K): its decision is written into the file
+        checked_auto_call(rank, world, seed + 50 + i, 100, 56, 90)
+    with open(path) as f:
+        return fingerprint, older, elsewhere, json.load(f), [d["bucket"] for d in tuning.decisions()]
+
+
+def test_the_cache_keeps_other_processes_and_hosts_and_drops_older_builds(ranks, tmp_path):
+    os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS", None)
+    for fingerprint, older, elsewhere, data, buckets in ranks(2).run(cache_kept_across_builds, 31, str(tmp_path), 3):
+        assert len(buckets) == 2, buckets
+        assert set(data) == {fingerprint, elsewhere}, list(data)  # the older build's section is gone
+        assert set(data[fingerprint]) == set(buckets) | {"m<=1 k=1 n=1 from another process"}, data[fingerprint]
+        assert data[elsewhere] == {"m<=128 k=40 n=90 elsewhere": "chunked"}
+
+
 def tune_ahead(rank, world, cache_path):
     fresh_tuner(cache_path)
     taken = torch_gemm_ar.tune([(1, 64, 96), (300, 64, 96)], dtype=torch.float32)

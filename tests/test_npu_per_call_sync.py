@@ -16,11 +16,10 @@ calls that do not run the kernels (with negative controls that move or loosen th
 import concurrent.futures
 import os
 import re
-import subprocess
 
 import pytest
 
-from test_npu_host_compile import HEADERS_MISSING, ROOT, _demangle, _symbols, compile_command
+from test_npu_host_compile import HEADERS_MISSING, ROOT, _demangle, _symbols
 
 pytestmark = pytest.mark.skipif(
     HEADERS_MISSING, reason="torch-npu 2.13.0 headers not found: set TORCH_NPU_ROOT (see test_npu_host_compile.py)"
@@ -86,11 +85,6 @@ ALLOWED_PROJECT_CALLS = {
 }
 
 
-def _compile(source, out_dir):
-    obj = os.path.join(out_dir, os.path.basename(source) + ".o")
-    proc = subprocess.run(compile_command(source, obj), capture_output=True, text=True)
-    assert proc.returncode == 0, f"{source} does not compile:\n{proc.stderr[-6000:]}"
-    return obj
 
 
 def _strip_comments(text):
@@ -199,7 +193,7 @@ def _needs_object(name):
 
 
 @pytest.fixture(scope="module")
-def injected(tmp_path_factory):
+def injected(tmp_path_factory, npu_objects):
     """name -> (broken source path, its object). The injections caught by symbols or reach are compiled one by one;
     the ones caught in the source text are compiled once together (which shows each is real C++ at that spot) and
     checked with the unbroken object. All compiles run in parallel."""
@@ -219,7 +213,10 @@ def injected(tmp_path_factory):
         f.write(_injected_source(source_only))
     jobs["source_only_together"] = together
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        objects = dict(zip(jobs, pool.map(lambda src: _compile(src, os.path.dirname(src)), jobs.values())))
+        results = dict(zip(jobs, pool.map(lambda src: npu_objects.compile(src, src + ".o"), jobs.values())))
+    for name, result in results.items():
+        assert result.returncode == 0, f"{jobs[name]} does not compile:\n{result.stderr[-6000:]}"
+    objects = {name: result.obj for name, result in results.items()}
     return {name: (sources[name], objects.get(name)) for name in INJECTIONS}
 
 

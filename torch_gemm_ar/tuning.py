@@ -14,7 +14,8 @@ last rank's end (an early rank's wait for a late one is not the algorithm's cost
 Decisions are logged on the `torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host
 fingerprint (CPU model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
-has the same one. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
+has the same one. Writing a decision keeps other processes' decisions and other hosts' sections and drops this
+host's sections of other builds. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
 """
 import logging
 import os

@@ -213,7 +213,6 @@ double quantile(std::vector<double> v, size_t numerator, size_t denominator) {
 }
 double median(const std::vector<double>& v) { return quantile(v, 1, 2); }
 double lower_quartile(const std::vector<double>& v) { return quantile(v, 1, 4); }
-double upper_quartile(const std::vector<double>& v) { return quantile(v, 3, 4); }
 
 // The previous step's time as the group saw it. On one time line: from the last rank's start to the last rank's
 // end (what a tensor-parallel step waits for once everyone has arrived; an early rank's wait for a late one is
@@ -449,10 +448,8 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
           bucket.decided = true;
           bucket.decision = bucket.candidates[winner];
           st.remember(std::move(decision));
-          auto& cached = st.file[st.fingerprint];
-          if (cached.size() >= kMaxCachedPerHost && cached.count(bucket.key) == 0) cached.erase(cached.begin());
-          cached[bucket.key] = algorithm_name(bucket.decision);
-          save_tune_cache(cache_path(), st.file);
+          st.file[st.fingerprint][bucket.key] = algorithm_name(bucket.decision);
+          update_tune_cache(cache_path(), st.file, st.fingerprint, kMaxCachedPerHost);
         } else {
           plan_round(bucket);
         }

@@ -30,23 +30,26 @@ std::string cpu_model() {
   return "unknown cpu";
 }
 
-// The line after `"key": ` up to the closing quote, or "" when the line does not have that form.
-bool parse_entry(const std::string& line, std::string* key, std::string* value) {
-  const auto k0 = line.find('"');
-  const auto k1 = k0 == std::string::npos ? k0 : line.find('"', k0 + 1);
-  if (k1 == std::string::npos) return false;
-  *key = line.substr(k0 + 1, k1 - k0 - 1);
-  const auto colon = line.find(':', k1);
-  if (colon == std::string::npos) return false;
-  const auto v0 = line.find('"', colon);
-  if (v0 == std::string::npos) {
-    value->clear();  // an object opens: `"fingerprint": {`
-    return line.find('{', colon) != std::string::npos;
+// The JSON string that starts at text[i] (a quote), its escapes undone; `i` ends past its closing quote.
+bool read_string(const std::string& text, size_t& i, std::string* out) {
+  out->clear();
+  for (++i; i < text.size(); ++i) {
+    if (text[i] == '\\') {
+      if (++i < text.size()) out->push_back(text[i]);
+    } else if (text[i] == '"') {
+      ++i;
+      return true;
+    } else {
+      out->push_back(text[i]);
+    }
   }
-  const auto v1 = line.find('"', v0 + 1);
-  if (v1 == std::string::npos) return false;
-  *value = line.substr(v0 + 1, v1 - v0 - 1);
-  return true;
+  return false;
+}
+
+// "cpu | cores" of a fingerprint (host_fingerprint's layout), or "" when it has no build part.
+std::string host_part(const std::string& fingerprint) {
+  const auto build = fingerprint.find(" | torch_gemm_ar ");
+  return build == std::string::npos ? std::string() : fingerprint.substr(0, build);
 }
 
 }  // namespace
@@ -73,16 +76,38 @@ std::string host_fingerprint() {
 
 void load_tune_cache(const std::string& path, TuneCacheFile& file) {
   std::ifstream in(path);
-  std::string line, key, value, section;
-  while (std::getline(in, line)) {
-    if (!parse_entry(line, &key, &value)) continue;
-    if (value.empty()) {
-      section = key;
-    } else if (!section.empty() && parse_algorithm(value).has_value()) {
-      file[section][key] = value;
+  std::stringstream whole;
+  whole << in.rdbuf();
+  const std::string text = whole.str();
+  // The file's shape is {"fingerprint": {"bucket": "algorithm", ...}, ...}, in any layout (a user may have
+  // reformatted it). Whatever else it holds is skipped: a damaged cache only costs re-tuning.
+  int depth = 0;
+  bool have_key = false;
+  std::string section, key, value;
+  for (size_t i = 0; i < text.size();) {
+    const char c = text[i];
+    if (c == '"') {
+      if (!read_string(text, i, have_key ? &value : &key)) return;
+      if (have_key && depth == 2 && !section.empty() && parse_algorithm(value).has_value()) file[section][key] = value;
+      have_key = !have_key;
+      continue;
     }
+    if (c == '{' || c == '[') {
+      ++depth;
+      if (depth == 2) section = c == '{' && have_key ? key : std::string();
+      have_key = false;
+    } else if (c == '}' || c == ']') {
+      if (depth == 2) section.clear();
+      --depth;
+      have_key = false;
+    } else if (c == ',') {
+      have_key = false;
+    }
+    ++i;
   }
 }
+
+namespace {
 
 // Written whole to a private temporary file, then renamed over the cache: readers never see half a file, and
 // ranks of one host writing at once leave one complete version (they hold the same decisions).
@@ -106,6 +131,33 @@ void save_tune_cache(const std::string& path, const TuneCacheFile& file) {
     out << "}\n";
   }
   std::rename(tmp.c_str(), path.c_str());
+}
+
+}  // namespace
+
+void update_tune_cache(const std::string& path, TuneCacheFile& file, const std::string& fingerprint,
+                       size_t max_per_section) {
+  TuneCacheFile merged;
+  load_tune_cache(path, merged);
+  for (const auto& [section, entries] : file) {
+    for (const auto& [key, algorithm] : entries) merged[section][key] = algorithm;
+  }
+  // Every rebuild has a fingerprint of its own (the sources' hash): without this the file would keep a dead section
+  // per rebuild. Another host's sections stay (a home directory may be shared between machines).
+  const std::string host = host_part(fingerprint);
+  for (auto it = merged.begin(); it != merged.end();) {
+    const bool stale = it->first != fingerprint && !host.empty() && host_part(it->first) == host;
+    it = stale ? merged.erase(it) : std::next(it);
+  }
+  for (auto& [section, entries] : merged) {  // over the bound: other processes' entries go first
+    const auto own = file.find(section);
+    for (auto e = entries.begin(); entries.size() > max_per_section && e != entries.end();) {
+      const bool mine = own != file.end() && own->second.count(e->first) != 0;
+      e = mine ? std::next(e) : entries.erase(e);
+    }
+  }
+  file = std::move(merged);
+  save_tune_cache(path, file);
 }
 
 }  // namespace gemm_ar
