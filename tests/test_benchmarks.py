@@ -144,6 +144,16 @@ def test_auto_under_a_floor_only_by_noise_is_told_apart_from_auto_below_it():
     assert result["auto_below_best_floor"][0]["interval"] == [pytest.approx(1 / 1.1)] * 2
 
 
+def test_target_cells_say_ok_over_or_miss_by_the_interval():
+    def cell(estimate, low, high):
+        return report.target_cell({"estimate": estimate, "low": low, "high": high}, 1.08)
+
+    assert cell(1.05, 1.01, 1.09) == "1.050 (1.010-1.090) ok"
+    assert cell(1.10, 1.07, 1.13) == "1.100 (1.070-1.130) over"  # the interval reaches 1.08
+    assert cell(1.10, 1.09, 1.12) == "1.100 (1.090-1.120) MISS"
+    assert report.target_cell(None, 1.08) == "-"
+
+
 def test_paired_speedup_is_the_median_ratio_with_a_reproducible_interval():
     speed = metrics.paired_speedup([2.0, 2.0, 2.0, 4.0], [1.0, 1.0, 2.0, 1.0])
     assert speed["estimate"] == pytest.approx(2.0) and speed["iterations"] == 4
@@ -313,8 +323,12 @@ def test_bench_cpu_fused_end_to_end(tmp_path):
         rows = check_shape_summary(summary, "float32", iters=2)
         assert list(rows) == ["compute_only", "engine_gemm", "fused_sequential", "fused", "baseline"]
         assert summary["ratios"]["engine_gemm_over_compute_only"] > 0
+        paired = summary["ratios"]["engine_gemm_over_compute_only_paired"]
+        assert 0 < paired["low"] <= paired["estimate"] <= paired["high"]
         if rows["fused"]["available"]:
             assert summary["ratios"]["fused_over_compute_only"] > 0
+            paired = summary["ratios"]["fused_over_compute_only_paired"]
+            assert 0 < paired["low"] <= paired["estimate"] <= paired["high"]
     assert "fused/compute" in stdout and "engine GEMM/compute" in stdout
 
 

@@ -70,12 +70,12 @@ def shape_table(summary: dict) -> str:
     title = (f"M={shape['m']} K={shape['k']} N={shape['n']} {dtype}{' +bias' if shape['bias'] else ''}, "
              f"{shape['world']} ranks, {summary['settings']['iters']} timed iterations per row")
     lines = [title, format_table(headers, body)]
-    walk = summary.get("ratios", {}).get("engine_gemm_over_compute_only")
-    if walk is not None:
-        lines.append(f"engine GEMM only / compute-only = {walk:.3f} (target <= {ENGINE_GEMM_TARGET:.2f})")
-    ratio = summary.get("ratios", {}).get("fused_over_compute_only")
-    if ratio is not None:
-        lines.append(f"fused / compute-only = {ratio:.3f} (target <= {fused_target(dtype):.2f})")
+    ratios = summary.get("ratios", {})
+    for key, label, target in (("engine_gemm", "engine GEMM only", ENGINE_GEMM_TARGET),
+                               ("fused", "fused", fused_target(dtype))):
+        if ratios.get(f"{key}_over_compute_only") is not None:
+            lines.append(f"{label} / compute-only = {target_cell(ratios.get(f'{key}_over_compute_only_paired'), target)}"
+                         f" (target <= {target:.2f}; the ratio of the medians: {ratios[f'{key}_over_compute_only']:.3f})")
     lines.extend(notes)
     return "\n".join(lines)
 
@@ -91,6 +91,18 @@ ENGINE_GEMM_TARGET = 1.02
 
 def fused_target(dtype: str) -> float:
     return FUSED_OVER_COMPUTE_TARGETS.get(str(dtype).replace("torch.", ""), 1.08)
+
+
+def target_cell(paired: Optional[dict], target: float) -> str:
+    """'1.071 (1.032-1.105) ok': a ratio to compute-only per iteration (metrics.paired_speedup's estimate, low and
+    high) and the verdict against `target`: ok when the estimate meets it, MISS when the whole 95% interval is over
+    it, else "over" (the run cannot tell it from noise)."""
+    if not paired:
+        return "-"
+    text = f"{paired['estimate']:.3f} ({paired['low']:.3f}-{paired['high']:.3f})"
+    if paired["estimate"] <= target:
+        return text + " ok"
+    return text + (" over" if paired["low"] <= target else " MISS")
 
 
 LEGEND = """\
