@@ -12,6 +12,7 @@ import torch
 
 import torch_gemm_ar
 from expect import raises
+from scoped_env import scoped_env
 from inputs import TOLERANCE, reference, shard, weight
 from torch_gemm_ar import _C, tuning
 
@@ -132,9 +133,10 @@ def test_caches_that_differ_between_ranks_are_not_trusted(ranks, tmp_path):
 
 
 def cache_kept_across_builds(rank, world, seed, directory, reps):
-    """Tunes one bucket, then (as other processes would) adds to the file: an entry in this build's section, a section
-    of an older build of this host, a section of another host. Tuning a second bucket must keep the other process's
-    entry and the other host, and drop the older build."""
+    """Tunes one bucket, then (as other processes would) adds to the file: an entry in this build's section, four
+    sections of other builds of this host (three written at known times, one never stamped), a section of another
+    host; written on one line (a reformatted file must still be read). Tuning a second bucket must keep the other
+    process's entry, the other host, and of this host's other builds the three written last."""
     path = os.path.join(directory, f"rank{rank}.json")  # per rank: the edits below are not a race between ranks
     fresh_tuner(path)
     for i in range(3 * reps + 1):
@@ -142,27 +144,62 @@ def cache_kept_across_builds(rank, world, seed, directory, reps):
     with open(path) as f:
         data = json.load(f)
     (fingerprint,) = data
+    assert int(data[fingerprint]["written at"]) > 1_700_000_000, data[fingerprint]
     host, build = fingerprint.split(" | torch_gemm_ar ")
-    older = f"{host} | torch_gemm_ar 0.0.0 (sources 000000000000) | torch 1.0.0"
+    older = {f"{host} | torch_gemm_ar 0.0.{i} (sources 00000000000{i}) | torch 1.0.0": {"written at": str(stamp)}
+             for i, stamp in enumerate([300, 100, 200, None])}
+    for name, section in older.items():
+        section["m<=128 k=40 n=90 of an older build"] = "fused"
+        if section["written at"] == "None":
+            del section["written at"]
     elsewhere = f"Another CPU | 96 cores | torch_gemm_ar {build}"
     data[fingerprint]["m<=1 k=1 n=1 from another process"] = "sequential"
-    data[older] = {"m<=128 k=40 n=90 of an older build": "fused"}
+    data.update(older)
     data[elsewhere] = {"m<=128 k=40 n=90 elsewhere": "chunked"}
     with open(path, "w") as f:
         json.dump(data, f)
     for i in range(3 * reps + 1):  # a second bucket (another K): its decision is written into the file
         checked_auto_call(rank, world, seed + 50 + i, 100, 56, 90)
     with open(path) as f:
-        return fingerprint, older, elsewhere, json.load(f), [d["bucket"] for d in tuning.decisions()]
+        return fingerprint, list(older), elsewhere, json.load(f), [d["bucket"] for d in tuning.decisions()]
 
 
-def test_the_cache_keeps_other_processes_and_hosts_and_drops_older_builds(ranks, tmp_path):
+def test_the_cache_keeps_other_processes_hosts_and_the_last_builds(ranks, tmp_path):
     os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS", None)
     for fingerprint, older, elsewhere, data, buckets in ranks(2).run(cache_kept_across_builds, 31, str(tmp_path), 3):
         assert len(buckets) == 2, buckets
-        assert set(data) == {fingerprint, elsewhere}, list(data)  # the older build's section is gone
-        assert set(data[fingerprint]) == set(buckets) | {"m<=1 k=1 n=1 from another process"}, data[fingerprint]
+        # Four builds per host: this one and the three written last (300, 200, 100); the unstamped one is gone.
+        assert set(data) == {fingerprint, elsewhere, *older[:3]}, list(data)
+        assert set(data[fingerprint]) == set(buckets) | {"m<=1 k=1 n=1 from another process", "written at"}
         assert data[elsewhere] == {"m<=128 k=40 n=90 elsewhere": "chunked"}
+    assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]
+
+
+def single_candidate(rank, world, seed, cache_path):
+    """The engine off (as on ranks of several hosts) and M=1 (no row per chunk): sequential is auto's only candidate.
+    Its bucket is decided at the first call, with nothing measured, logged or cached."""
+    import torch.distributed as dist
+
+    fresh_tuner(cache_path)
+    with scoped_env(TORCH_GEMM_AR_CPU_ENGINE="0"):  # read when the group's engine is set up, at its first call
+        group = dist.new_group(list(range(world)))
+        torch_gemm_ar.gemm_allreduce(torch.ones(1, 1), torch.ones(1, 1), group, algorithm="sequential")
+    try:
+        b = weight(seed, 40, 90, torch.float32, transposed=False)
+        shards = [shard(seed, r, 1, 40, torch.float32) for r in range(world)]
+        for _ in range(3):
+            out = torch_gemm_ar.gemm_allreduce(shards[rank], b, group, algorithm="auto")
+            torch.testing.assert_close(out.double(), reference(shards, b), rtol=1e-4, atol=1e-4 * (40 * world) ** 0.5)
+        return (tuning.decision_for(1, 40, 90, group=group), tuning.in_progress(group), tuning.decisions(),
+                os.path.exists(cache_path))
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_a_bucket_with_one_candidate_is_decided_at_once(ranks, tmp_path):
+    for decision, in_progress, decisions, cached in ranks(2).run(single_candidate, 41, str(tmp_path / "t.json")):
+        assert decision == "sequential" and not in_progress, (decision, in_progress)
+        assert decisions == [] and not cached, decisions
 
 
 def tune_ahead(rank, world, cache_path):

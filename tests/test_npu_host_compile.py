@@ -96,18 +96,41 @@ def _without_output(command):
     return [arg for arg in command[:i] + command[i + 2:] if arg != "-c"]
 
 
-def included_headers(source):
-    """Every header `source` includes, directly or not (preprocessing only, gcc -H: about 1.5 s)."""
+def include_tree(source):
+    """(depth, path) of every header `source` includes, in the order the preprocessor enters them (gcc -H;
+    preprocessing only, about 1.5 s)."""
     proc = subprocess.run(_without_output(compile_command(source, os.devnull)) + ["-E", "-H", "-o", os.devnull],
                           capture_output=True, text=True)
-    return [line.lstrip(". ") for line in proc.stderr.splitlines() if line.startswith(".")]
+    tree = []
+    for line in proc.stderr.splitlines():
+        dots = len(line) - len(line.lstrip("."))
+        if dots and line[dots:dots + 1] == " ":
+            tree.append((dots, line[dots + 1:]))
+    return tree
+
+
+def precompiled_header_changes_nothing(tree, project_root):
+    """Whether forcing PRECOMPILED in first changes nothing for the project's own code: the source includes every
+    header of it, and no project header is finished before the last of them is entered (one that were could use
+    at:: without including ATen, and the forced header would hide that)."""
+    missing, open_headers = set(PRECOMPILED), []
+    for depth, path in tree:
+        while len(open_headers) >= depth:  # the ones at this depth or deeper are finished
+            if open_headers.pop().startswith(project_root):
+                return False
+        open_headers.append(path)
+        missing -= {h for h in missing if path.endswith("/" + h)}
+        if not missing:
+            return True
+    return False
 
 
 class ObjectCache:
     """Host sources compiled with compile_command, each once per test session, as many at a time as there are cores:
     this file and test_npu_per_call_sync.py share them (tests/conftest.py `npu_objects`). A source that includes
-    every header of PRECOMPILED itself gets them from the precompiled header (gcc -include, which then changes
-    nothing but the time); any other source is compiled without it, so a missing #include still fails."""
+    every header of PRECOMPILED itself, before any project header of its own is finished, gets them from the precompiled
+    header (gcc -include, which then changes nothing but the time); any other source is compiled without it, so a
+    missing #include still fails."""
 
     def __init__(self, out_dir):
         self._out_dir, self._done, self._lock = str(out_dir), {}, threading.Lock()
@@ -129,8 +152,7 @@ class ObjectCache:
             return self._pch
 
     def uses_precompiled(self, source):
-        included = included_headers(source)
-        return all(any(path.endswith("/" + h) for path in included) for h in PRECOMPILED)
+        return precompiled_header_changes_nothing(include_tree(source), os.path.join(ROOT, "csrc") + os.sep)
 
     def compile(self, source, obj):
         """Compiles `source` into `obj` (the precompiled header only when the source includes its headers)."""
@@ -176,6 +198,18 @@ def test_a_source_missing_an_include_fails_although_the_precompiled_header_has_i
     forced[1:1] = ["-include", npu_objects.precompiled_header()]
     proc = subprocess.run(forced, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_precompiled_header_is_not_used_where_it_would_hide_a_header_missing_an_include(tmp_path):
+    # A header of the project's own that uses ATen without including it, finished before ATen comes in.
+    (tmp_path / "uses_aten.h").write_text("#pragma once\nat::Tensor twice(const at::Tensor& t);\n")
+    heavy = "".join(f"#include <{h}>\n" for h in PRECOMPILED)
+    header_first, header_last = tmp_path / "header_first.cpp", tmp_path / "header_last.cpp"
+    header_first.write_text('#include "uses_aten.h"\n' + heavy)
+    header_last.write_text(heavy + '#include "uses_aten.h"\n')
+    root = str(tmp_path) + os.sep
+    assert not precompiled_header_changes_nothing(include_tree(str(header_first)), root)
+    assert precompiled_header_changes_nothing(include_tree(str(header_last)), root)
 
 
 def test_there_are_npu_sources():

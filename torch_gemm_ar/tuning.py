@@ -3,7 +3,7 @@ before serving or before graph capture.
 
 The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) race the
 candidate algorithms in rounds: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
-candidate over 2% slower than the leader in three rounds of four (the lower quartile of its paired ratios) leaves the
+candidate over 2% slower than the leader in at least three of every four rounds (its paired ratios) leaves the
 race, and the rest run more rounds while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default
 2000), up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The leader and winner is the candidate with the lowest
 median of its runs relative to each round's fastest run (a round's candidates run back to back, so a slow spell of
@@ -14,8 +14,8 @@ last rank's end (an early rank's wait for a late one is not the algorithm's cost
 Decisions are logged on the `torch_gemm_ar.tuning` logger and kept in memory per group, and in a JSON file per host
 fingerprint (CPU model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
-has the same one. Writing a decision keeps other processes' decisions and other hosts' sections and drops this
-host's sections of other builds. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
+has the same one. Writing a decision (under a lock file beside it) keeps other processes' decisions, other hosts'
+sections and this host's sections of the 4 builds that wrote last. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
 """
 import logging
 import os
@@ -50,9 +50,11 @@ def decision_for(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, *, 
 
     if isinstance(group, str):
         group = _resolve_process_group(group)
+    group_name = group_name_of(group)  # the library's message for what is not a usable group
     world = dist.get_world_size(group)
-    name = _C._tuner_decision_for(group_name_of(group), world, int(m), int(k), int(n), dtype, bool(bias),
-                                  str(device))
+    if world < 1:
+        raise ValueError(f"decision_for: this rank is not a member of group {group_name!r}")
+    name = _C._tuner_decision_for(group_name, world, int(m), int(k), int(n), dtype, bool(bias), str(device))
     return name or None
 
 

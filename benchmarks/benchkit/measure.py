@@ -95,7 +95,7 @@ def measure_shape(env: DistEnv, shape: Shape, row_keys: List[str], settings: Set
     if "auto" in rows and tune is not None and os.environ.get("TORCH_GEMM_AR_AUTOTUNE", "1") != "0":
         # auto's first calls on a shape time every candidate: decide before timing, as a server would with tune().
         k = sets[0].a.shape[-1]
-        tune([(shape.m, k, shape.n)], env.group, shape.dtype, bias=shape.bias)
+        tune([(shape.m, k, shape.n)], env.group, shape.dtype, bias=shape.bias, device=env.device)
         auto_choice = _decided(env.library, shape, k, env.group, env.device)
     status = _probe_and_check(env, rows, references)
     for key, entry in status.items():

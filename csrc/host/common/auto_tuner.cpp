@@ -203,8 +203,8 @@ std::string bucket_key(const FastKey& fast) {
   return tune_cache_text(os.str());
 }
 
-// Order statistics of a candidate's runs. Its time is the median (what a steady stream of calls mostly costs: a
-// gloo all_reduce's long wake-up tail is part of sequential's cost); its lower quartile says how fast it can be.
+// A candidate's time is the median of its runs (what a steady stream of calls mostly costs: a gloo all_reduce's long
+// wake-up tail is part of sequential's cost).
 double quantile(std::vector<double> v, size_t numerator, size_t denominator) {
   if (v.empty()) return 0.0;
   const auto q = v.begin() + static_cast<std::ptrdiff_t>((v.size() - 1) * numerator / denominator);
@@ -212,7 +212,6 @@ double quantile(std::vector<double> v, size_t numerator, size_t denominator) {
   return *q;
 }
 double median(const std::vector<double>& v) { return quantile(v, 1, 2); }
-double lower_quartile(const std::vector<double>& v) { return quantile(v, 1, 4); }
 
 // The previous step's time as the group saw it. On one time line: from the last rank's start to the last rank's
 // end (what a tensor-parallel step waits for once everyone has arrived; an early rank's wait for a late one is
@@ -251,8 +250,8 @@ double budget_seconds() {
 // How much slower than the leader a candidate must be in three rounds of four to leave the race: candidates that
 // cost the same stay in it (either would do; the margin keeps timer jitter from deciding).
 constexpr double kClearlySlower = 1.02;
-// Runs before a candidate may leave: with 3, the quartiles are the fastest run and the median, and one burst of
-// load from elsewhere took fused out behind sequential that it beats by 1.24x (issue 11, a quick sweep's M512 K1792).
+// Runs before a candidate may leave: with 3 (two slower rounds of three sufficed then), one burst of load from
+// elsewhere took fused out behind sequential that it beats by 1.24x (issue 11, a quick sweep's M512 K1792).
 constexpr int64_t kRunsBeforeLeaving = 4;
 
 // Candidate i's runs, each over the fastest run of its round (1.0: it was the round's fastest). samples[i][r] is
@@ -282,6 +281,12 @@ std::vector<double> paired_ratios(const TuneBucket& bucket, size_t i, size_t lea
   return out;
 }
 
+// Over kClearlySlower in at least three of every four rounds (three of four, four of five, five of six, ...).
+bool clearly_slower(const std::vector<double>& ratios) {
+  const auto slower = std::count_if(ratios.begin(), ratios.end(), [](double r) { return r > kClearlySlower; });
+  return !ratios.empty() && 4 * static_cast<size_t>(slower) >= 3 * ratios.size();
+}
+
 // The candidate still in the race with the lowest median relative to its rounds' fastest runs.
 size_t leader(const TuneBucket& bucket) {
   size_t best = bucket.candidates.size();
@@ -306,8 +311,7 @@ bool race_over(TuneBucket& bucket) {
   double spent = 0, next_round = 0;
   for (size_t i = 0; i < bucket.candidates.size(); ++i) {
     for (double t : bucket.samples[i]) spent += t;
-    if (may_leave && !bucket.beaten[i] && i != lead &&
-        lower_quartile(paired_ratios(bucket, i, lead)) > kClearlySlower) {
+    if (may_leave && !bucket.beaten[i] && i != lead && clearly_slower(paired_ratios(bucket, i, lead))) {
       bucket.beaten[i] = true;
     }
     if (!bucket.beaten[i]) {
@@ -369,10 +373,13 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
     bucket.key = key;
     bucket.fast = std::move(fast);
     bucket.candidates = candidates_for(call, fused_available);
-    if (bucket.candidates.size() == 1) {  // nothing to choose between
-      st.decided.clear();
-      st.groups[group.getGroupName()].buckets.erase(key);
-      return static_choice;
+    if (bucket.candidates.size() == 1) {
+      // Nothing to choose between (sequential, the only candidate without fused or a row per chunk): decided at
+      // once, so the next calls take the fast path (before, each call built the bucket again and dropped it).
+      bucket.decided = true;
+      bucket.decision = bucket.candidates.front();
+      st.decided[bucket.fast] = DecidedBucket{&group, &st.groups[group.getGroupName()], &bucket};
+      return bucket.decision;
     }
     bucket.samples.assign(bucket.candidates.size(), {});
     bucket.beaten.assign(bucket.candidates.size(), false);
@@ -449,7 +456,7 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
           bucket.decision = bucket.candidates[winner];
           st.remember(std::move(decision));
           st.file[st.fingerprint][bucket.key] = algorithm_name(bucket.decision);
-          update_tune_cache(cache_path(), st.file, st.fingerprint, kMaxCachedPerHost);
+          update_tune_cache(cache_path(), st.file, st.fingerprint, bucket.key, kMaxCachedPerHost);
         } else {
           plan_round(bucket);
         }
@@ -523,6 +530,11 @@ std::string AutoTuner::decision_for(const std::string& group_name, int64_t world
   std::lock_guard<std::mutex> lock(state_->mutex);
   auto g = state_->groups.find(group_name);
   if (g == state_->groups.end()) return "";
+  try {  // a group destroyed and created again under its name: the old one's decisions are not its
+    if (c10d::resolve_process_group(group_name).get() != g->second.identity) return "";
+  } catch (const std::exception&) {
+    return "";
+  }
   for (const bool fused : {true, false}) {  // whether fused was available: the bucket of the calls made
     const FastKey fast = bucket_of(group_name, kOpGemmAllreduce, world, m, k, n, dtype, bias, device, fused);
     auto b = g->second.buckets.find(bucket_key(fast));

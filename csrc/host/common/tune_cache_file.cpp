@@ -3,11 +3,19 @@
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/algorithm.h"
 
@@ -88,7 +96,11 @@ void load_tune_cache(const std::string& path, TuneCacheFile& file) {
     const char c = text[i];
     if (c == '"') {
       if (!read_string(text, i, have_key ? &value : &key)) return;
-      if (have_key && depth == 2 && !section.empty() && parse_algorithm(value).has_value()) file[section][key] = value;
+      if (have_key && depth == 2 && !section.empty() &&
+          (parse_algorithm(value).has_value() || (key == kTuneCacheWrittenKey && !value.empty() &&
+                                                  value.find_first_not_of("0123456789") == std::string::npos))) {
+        file[section][key] = value;
+      }
       have_key = !have_key;
       continue;
     }
@@ -112,9 +124,9 @@ namespace {
 // Written whole to a private temporary file, then renamed over the cache: readers never see half a file, and
 // ranks of one host writing at once leave one complete version (they hold the same decisions).
 void save_tune_cache(const std::string& path, const TuneCacheFile& file) {
-  std::error_code ignored;  // an unwritable cache only costs re-tuning in the next process
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
-  const std::string tmp = path + ".tmp." + std::to_string(getpid());
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);  // hosts sharing a home directory each write their own temporary file
+  const std::string tmp = path + ".tmp." + host + "." + std::to_string(getpid());
   {
     std::ofstream out(tmp);
     if (!out) return;
@@ -136,28 +148,42 @@ void save_tune_cache(const std::string& path, const TuneCacheFile& file) {
 }  // namespace
 
 void update_tune_cache(const std::string& path, TuneCacheFile& file, const std::string& fingerprint,
-                       size_t max_per_section) {
+                       const std::string& decided, size_t max_per_section) {
+  std::error_code ignored;  // an unwritable cache only costs re-tuning in the next process
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
+  // One writer at a time (flock, released by close or by the process's death): a decision that another process
+  // wrote between this one's read and its rename would be lost.
+  const int lock = ::open((path + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  if (lock >= 0) ::flock(lock, LOCK_EX);
   TuneCacheFile merged;
   load_tune_cache(path, merged);
   for (const auto& [section, entries] : file) {
-    for (const auto& [key, algorithm] : entries) merged[section][key] = algorithm;
+    for (const auto& [key, value] : entries) merged[section][key] = value;
   }
-  // Every rebuild has a fingerprint of its own (the sources' hash): without this the file would keep a dead section
-  // per rebuild. Another host's sections stay (a home directory may be shared between machines).
+  merged[fingerprint][kTuneCacheWrittenKey] = std::to_string(static_cast<long long>(std::time(nullptr)));
+  // Every rebuild has a fingerprint of its own (the sources' hash), so this host keeps only the sections its
+  // kTuneCacheBuildsPerHost builds written last have written (several environments on one host keep theirs).
+  // Another host's sections stay (a home directory may be shared between machines).
   const std::string host = host_part(fingerprint);
-  for (auto it = merged.begin(); it != merged.end();) {
-    const bool stale = it->first != fingerprint && !host.empty() && host_part(it->first) == host;
-    it = stale ? merged.erase(it) : std::next(it);
+  std::vector<std::pair<long long, std::string>> builds;  // (written at, fingerprint) of this host's sections
+  for (const auto& [section, entries] : merged) {
+    if (host.empty() || host_part(section) != host) continue;
+    const auto written = entries.find(kTuneCacheWrittenKey);
+    builds.emplace_back(written == entries.end() ? 0 : std::atoll(written->second.c_str()), section);
   }
-  for (auto& [section, entries] : merged) {  // over the bound: other processes' entries go first
-    const auto own = file.find(section);
-    for (auto e = entries.begin(); entries.size() > max_per_section && e != entries.end();) {
-      const bool mine = own != file.end() && own->second.count(e->first) != 0;
-      e = mine ? std::next(e) : entries.erase(e);
+  std::sort(builds.begin(), builds.end(), [&](const auto& x, const auto& y) {
+    return (x.second == fingerprint) != (y.second == fingerprint) ? x.second == fingerprint : x.first > y.first;
+  });
+  for (size_t i = kTuneCacheBuildsPerHost; i < builds.size(); ++i) merged.erase(builds[i].second);
+  for (auto& [section, entries] : merged) {  // over the bound: the entries first in key order go, not this one
+    for (auto e = entries.begin(); entries.size() > max_per_section + 1 && e != entries.end();) {
+      const bool keep = e->first == kTuneCacheWrittenKey || (section == fingerprint && e->first == decided);
+      e = keep ? std::next(e) : entries.erase(e);
     }
   }
   file = std::move(merged);
   save_tune_cache(path, file);
+  if (lock >= 0) ::close(lock);
 }
 
 }  // namespace gemm_ar

@@ -1,6 +1,7 @@
 // The auto tuner's decisions on disk (README, "auto"): a JSON object per host fingerprint, each mapping a bucket's
 // key to the algorithm decided for it. Written whole and renamed into place; read in any JSON layout.
 #pragma once
+#include <cstddef>
 #include <map>
 #include <string>
 
@@ -15,11 +16,17 @@ std::string host_fingerprint();
 // Adds the file's entries to `file` (a missing or unreadable file adds none; entries that name no algorithm are
 // skipped).
 void load_tune_cache(const std::string& path, TuneCacheFile& file);
-// Writes this process's decisions (`file`) into the cache: re-reads it first, so that decisions other processes
-// added since `file` was loaded stay, drops this host's sections of other builds (`fingerprint` is this build's),
-// keeps at most `max_per_section` entries per section, replaces the file whole (an unwritable cache only costs
+// A section's entry that says when it was last written (seconds since the epoch), not a bucket.
+constexpr const char* kTuneCacheWrittenKey = "written at";
+// How many builds of the library on one host keep their sections (their fingerprints differ by the sources' hash).
+constexpr size_t kTuneCacheBuildsPerHost = 4;
+
+// Writes this process's decisions (`file`, the section `fingerprint` just got `decided`) into the cache, one process
+// at a time (a lock file beside it): re-reads it first, so that decisions other processes wrote stay; keeps this
+// host's sections of the kTuneCacheBuildsPerHost builds that wrote last, every other host's, and at most
+// `max_per_section` buckets per section (never `decided`); replaces the file whole (an unwritable cache only costs
 // re-tuning in the next process) and leaves in `file` what it wrote.
 void update_tune_cache(const std::string& path, TuneCacheFile& file, const std::string& fingerprint,
-                       size_t max_per_section);
+                       const std::string& decided, size_t max_per_section);
 
 }  // namespace gemm_ar

@@ -1,5 +1,7 @@
 #include "cpu/engine_tile_walk.h"
 
+#include <ATen/Parallel.h>
+#include <gemm_ar/protocol.hpp>
 #include <gemm_ar/tile_plan.hpp>
 
 #include "common/call_args.h"
@@ -25,12 +27,20 @@ at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std:
   std::optional<PackedBPanels> panels;
   use_packed_panels(gemm, plan, config.compute_blocks, panels);
   at::Tensor out = at::empty({m, n}, a.options().dtype(gemm.compute_dtype()));
-  for (int64_t t = 0; t < plan.tiles; ++t) {
-    const int64_t mi = tile_row(plan, t), ni = tile_col(plan, t);
-    const int64_t row0 = mi * plan.base_m, col0 = ni * plan.base_n;
-    const int64_t rows = std::min(plan.base_m, m - row0), cols = tile_cols(plan, ni);
-    gemm.compute(row0, rows, col0, cols, out.narrow(0, row0, rows).narrow(1, col0, cols));
-  }
+  // The compute blocks as the engine runs them (run_compute_blocks): each its range of the zigzag walk, in parallel
+  // when the rank has the cores.
+  at::parallel_for(0, config.compute_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const Range range = block_range(plan.tiles, config.compute_blocks, block);
+      for (int64_t linear = range.begin; linear < range.end; ++linear) {
+        const int64_t t = zigzag_tile(linear, plan.n_tiles);
+        const int64_t mi = tile_row(plan, t), ni = tile_col(plan, t);
+        const int64_t row0 = mi * plan.base_m, col0 = ni * plan.base_n;
+        const int64_t rows = std::min(plan.base_m, m - row0), cols = tile_cols(plan, ni);
+        gemm.compute(row0, rows, col0, cols, out.narrow(0, row0, rows).narrow(1, col0, cols));
+      }
+    }
+  });
   return out;
 }
 

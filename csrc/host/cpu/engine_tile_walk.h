@@ -7,9 +7,10 @@
 
 namespace gemm_ar::cpu {
 
-// a @ b (+ bias) multiplied tile by tile, on this thread, in the geometry a gemm_allreduce call of the same shape on
-// `world` local ranks takes (call_config) and through B's panels packed once as the engine packs them, into a fresh
-// output of the compute dtype. No windows, no communication.
+// a @ b (+ bias) multiplied tile by tile as a gemm_allreduce call of the same shape on `world` local ranks does it:
+// its geometry and compute blocks (call_config; several blocks run in parallel as in the engine), through B's panels
+// when the engine packs them (one compute block), into a fresh output of the compute dtype. No windows, no
+// communication.
 at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                             int world);
 
