@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import random
+import time
 
 import pytest
 import torch
@@ -173,6 +174,34 @@ def test_the_cache_keeps_other_processes_hosts_and_the_last_builds(ranks, tmp_pa
         assert set(data[fingerprint]) == set(buckets) | {"m<=1 k=1 n=1 from another process", "written at"}
         assert data[elsewhere] == {"m<=128 k=40 n=90 elsewhere": "chunked"}
     assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]
+
+
+def decide_while_the_cache_is_locked(rank, world, seed, directory, reps):
+    """Another process holds the cache's lock (stopped in a debugger, say): the decision is still taken and written,
+    after the bounded wait for the lock."""
+    import fcntl
+
+    path = os.path.join(directory, f"rank{rank}.json")
+    fresh_tuner(path)
+    longest = 0.0
+    with open(path + ".lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        for i in range(3 * reps + 1):
+            start = time.monotonic()
+            checked_auto_call(rank, world, seed + i, 100, 40, 90)
+            longest = max(longest, time.monotonic() - start)
+    (decision,) = tuning.decisions()
+    with open(path) as f:
+        (entries,) = json.load(f).values()
+    return decision, entries, longest
+
+
+def test_a_held_cache_lock_delays_the_write_but_does_not_stop_it(ranks, tmp_path):
+    os.environ.pop("TORCH_GEMM_AR_AUTOTUNE_REPS", None)
+    for decision, entries, longest in ranks(2).run(decide_while_the_cache_is_locked, 51, str(tmp_path), 3,
+                                                   timeout_s=120):
+        assert entries[decision["bucket"]] == decision["algorithm"], entries
+        assert longest >= 1.9, f"the deciding call did not wait for the held lock ({longest:.2f} s)"
 
 
 def single_candidate(rank, world, seed, cache_path):

@@ -7,6 +7,8 @@
 #include <sys/file.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -152,9 +154,13 @@ void update_tune_cache(const std::string& path, TuneCacheFile& file, const std::
   std::error_code ignored;  // an unwritable cache only costs re-tuning in the next process
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
   // One writer at a time (flock, released by close or by the process's death): a decision that another process
-  // wrote between this one's read and its rename would be lost.
+  // wrote between this one's read and its rename would be lost. Bounded: after 2 s (a writer stopped in a debugger)
+  // this one writes anyway, which at worst loses that other process's new entries.
   const int lock = ::open((path + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
-  if (lock >= 0) ::flock(lock, LOCK_EX);
+  for (int tries = 0; lock >= 0 && ::flock(lock, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK && tries < 200;
+       ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   TuneCacheFile merged;
   load_tune_cache(path, merged);
   for (const auto& [section, entries] : file) {
