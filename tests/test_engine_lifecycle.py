@@ -308,7 +308,10 @@ def interrupted_then_exit(rank, world, victim, timeout_s):
     if rank == victim:
         try:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between calls
-            time.sleep(5)
+            # Short sleeps: the kernel may hand the signal to another thread, and then only the interpreter's next
+            # check (here the loop's) raises KeyboardInterrupt in the main thread; one long sleep once outlasted it.
+            for _ in range(50):
+                time.sleep(0.1)
         except KeyboardInterrupt:
             os._exit(130)  # the rank exits (as an uncaught KeyboardInterrupt would end it)
         return "not interrupted"
