@@ -306,6 +306,9 @@ def test_fork_after_setup(ranks):
 def interrupted_then_exit(rank, world, victim, timeout_s):
     fused_checked(rank, world, 1, m=300, n=200)
     if rank == victim:
+        # Python's own Ctrl-C behaviour, whatever this process inherited: started as a background job of a
+        # non-interactive shell (as CI may start the suite), a process has SIGINT ignored, and Python keeps it so.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between calls
             # Short sleeps: the kernel may hand the signal to another thread, and then only the interpreter's next
