@@ -222,6 +222,8 @@ def test_compiles_against_torch_npu_headers(compiled, source):
     assert result.returncode == 0, f"{os.path.relpath(source, ROOT)} does not compile:\n{result.stderr[-8000:]}"
     own_warnings = [line for line in result.stderr.splitlines() if "warning:" in line and "csrc/" in line]
     assert not own_warnings, "warnings in project code:\n" + "\n".join(own_warnings)
+    # The precompiled header, when given, was used (gcc would otherwise have parsed the headers again, silently).
+    assert "-Winvalid-pch" not in result.stderr, result.stderr[-2000:]
 
 
 def _symbols(path, defined):
