@@ -27,7 +27,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -249,40 +248,39 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # The comparison script.
 # ---------------------------------------------------------------------------------------------------------------
-def _median_ms(fns, warmup: int, iters: int, group) -> list:
-    """Median time of each of `fns`, interleaved per iteration so load from elsewhere hits them alike, in alternating
-    order (what ran just before a step changes its time). Each iteration counts from its last rank's start to its
-    last rank's end on the host's monotonic clock (ranks of one host; across hosts, its slowest rank), so how far
-    apart the barrier releases the ranks is in no variant's time. The warm-up runs `warmup` rounds, then more until
-    `auto` has finished tuning every shape the functions meet (its tuning calls time each algorithm)."""
-    import socket
+def _use_benchkit() -> None:
+    """Makes the benchmarks' timing helpers (benchmarks/benchkit, next to this directory) importable."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
+
+def interleaved_times(fns, warmup: int, iters: int, group) -> list:
+    """Per function of `fns`, its time per iteration in seconds, by the benchmarks' conventions
+    (benchmarks/benchkit/timing.py: interleaved so load from elsewhere hits every variant alike, in orders where each
+    variant follows every other equally often, each iteration counted from its last rank's start to its last rank's
+    end). The warm-up runs `warmup` rounds, then more until `auto` has finished tuning every shape the functions meet
+    (its tuning calls time each algorithm)."""
     import torch_gemm_ar
+
+    _use_benchkit()
+    from benchkit.timing import time_callables
 
     def one_round():
         for fn in fns:
             fn()
 
     torch_gemm_ar.tuning.warm_up_until_tuned(one_round, warmup)
-    stamps = [[] for _ in fns]
-    for it in range(iters):
-        for i in (range(len(fns)) if it % 2 == 0 else reversed(range(len(fns)))):
-            dist.barrier(group)
-            start = time.clock_gettime(time.CLOCK_MONOTONIC)
-            fns[i]()
-            stamps[i].append((start, time.clock_gettime(time.CLOCK_MONOTONIC)))
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (socket.gethostname(), stamps), group=group)
-    one_clock = len({host for host, _ in every}) == 1
-    medians = []
-    for i in range(len(fns)):
-        per_rank = [rank_stamps[i] for _, rank_stamps in every]
-        if one_clock:
-            times = [max(s[k][1] for s in per_rank) - max(s[k][0] for s in per_rank) for k in range(iters)]
-        else:
-            times = [max(s[k][1] - s[k][0] for s in per_rank) for k in range(iters)]
-        medians.append(statistics.median(times) * 1e3)
-    return medians
+    return time_callables(fns, warmup=0, iters=iters, group=group)
+
+
+def speedup_text(unfused_s: list, converted_s: list) -> str:
+    """unfused / converted per iteration (the two ran moments apart): the median, and its 95% bootstrap interval."""
+    _use_benchkit()
+    from benchkit.metrics import paired_speedup
+
+    paired = paired_speedup(unfused_s, converted_s)
+    return f"{paired['estimate']:.2f} ({paired['low']:.2f}-{paired['high']:.2f})"
 
 
 def _max_difference(a: nn.Module, b: nn.Module) -> float:
@@ -344,9 +342,9 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
         opt.step()
 
     pairs = ((unfused, opt_unfused), (converted, opt_converted))
-    forward_ms = _median_ms([lambda m=m: forward(m) for m, _ in pairs], args.warmup, args.iters, group)
-    step_ms = _median_ms([lambda m=m, o=o: train_step(m, o) for m, o in pairs], args.warmup, args.iters, group)
-    timing = {"unfused": (forward_ms[0], step_ms[0]), "converted": (forward_ms[1], step_ms[1])}
+    forward_s = interleaved_times([lambda m=m: forward(m) for m, _ in pairs], args.warmup, args.iters, group)
+    step_s = interleaved_times([lambda m=m, o=o: train_step(m, o) for m, o in pairs], args.warmup, args.iters, group)
+    timing = {"forward": forward_s, "train step": step_s}  # each [unfused, converted], seconds per iteration
     return {"replaced": replaced, "forward_diff": forward_diff, "weight_diff": weight_diff, "timing": timing}
 
 
@@ -363,7 +361,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bias", action="store_true", help="give every linear layer a bias")
     parser.add_argument("--steps", type=int, default=3, help="training steps compared")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations (median reported)")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations (median and per-iteration speedup reported)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
@@ -396,15 +394,15 @@ def main(argv=None) -> int:
         ok = result["forward_diff"] <= tolerance and result["weight_diff"] <= tolerance
         failed |= not ok
         if rank == 0:
-            (fu, tu), (fc, tc) = result["timing"]["unfused"], result["timing"]["converted"]
             print(f"\n== {style}: {world} ranks, tokens={args.batch * args.seq}, hidden={cfg.hidden}, ffn={cfg.ffn}, "
                   f"{args.dtype}, algorithm={args.algorithm}")
             print(f"replaced: {', '.join(result['replaced'])}")
             print(f"max |unfused - converted|: output {result['forward_diff']:.3g}, weights after {args.steps} "
                   f"SGD steps {result['weight_diff']:.3g} (tolerance {tolerance:.3g}): {'OK' if ok else 'MISMATCH'}")
-            print(f"{'median ms':<22}{'unfused':>10}{'converted':>11}{'speedup':>9}")
-            print(f"{'forward':<22}{fu:>10.2f}{fc:>11.2f}{fu / fc:>9.2f}")
-            print(f"{'train step':<22}{tu:>10.2f}{tc:>11.2f}{tu / tc:>9.2f}")
+            print(f"{'median ms':<14}{'unfused':>10}{'converted':>11}  speedup (95% interval)")
+            for name, (unfused_s, converted_s) in result["timing"].items():
+                print(f"{name:<14}{statistics.median(unfused_s) * 1e3:>10.2f}"
+                      f"{statistics.median(converted_s) * 1e3:>11.2f}  {speedup_text(unfused_s, converted_s)}")
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -233,6 +233,33 @@ def test_same_engine_sequential_row(with_mode):
     assert rows["fused"].sequential_ref == "fused_sequential"
 
 
+def _time_a_short_and_a_long_call(rank, world):
+    import time
+
+    calls = []
+
+    def short():
+        calls.append("short")
+        time.sleep(0.002)
+
+    def long():  # long on rank 1 only: the iteration waits for its slowest rank
+        calls.append("long")
+        time.sleep(0.002 if rank == 0 else 0.015)
+
+    return calls, timing.time_callables([short, long], warmup=1, iters=6)
+
+
+def test_time_callables_interleave_and_count_every_rank(ranks):
+    results = ranks(2).run(_time_a_short_and_a_long_call)
+    for calls, (short_s, long_s) in results:
+        assert calls[:2] == ["short", "long"] and len(calls) == 2 + 2 * 6, calls  # a warm-up round, then 6 each
+        assert calls[2:6] == ["short", "long", "long", "short"], calls  # each follows the other equally often
+        assert len(short_s) == len(long_s) == 6
+        assert min(long_s) >= 0.015, long_s  # rank 1's sleep, on rank 0 too
+        assert sorted(short_s)[3] < sorted(long_s)[3], (short_s, long_s)
+    assert results[0][1] == results[1][1]  # every rank gets the same iteration times
+
+
 # --- the scripts end to end ------------------------------------------------------------------------------------------
 
 def run_script(script, *args, torchrun=True):

@@ -10,13 +10,14 @@ metrics.row_stats counts an iteration from its last rank's start to its last ran
 barrier releases the ranks (up to milliseconds on a loaded VM) is in no row's time."""
 import socket
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import metrics
 from .dist_env import DistEnv
-from .rows import Row
+from .rows import COMPUTE, Row
 
 
 def agree_max(env: DistEnv, value: float) -> float:
@@ -106,3 +107,20 @@ def time_rows(env: DistEnv, rows: List[Row], n_sets: int, warmup: int, iters: Op
         for r in orders[it % len(orders)]:
             times[rows[r].key].append(timed_call(env, rows[r], set_index))
     return times
+
+
+def time_callables(fns: List[Callable[[], object]], warmup: int, iters: int, group=None) -> List[List[float]]:
+    """For scripts that time whole steps rather than table rows (the examples): each of `fns` timed as a row of
+    time_rows, by the same conventions (interleaved in Williams orders, a barrier before each call), on the CPU ranks
+    of `group` (None: the default group). Per function, its iteration times in seconds over all ranks, as
+    metrics.row_stats counts them. Collective."""
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    env = DistEnv(rank=rank, world=dist.get_world_size(group), local_rank=rank, device=torch.device("cpu"),
+                  threads=torch.get_num_threads(), group=group, self_group=None, library=None,
+                  synchronize=lambda: None)
+    rows = [Row(key=str(i), label=str(i), kind=COMPUTE, run=lambda _set, fn=fn: fn(), reference="local",
+                element_bytes=0) for i, fn in enumerate(fns)]
+    local = time_rows(env, rows, n_sets=1, warmup=warmup, iters=iters)
+    every_rank, one_clock = gather_timed(env, local)
+    return [metrics.row_stats([times[row.key] for times in every_rank], one_clock)["iteration_s"] for row in rows]
