@@ -51,6 +51,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_wide_row_geometry", geometry_of(&gemm_ar::cpu::wide_row_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of a gemm_allreduce or gemm_reduce_scatter call of "
         "M x N on `world` local ranks (tests)");
+  m.def("_set_one_shot", [&switches](bool on) { return switches.one_shot.exchange(on); },
+        "CPU fused engine: False makes small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather "
+        "instead of the one-shot reduction (benchmarks, tests); returns the old value");
+  m.def("_set_one_shot_single_bank", [&switches](bool on) { return switches.one_shot_single_bank.exchange(on); },
+        "CPU fused engine: True is a deliberate bug for negative-control tests (one-shot calls ignore the bank "
+        "parity); returns the old value");
+  m.def("_set_skip_previous_call_wait", [&switches](bool on) { return switches.skip_previous_call_wait.exchange(on); },
+        "CPU fused engine: True is a deliberate bug for negative-control tests (calls write into the windows without "
+        "checking that peers have started the previous call); returns the old value");
+  m.def("_one_shot_calls", &gemm_ar::cpu::one_shot_call_count,
+        "CPU fused engine: gemm_allreduce calls this process reduced in one shot (tests)");
   m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
         "CPU fused engine: False multiplies every tile through at::mm instead of B's panels packed once per call "
         "(benchmarks, tests); returns the old value");

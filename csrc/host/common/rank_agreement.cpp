@@ -22,7 +22,8 @@ const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dt
                                                    "op",
                                                    "the op's parameter (scatter_dim/gather_dim and a's rows from "
                                                    "it on, or eps)",
-                                                   kTuneStepFieldName};
+                                                   kTuneStepFieldName,
+                                                   "the CPU engine's switches (torch_gemm_ar._C._set_*)"};
 
 // The sequence-parallel ops compare their sharded dim together with the rows of one chunk along it and the dims
 // after it (K excluded): [2, 6, K] and [4, 3, K] along dim 1 agree on M but not on how rows interleave by rank.

@@ -29,6 +29,10 @@ void publish_abort(void* window, uint32_t epoch) { store_release(&header_of(wind
 
 bool abandoned(const void* window, uint32_t epoch) { return load_acquire(&header_of(window)->abort_epoch) == epoch; }
 
+bool started_call(const void* window, uint32_t epoch) {
+  return counter_reached(load_acquire(&header_of(window)->slots[epoch & 1].epoch), epoch);
+}
+
 PeerCallState read_header(const void* window, uint32_t epoch, CallSignature* signature) {
   CallHeader* h = header_of(window);
   CallHeaderSlot& slot = h->slots[epoch & 1];

@@ -30,5 +30,8 @@ void publish_abort(void* window, uint32_t epoch);
 // Where a peer stands with call `epoch`; fills `signature` when it has arrived.
 PeerCallState read_header(const void* window, uint32_t epoch, CallSignature* signature);
 bool abandoned(const void* window, uint32_t epoch);
+// Whether the rank of `window` has published its header of call `epoch` or of a later call of the same parity
+// (acquire): it has started that call, so it has finished every call before it.
+bool started_call(const void* window, uint32_t epoch);
 
 }  // namespace gemm_ar::cpu

@@ -96,7 +96,8 @@ void plan_work(CallJob& job) {
   std::vector<int64_t> block_begin(job.compute_blocks);
   for (int64_t b = 0; b < job.compute_blocks; ++b) block_begin[b] = block_range(p.tiles, job.compute_blocks, b).begin;
   job.items.assign(job.comm_blocks, {});
-  for (int owner = 0; owner < job.world; ++owner) {
+  // One shot: the compute block reads every peer's partial itself, nothing to gather.
+  for (int owner = 0; owner < job.world && !job.one_shot; ++owner) {
     if (job.owner_reduces_in_compute && owner == job.rank) continue;  // the compute block reduces them
     const int64_t owned = run_owned_tile_count(p.tiles, job.world, owner, job.own_run) * stripes;
     for (int64_t l = 0; l < owned; ++l) {
@@ -126,6 +127,7 @@ void plan_work(CallJob& job) {
 
 void run_compute_blocks(CallJob& job, const std::function<bool()>& progress) {
   if (job.op == kOpAllgatherGemm) return run_gather_compute(job, progress);
+  if (job.one_shot) return run_one_shot_compute(job, progress);
   if (job.owner_reduces_in_compute) return run_owner_last_compute(job, progress);
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;

@@ -68,6 +68,16 @@ struct EngineSwitches {
   std::atomic<bool> wide_row_panels{true};
   // false: tiles multiply through at::mm even where B's panels could be packed once (A/B benchmarks, tests).
   std::atomic<bool> packed_b{true};
+  // false: small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather like larger ones instead of
+  // the one-shot reduction (A/B benchmarks, tests of both ways; see CallJob::one_shot).
+  std::atomic<bool> one_shot{true};
+  // true: a deliberate bug for a negative-control test: one-shot calls put their partials in bank 0 whatever the
+  // call's parity (a rank's next call then overwrites partials that a slower peer still reads).
+  std::atomic<bool> one_shot_single_bank{false};
+  // true: a deliberate bug for a negative-control test: calls write into the windows without checking that every
+  // peer has started the previous call (after a one-shot call and a call that raised at once, a slower peer may still
+  // read this rank's data of the one-shot call).
+  std::atomic<bool> skip_previous_call_wait{false};
 };
 EngineSwitches& engine_switches();
 
@@ -120,6 +130,9 @@ struct CallJob {
   // the compute block multiplies the peers' tiles first and its own last, each own tile into a cache-resident
   // scratch reduced at once with the peers' partials (owner_last_compute.cpp); own partials skip the window.
   bool owner_reduces_in_compute = false;
+  // A small gemm_allreduce there (kOneShotMaxReadBytes): every rank sums every rank's whole partial, one phase
+  // instead of reduce-scatter + all-gather (one_shot_compute.cpp); no comm block work but the header check.
+  bool one_shot = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.
@@ -153,6 +166,10 @@ void publish_shard(CallJob& job, const at::Tensor& a2d);
 void plan_gather_work(CallJob& job);                                                // allgather_call.cpp
 void run_gather_compute(CallJob& job, const std::function<bool()>& progress);      // allgather_call.cpp
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress);  // owner_last_compute.cpp
+// The most a rank may read from its peers' windows in a one-shot call: (world - 1) x M x N partial elements.
+constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
+void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);    // one_shot_compute.cpp
+int64_t one_shot_call_count();  // calls this process reduced in one shot (tests: the path is really taken)
 // The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
 // One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the

@@ -78,6 +78,8 @@ class FusedEngine {
   void prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
                    const LayoutParams& need);
   // Runs a planned job (compute blocks here, comm blocks on the comm threads or between tiles); raises its error.
+  // Waits until every peer has started the call before this one (see execute).
+  void wait_for_previous_call(const CallJob& job);
   void execute(CallJob& job);
   void start_comm_threads(int64_t count);
   void run_with_comm_threads(CallJob& job);
