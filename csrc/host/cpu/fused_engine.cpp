@@ -584,10 +584,12 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
   job.owner_reduces_in_compute = config_.comm_inline && job.overlap && engine_switches().owner_last.load();
   // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
-  // (world 2 reads as much either way: one-shot measured 1.0-1.17x faster there up to that size on the Intel VM).
+  // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
+  // noise, 0.97-1.0x, from 1 MiB up: docs/performance.md).
   // Every rank reaches the same choice from the same call; it decides how the window is used.
   const int64_t one_shot_reads = call.m * call.n * job.partial_elem * (world_ - 1);
-  job.one_shot = job.owner_reduces_in_compute && job.op == kOpGemmAllreduce && world_ > 1 && one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
+  job.one_shot = job.owner_reduces_in_compute && job.op == kOpGemmAllreduce && world_ > 1 &&
+                 one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
   plan_work(job);
   execute(job);
   return out.view(out_shape);
