@@ -25,7 +25,8 @@ def both_geometries_checked(rank, world, seed, dtype, owner_last):
 
 
 def both_geometries_here(rank, world, seed, dtype, owner_last):
-    previous = (_C._set_owner_last(owner_last), _C._set_row_epilogue_geometry(True))
+    # One tile row per rank (test_fewer_b_reorders.py) would replace the full-width geometry for natively computed bf16.
+    previous = (_C._set_owner_last(owner_last), _C._set_row_epilogue_geometry(True), _C._set_fewer_b_reorders(0))
     eps = 1e-5
     digests = []
     try:
@@ -60,6 +61,7 @@ def both_geometries_here(rank, world, seed, dtype, owner_last):
     finally:
         _C._set_owner_last(previous[0])
         _C._set_row_epilogue_geometry(previous[1])
+        _C._set_fewer_b_reorders(previous[2])
     return digests
 
 

@@ -20,9 +20,10 @@ from scoped_env import scoped_env
 INLINE = dict(TORCH_GEMM_AR_COMM_THREADS="0", TORCH_GEMM_AR_COMPUTE_THREADS="1")
 
 # (M, K, N), not multiples of anything. One shot at world 2-4 (M x N x 4 bytes at most 1.3 MiB; one to ten tiles),
-# then two phases at every world (over 4 MiB).
+# then two phases at every world and dtype (over 4 MiB also where bf16/fp16 partials are computed natively, 2 bytes
+# an element).
 ONE_SHOT = [(1, 1, 1), (1, 300, 257), (7, 33, 700), (129, 70, 511), (256, 5, 512), (200, 3, 1000), (3, 20, 5000)]
-TWO_PHASE = [(300, 9, 4000), (1100, 40, 1000)]
+TWO_PHASE = [(300, 9, 8000), (1100, 40, 2000)]
 
 
 def fused(a, b, bias, one_shot: bool):
@@ -99,8 +100,11 @@ def add_rmsnorm_both_ways(rank, world, seed):
                 want = reference(shards, b) + residual.double()
                 assert_matches(outs[True][0], want, dtype, k, world, what)
                 assert torch.equal(outs[True][2], outs[True][0]), f"{what}: in-place residual differs"
-                want_normed = want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
-                tol = 3e-5 if dtype == torch.float32 else 3e-2
+                # The norm of the sum the op returned (checked above): in bf16 that sum is rounded, and at N=8000 the
+                # float64 sum's norm differed from it by up to 0.049 at 2 of 2.4M elements.
+                got = outs[True][0].double()
+                want_normed = got * torch.rsqrt(got.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.double()
+                tol = 3e-5 if dtype == torch.float32 else 1e-2
                 torch.testing.assert_close(outs[True][1].double(), want_normed, rtol=tol, atol=tol,
                                            msg=lambda msg: f"{what} normed: {msg}")
     return counts
@@ -116,7 +120,7 @@ def test_one_shot_add_rmsnorm_matches_the_two_phase_way(ranks, world):
 def random_call(seed, step):
     rng = random.Random(seed * 1_000_003 + step)
     if rng.random() < 0.15:  # too large for one shot: the two-phase way, sharing the windows with one-shot calls
-        m, k, n = rng.randint(300, 400), rng.randint(1, 16), rng.randint(3600, 4000)
+        m, k, n = rng.randint(300, 400), rng.randint(1, 16), rng.randint(7000, 8000)
     elif rng.random() < 0.4:  # a whole tile with a short K: the partials are written quickly, read slowly
         m, k, n = rng.randint(200, 256), rng.randint(1, 8), rng.randint(400, 512)
     else:  # one or two tiles

@@ -112,7 +112,7 @@ rows: compute only = the library's GEMM with no communication (a one-rank group)
   torch_gemm_ar.gemm_allreduce(algorithm=); sequential (same engine) = fused's engine with its communication after
   the whole GEMM; baseline = what a user
   writes: torch.matmul + dist.all_reduce (+ bias after it) in the input dtype; baseline (fp32 compute) = the same on
-  .float() inputs (the library computes CPU bf16/fp16 in fp32).
+  .float() inputs, shown where the library computes CPU bf16/fp16 in fp32 (CPUs without their matrix instructions).
 median/min/max us: over the timed iterations, each counted from its last rank's start to its last rank's end (ranks
   of one host share a clock; across hosts, the iteration's slowest rank); min and max are single iterations.
 vs base = t_baseline / t.  vs seq = t_sequential / t and saved = t_sequential - t, against the row's

@@ -60,9 +60,16 @@ def available_row_keys(device_type: str, dtype) -> List[str]:
     if device_type != "cpu":
         keys.remove("sequential_portable")
         keys.remove("engine_gemm")
-    if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)):
+    if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and library_computes_in_fp32(dtype)):
         keys.remove("baseline_fp32")
     return keys
+
+
+def library_computes_in_fp32(dtype) -> bool:
+    """Whether the library computes this CPU dtype in fp32 (bf16/fp16 on CPUs without their matrix instructions):
+    only then is the fp32-compute baseline the fair comparison."""
+    from torch_gemm_ar import _C
+    return bool(_C._computes_in_fp32(torch.empty(0, dtype=dtype)))
 
 
 def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Dict[str, Row]:

@@ -8,6 +8,7 @@
 #include "cpu/engine_config.h"
 #include "cpu/engine_tile_walk.h"
 #include "cpu/fused_call.h"
+#include "cpu/fused_engine.h"
 #include "cpu/packed_b_panels.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
@@ -51,6 +52,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_wide_row_geometry", geometry_of(&gemm_ar::cpu::wide_row_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of a gemm_allreduce or gemm_reduce_scatter call of "
         "M x N on `world` local ranks (tests)");
+  m.def("_set_fewer_b_reorders", [&switches](int mode) {
+          TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "_set_fewer_b_reorders: mode must be 0, 1 or 2; got ", mode);
+          return switches.fewer_b_reorders.exchange(mode);
+        },
+        "CPU fused engine: which calls on one-core ranks take the geometries with fewer tile rows (gemm_allreduce: "
+        "one tile row in column panels; add+RMSNorm: one tile row per rank): 1 (the default) those whose products "
+        "reorder B per call (bf16/fp16 computed natively), 0 none, 2 every dtype (benchmarks, tests); returns the "
+        "old value");
+  m.def("_column_panel_geometry", geometry_of(&gemm_ar::cpu::column_panel_geometry),
+        "CPU fused engine: (tile rows, tile columns, stripe rows) of column_panel_geometry for a call of M x N on "
+        "`world` local ranks (tests)");
+  m.def("_call_geometry",
+        [](const std::string& op, int64_t m, int64_t n, const at::Tensor& like, int world) {
+          TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm",
+                            "_call_geometry: op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
+          const int64_t kind = op == "add_rmsnorm" ? gemm_ar::kOpGemmAllreduceAddRmsnorm : gemm_ar::kOpGemmAllreduce;
+          const auto c = gemm_ar::cpu::call_config(kind, m, n, like.scalar_type(), world);
+          return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
+        },
+        "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce' or "
+        "'add_rmsnorm') of M x N in the dtype of `like` takes on `world` local ranks, under this process's settings "
+        "and switches (tests)");
+  m.def("_tile_row_per_rank_geometry", geometry_of(&gemm_ar::cpu::tile_row_per_rank_geometry),
+        "CPU fused engine: (tile rows, tile columns, stripe rows) of tile_row_per_rank_geometry for an add+RMSNorm "
+        "call of M x N on `world` local ranks (tests)");
+  m.def("_reorders_b_per_product", [](const at::Tensor& t) { return gemm_ar::reorders_b_per_product(t.scalar_type()); },
+        "Whether this CPU's product of t's dtype reorders B per call (bf16/fp16 computed natively; tests)");
   m.def("_set_one_shot", [&switches](bool on) { return switches.one_shot.exchange(on); },
         "CPU fused engine: False makes small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather "
         "instead of the one-shot reduction (benchmarks, tests); returns the old value");

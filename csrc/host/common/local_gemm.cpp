@@ -25,6 +25,10 @@ bool computes_in_fp32(const at::Tensor& t) {
   return t.is_cpu() && (dtype == at::kBFloat16 || dtype == at::kHalf) && !cpu_has_fast(dtype);
 }
 
+bool reorders_b_per_product(at::ScalarType dtype) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && cpu_has_fast(dtype);
+}
+
 LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                      bool add_bias) {
   const bool widen = computes_in_fp32(a2d);

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -43,6 +44,10 @@ namespace {
 
 constexpr int64_t kColumnAlign = 16;
 
+// The row epilogue's stripe: 16 rows of a 2048-column fp32 output are 128 KiB, so a stripe, its partials and its bank
+// stay in L2 between the reduction and the normalisation.
+constexpr int64_t kStripeRows = 16;
+
 int64_t round_up_cols(int64_t cols) { return (cols + kColumnAlign - 1) / kColumnAlign * kColumnAlign; }
 
 // Full-width tiles leave every rank a share of the reduction only when each owns two tile rows at least.
@@ -53,9 +58,6 @@ bool rows_for_every_owner(const EngineConfig& config, int64_t m, int world) {
 }  // namespace
 
 EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
-  // 16 rows of a 2048-column fp32 output are 128 KiB: a stripe, its partials and its bank stay in L2 between the
-  // reduction and the normalisation.
-  constexpr int64_t kStripeRows = 16;
   if (config.tile_from_env || config.base_m % kStripeRows != 0) return config;
   EngineConfig wide = config;
   wide.sub_m = kStripeRows;
@@ -77,6 +79,25 @@ EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n,
   const int64_t panels = (n + kMaxCols - 1) / kMaxCols;
   wide.base_n = round_up_cols((n + panels - 1) / panels);
   return wide;
+}
+
+EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
+  const EngineConfig epilogue = row_epilogue_geometry(config, m, n, world);
+  if (config.tile_from_env || !config.comm_inline || world < 1) return epilogue;
+  EngineConfig tall = epilogue;
+  const int64_t rows = std::max<int64_t>(1, (m + world - 1) / world);
+  tall.sub_m = kStripeRows;
+  tall.base_m = (rows + kStripeRows - 1) / kStripeRows * kStripeRows;
+  tall.base_n = std::max(config.base_n, round_up_cols(n));
+  return tall;
+}
+
+EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
+  if (config.tile_from_env || !config.comm_inline || world < 1) return config;
+  EngineConfig tall = config;
+  tall.base_m = (m + config.sub_m - 1) / config.sub_m * config.sub_m;
+  tall.base_n = round_up_cols((n + world - 1) / world);
+  return tall;
 }
 
 }  // namespace gemm_ar::cpu

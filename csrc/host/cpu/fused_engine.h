@@ -24,10 +24,11 @@
 
 namespace gemm_ar::cpu {
 
-// The engine's configuration for one call of `op` (OpKind) of M x N on `world` local ranks: the settings
-// (engine_config) with the op's own tile geometry (add+RMSNorm: row_epilogue_geometry; gemm_allreduce and
-// gemm_reduce_scatter: wide_row_geometry) where the engine switches allow it.
-EngineConfig call_config(int64_t op, int64_t m, int64_t n, int world);
+// The engine's configuration for one call of `op` (OpKind) of M x N in `dtype` on `world` local ranks: the settings
+// (engine_config) with the op's own tile geometry (add+RMSNorm: row_epilogue_geometry; gemm_allreduce:
+// column_panel_geometry where its products reorder B per call, else wide_row_geometry as for gemm_reduce_scatter)
+// where the engine switches allow it.
+EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world);
 
 // B's panels packed once for every tile row of `plan` (cpu/packed_b_panels.h) where the engine packs them: `gemm`
 // then multiplies through `panels`, which must outlive its calls.

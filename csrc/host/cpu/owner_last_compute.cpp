@@ -13,6 +13,7 @@
 
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
+#include "cpu/output_pool.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar::cpu {
@@ -65,7 +66,9 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                           at::from_blob(job.region(job.rank, partial_offset), {rows, cols}, {p.pad_n, 1},
                                         partial_options));
       } else {
-        if (!scratch.defined()) scratch = at::empty({p.base_m, p.pad_n}, partial_options);
+        // From the output pool: with column panels an own tile has all M rows, and a fresh block that large would
+        // be mapped (and faulted in) anew on every call.
+        if (!scratch.defined()) scratch = pooled_empty(p.base_m, p.pad_n, job.partial_dtype);
         job.gemm->compute(row0, rows, col0, cols,
                           at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
         // The own partial first, then the wait: a rank with few or no peers' tiles to multiply would otherwise sit

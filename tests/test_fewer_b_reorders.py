@@ -1,0 +1,143 @@
+"""Geometries with fewer tile rows on one-core ranks, for products that reorder all of B per call (bf16/fp16 computed
+natively through oneDNN; cpu/engine_config.h): gemm_allreduce takes one tile row in `world` column panels
+(column_panel_geometry), add+RMSNorm one full-width tile row per rank (tile_row_per_rank_geometry). The rules; which
+calls take them (the switch's three modes, and the dtypes whose products reorder B on this CPU); results against
+float64 and bit for bit on every rank, forced on for every dtype so that CPUs without native bf16 test them too, on
+shapes that are not multiples of any tile, world 2 and 3, both ways the owner reduces, one-shot and two-phase sizes;
+and ranks that differ in the switch get an error, not a hang."""
+import random
+
+import pytest
+import torch
+
+import torch_gemm_ar
+from inputs import TOLERANCE, assert_matches, bias_vector, digest, reference, shard, weight
+from scoped_env import scoped_env
+from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
+from torch_gemm_ar import _C
+
+ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
+NEVER, NATIVE_HALF, EVERY_DTYPE = 0, 1, 2
+
+# (M, K, N): short and long calls, one-shot and two-phase sizes, N under and over one 512-column tile.
+CALLS = [(1, 33, 65), (7, 300, 777), (129, 20, 1000), (1031, 37, 613), (2100, 9, 1100)]
+
+
+@pytest.fixture
+def one_core(monkeypatch):
+    monkeypatch.delenv("TORCH_GEMM_AR_CPU_TILE", raising=False)
+    for name, value in ONE_CORE.items():
+        monkeypatch.setenv(name, value)
+    return monkeypatch
+
+
+def test_the_rules(one_core):
+    # gemm_allreduce: all M rows (rounded up to the 64-row stripes), N in `world` panels of 16-column multiples.
+    assert _C._column_panel_geometry(1031, 613, 2) == (1088, 320, 64)
+    assert _C._column_panel_geometry(1, 2048, 2) == (64, 1024, 64)
+    assert _C._column_panel_geometry(1543, 517, 3) == (1600, 176, 64)
+    assert _C._column_panel_geometry(4096, 5000, 4) == (4096, 1264, 64)
+    # add+RMSNorm: whole rows, M / world rows a tile (rounded up to the 16-row stripes).
+    assert _C._tile_row_per_rank_geometry(1031, 613, 2) == (528, 624, 16)
+    assert _C._tile_row_per_rank_geometry(1, 2048, 2) == (16, 2048, 16)
+    assert _C._tile_row_per_rank_geometry(1543, 300, 3) == (528, 512, 16)
+    # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
+    one_core.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
+    assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
+    assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == _C._row_epilogue_geometry(4096, 2048, 2)
+    one_core.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
+    one_core.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
+    assert _C._column_panel_geometry(4096, 2048, 2) == (128, 256, 32)
+    assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == (128, 256, 32)
+
+
+def test_which_calls_take_them(one_core):
+    previous = _C._set_fewer_b_reorders(NATIVE_HALF)
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            like = torch.empty(0, dtype=dtype)
+            native = _C._reorders_b_per_product(like)
+            for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
+                _C._set_fewer_b_reorders(mode)
+                want = _C._column_panel_geometry(2048, 1024, 2) if takes else _C._wide_row_geometry(2048, 1024, 2)
+                assert _C._call_geometry("gemm_allreduce", 2048, 1024, like, 2) == want, (dtype, mode)
+                want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
+                assert _C._call_geometry("add_rmsnorm", 2048, 1024, like, 2) == want, (dtype, mode)
+        # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
+        assert not _C._reorders_b_per_product(torch.empty(0))
+        with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
+            _C._set_fewer_b_reorders(3)
+        with pytest.raises(ValueError, match="op must be"):
+            _C._call_geometry("matmul", 2, 2, torch.empty(0), 2)
+    finally:
+        _C._set_fewer_b_reorders(previous)
+
+
+def fewer_b_reorder_calls(rank, world, seed, owner_last):
+    digests = []
+    eps = 1e-5
+    with scoped_env(**ONE_CORE):
+        previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_owner_last(owner_last))
+        try:
+            for case, (m, k, n) in enumerate(CALLS):
+                for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    step = seed + 17 * case
+                    like = torch.empty(0, dtype=dtype)
+                    tiles = _C._call_geometry("gemm_allreduce", m, n, like, world)
+                    assert tiles == _C._column_panel_geometry(m, n, world), (m, n, dtype, tiles)
+                    shards = [shard(step, r, m, k, dtype, three_d=case % 2 == 0) for r in range(world)]
+                    b = weight(step, k, n, dtype, transposed=case % 2 == 1)
+                    bias = bias_vector(step, n, dtype) if case % 3 != 1 else None
+                    what = f"M={m} K={k} N={n} {dtype} world {world} owner_last={owner_last}"
+                    out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
+                    ref_sum = reference(shards, b, bias)
+                    assert out.shape == shards[rank].shape[:-1] + (n,), what
+                    assert_matches(out, ref_sum, dtype, k, world, f"{what} gemm_allreduce, tiles {tiles}")
+                    digests.append(digest(out))
+                    if dtype == torch.float16:
+                        continue  # add+RMSNorm: fp32 and bf16 (its CPU dtypes' tests are in test_add_rmsnorm.py)
+                    tiles = _C._call_geometry("add_rmsnorm", m, n, like, world)
+                    assert tiles == _C._tile_row_per_rank_geometry(m, n, world), (m, n, dtype, tiles)
+                    label = f"{what} add+RMSNorm, tiles {tiles}"
+                    residual = residual_of(step, ref_sum.shape, dtype)
+                    w = norm_weight_of(step, n, dtype)
+                    summed, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank], b, residual, w, eps=eps,
+                                                                              bias=bias, algorithm="fused")
+                    in_place = residual.clone()
+                    normed_ip = torch_gemm_ar.gemm_allreduce_add_rmsnorm_(shards[rank], b, in_place, w, eps=eps,
+                                                                          bias=bias, algorithm="fused")
+                    assert torch.equal(in_place, summed), label + ": the in-place residual differs from out"
+                    assert torch.equal(normed_ip, normed), label + ": the in-place normed differs"
+                    assert_matches(summed, ref_sum + residual.double(), dtype, k + 9, world, label + " out")
+                    tol = TOLERANCE[dtype]
+                    torch.testing.assert_close(normed.double(), rms_norm64(summed, w, eps), rtol=tol, atol=4 * tol,
+                                               msg=lambda s: f"{label} normed: {s}")
+                    digests.append(digest(summed) + digest(normed))
+        finally:
+            _C._set_fewer_b_reorders(previous[0])
+            _C._set_owner_last(previous[1])
+    return digests
+
+
+@pytest.mark.parametrize("owner_last", [True, False], ids=["owner_last", "comm_block"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_fewer_tile_rows_match_float64_and_ranks_agree(ranks, world, owner_last):
+    per_rank = ranks(world).run(fewer_b_reorder_calls, random.randrange(1 << 30), owner_last)
+    assert len(set(map(tuple, per_rank))) == 1, "ranks returned different results"
+
+
+def mixed_switch(rank, world):
+    previous = _C._set_fewer_b_reorders(EVERY_DTYPE if rank == 0 else NEVER)
+    try:
+        with scoped_env(**ONE_CORE):
+            torch_gemm_ar.gemm_allreduce(torch.randn(600, 8), torch.randn(8, 1100), algorithm="fused")
+    except ValueError as e:
+        return str(e)
+    finally:
+        _C._set_fewer_b_reorders(previous)
+    return ""
+
+
+def test_ranks_that_differ_in_the_switch_get_an_error_not_a_hang(ranks):
+    for message in ranks(2).run(mixed_switch, timeout_s=120):
+        assert "tile" in message.lower(), message
