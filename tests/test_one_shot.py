@@ -26,6 +26,11 @@ ONE_SHOT = [(1, 1, 1), (1, 300, 257), (7, 33, 700), (129, 70, 511), (256, 5, 512
 TWO_PHASE = [(300, 9, 8000), (1100, 40, 2000)]
 
 
+def four_byte_partials(dtype) -> bool:
+    """One shot is for 4-byte partials: bf16/fp16 computed natively (2-byte partials) always take two phases."""
+    return dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype))
+
+
 def fused(a, b, bias, one_shot: bool):
     previous = _C._set_one_shot(one_shot)
     try:
@@ -55,7 +60,7 @@ def one_shot_against_two_phase(rank, world, seed):
                 assert_matches(one, reference(shards, b, bias), dtype, k, world, what)
                 assert torch.equal(one, two), f"{what}: one-shot and two-phase results differ"
                 assert not_taken == 0, what
-                results.append((m, k, n, str(dtype), taken, digest(one)))
+                results.append((m, k, n, str(dtype), four_byte_partials(dtype), taken, digest(one)))
     return results
 
 
@@ -63,8 +68,8 @@ def one_shot_against_two_phase(rank, world, seed):
 def test_one_shot_matches_float64_and_the_two_phase_way(ranks, world):
     per_rank = ranks(world).run(one_shot_against_two_phase, random.randrange(1 << 20), timeout_s=300)
     assert all(r == per_rank[0] for r in per_rank), "ranks returned different bits"  # digests included
-    for m, k, n, dtype, taken, _ in per_rank[0]:
-        assert taken == ((m, k, n) in ONE_SHOT), f"M={m} K={k} N={n} {dtype}: one-shot calls {taken}"
+    for m, k, n, dtype, four_bytes, taken, _ in per_rank[0]:
+        assert taken == ((m, k, n) in ONE_SHOT and four_bytes), f"M={m} K={k} N={n} {dtype}: one-shot calls {taken}"
 
 
 def add_rmsnorm_both_ways(rank, world, seed):
@@ -92,7 +97,7 @@ def add_rmsnorm_both_ways(rank, world, seed):
                             normed_ = torch_gemm_ar.gemm_allreduce_add_rmsnorm_(shards[rank], b, in_place, norm_weight,
                                                                                 algorithm="fused")
                         outs[one_shot] = (out, normed, in_place, normed_)
-                        counts.append((m, k, n, one_shot, _C._one_shot_calls() - before))
+                        counts.append((m, k, n, one_shot and four_byte_partials(dtype), _C._one_shot_calls() - before))
                     finally:
                         _C._set_one_shot(previous)
                 for x, y in zip(outs[True], outs[False]):

@@ -592,9 +592,11 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
   // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
   // noise, 0.97-1.0x, from 1 MiB up: docs/performance.md).
+  // Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to copy, and one shot
+  // reduces the whole output on every rank (1.02-1.05x slower than two phases at four sizes on an Intel Xeon with AMX).
   // Every rank reaches the same choice from the same call; it decides how the window is used.
   const int64_t one_shot_reads = call.m * call.n * job.partial_elem * (world_ - 1);
-  job.one_shot = job.owner_reduces_in_compute && job.op == kOpGemmAllreduce && world_ > 1 &&
+  job.one_shot = job.owner_reduces_in_compute && job.op == kOpGemmAllreduce && world_ > 1 && job.partial_elem >= 4 &&
                  one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
   plan_work(job);
   execute(job);
