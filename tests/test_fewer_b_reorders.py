@@ -126,6 +126,33 @@ def test_fewer_tile_rows_match_float64_and_ranks_agree(ranks, world, owner_last)
     assert len(set(map(tuple, per_rank))) == 1, "ranks returned different results"
 
 
+def empty_outputs(rank, world):
+    with scoped_env(**ONE_CORE):
+        previous = _C._set_fewer_b_reorders(EVERY_DTYPE)
+        try:
+            for dtype in (torch.float32, torch.bfloat16):
+                out = torch_gemm_ar.gemm_allreduce(torch.ones(5, 3, dtype=dtype), torch.ones(3, 0, dtype=dtype),
+                                                   algorithm="fused")
+                assert out.shape == (5, 0) and out.dtype == dtype, (out.shape, out.dtype)
+                full = torch_gemm_ar.gemm_allreduce(torch.ones(5, 3, dtype=dtype), torch.ones(3, 4, dtype=dtype),
+                                                    algorithm="fused")
+                assert torch.equal(full, torch.full((5, 4), 3.0 * world, dtype=dtype)), full
+        finally:
+            _C._set_fewer_b_reorders(previous)
+    return True
+
+
+def test_empty_outputs_keep_working(ranks, one_core):
+    """N=0 (and the tile walk's M=0) make no tiles: the geometries must not turn them into an invalid plan."""
+    assert ranks(2).run(empty_outputs) == [True, True]
+    previous = _C._set_fewer_b_reorders(EVERY_DTYPE)
+    try:
+        assert _C._engine_tile_walk(torch.ones(0, 3), torch.ones(3, 4), None, 2).shape == (0, 4)
+        assert _C._engine_tile_walk(torch.ones(5, 3), torch.ones(3, 0), None, 2).shape == (5, 0)
+    finally:
+        _C._set_fewer_b_reorders(previous)
+
+
 def mixed_switch(rank, world):
     previous = _C._set_fewer_b_reorders(EVERY_DTYPE if rank == 0 else NEVER)
     try:

@@ -64,7 +64,7 @@ def both_geometries(rank, world, seed, dtype, owner_last):
         dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype)))
     digests = []
     with scoped_env(**ONE_CORE):
-        # Column panels (test_column_panel_geometry.py) would replace both geometries for natively computed bf16.
+        # Column panels (test_fewer_b_reorders.py) would replace both geometries for natively computed bf16.
         previous = (_C._set_owner_last(owner_last), _C._set_wide_row_panels(True), _C._set_fewer_b_reorders(0))
         try:
             for case, (op, m, k, n) in enumerate(LONG_CALLS[world]):

@@ -14,9 +14,12 @@ const char* const kTuneStepFieldName =
 namespace {
 
 const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm",
-                                                   "tile rows (TORCH_GEMM_AR_CPU_TILE)",
-                                                   "tile columns (TORCH_GEMM_AR_CPU_TILE)",
-                                                   "subtile rows (TORCH_GEMM_AR_CPU_TILE)",
+                                                   "tile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
+                                                   "geometry switches)",
+                                                   "tile columns (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
+                                                   "geometry switches)",
+                                                   "subtile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
+                                                   "geometry switches)",
                                                    "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
                                                    "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
                                                    "op",

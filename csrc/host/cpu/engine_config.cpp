@@ -83,7 +83,7 @@ EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n,
 
 EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
   const EngineConfig epilogue = row_epilogue_geometry(config, m, n, world);
-  if (config.tile_from_env || !config.comm_inline || world < 1) return epilogue;
+  if (config.tile_from_env || !config.comm_inline || world < 1 || m <= 0 || n <= 0) return epilogue;
   EngineConfig tall = epilogue;
   const int64_t rows = std::max<int64_t>(1, (m + world - 1) / world);
   tall.sub_m = kStripeRows;
@@ -93,7 +93,7 @@ EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, i
 }
 
 EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
-  if (config.tile_from_env || !config.comm_inline || world < 1) return config;
+  if (config.tile_from_env || !config.comm_inline || world < 1 || m <= 0 || n <= 0) return config;  // empty: no tiles
   EngineConfig tall = config;
   tall.base_m = (m + config.sub_m - 1) / config.sub_m * config.sub_m;
   tall.base_n = round_up_cols((n + world - 1) / world);

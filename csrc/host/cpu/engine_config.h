@@ -35,18 +35,19 @@ EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n,
 
 // The geometry of one gemm_allreduce call on a one-core rank (comm_inline) whose tile products reorder all of B per
 // call (reorders_b_per_product: bf16/fp16 through oneDNN): one tile row of all M rows, N split into `world` column
-// panels (16-column aligned), so B is reordered once per call in all, not once per tile row, and every rank still
-// owns a panel to reduce. Short calls too: each product costs a fixed overhead there, and `world` panels are fewer
-// products than the default 512-column tiles of a wide output. Kept as `config` when the tile is from the
-// environment or with comm threads. The same inputs on every rank give the same geometry (it is in the call
-// signature).
+// panels (16-column aligned), so B is reordered once per call in all, not once per tile row, and every rank owns a
+// panel to reduce (a narrow N may leave some rank none). Short calls too: each product costs a fixed overhead there,
+// and `world` panels are fewer products than the default 512-column tiles of a wide output. Kept as `config` when
+// the tile is from the environment, with comm threads, or for an empty output. The same inputs on every rank give
+// the same geometry (it is in the call signature).
 EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 // The geometry of one add+RMSNorm call on a one-core rank whose products reorder all of B per call: the row
 // epilogue's full-width tiles and 16-row stripes, but one tile row per rank (M / world rows, rounded up to the
 // stripes), so B is reordered `world` times per call instead of once per 256 rows (bf16 on an Intel Xeon with AMX:
-// fused 1.02x compute-only at M2048 K1024 N2048 against 1.19x with 256-row tiles). Kept as row_epilogue_geometry
-// when the tile is from the environment or with comm threads.
+// fused 1.10x compute-only at M2048 K1024 N2048 against 1.19x with 256-row tiles, 1.25x against 1.38x at M16, where
+// a single tile leaves the whole reduction to rank 0). Kept as row_epilogue_geometry when the tile is from the
+// environment, with comm threads, or for an empty output.
 EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 }  // namespace gemm_ar::cpu

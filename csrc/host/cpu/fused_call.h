@@ -131,11 +131,12 @@ struct CallJob {
   std::chrono::milliseconds timeout{0};
   bool overlap = true, ignore_epochs = false;
   // gemm_allreduce / gemm_reduce_scatter with one compute block and comm between its tiles (one core per rank):
-  // the compute block multiplies the peers' tiles first and its own last, each own tile into a cache-resident
-  // scratch reduced at once with the peers' partials (owner_last_compute.cpp); own partials skip the window.
+  // the compute block multiplies the peers' tiles first and its own last, each own tile into a scratch (cache-resident
+  // for 256-row tiles) reduced at once with the peers' partials (owner_last_compute.cpp); own partials skip the window.
   bool owner_reduces_in_compute = false;
-  // A small gemm_allreduce there (kOneShotMaxReadBytes): every rank sums every rank's whole partial, one phase
-  // instead of reduce-scatter + all-gather (one_shot_compute.cpp); no comm block work but the header check.
+  // A small gemm_allreduce there (kOneShotMaxReadBytes) with 4-byte partials: every rank sums every rank's whole
+  // partial, one phase instead of reduce-scatter + all-gather (one_shot_compute.cpp); no comm block work but the
+  // header check.
   bool one_shot = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty

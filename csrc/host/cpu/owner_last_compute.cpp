@@ -1,8 +1,8 @@
 // The compute side of gemm_allreduce and gemm_reduce_scatter on a rank with one core
 // (CallJob::owner_reduces_in_compute). The comm blocks' way (every rank writes all its partials into its window, the
 // owner reads them all back) costs the owner a write and a read of its own partial through memory; here the owner's
-// own partial tile goes into a small scratch that stays in cache and is reduced at once with the peers' partials
-// (into the output, and for gemm_allreduce into the bank the peers copy from). The peers' tiles come first (they
+// own partial tile goes into a scratch (in cache for the usual 256-row tiles) and is reduced at once with the peers'
+// partials (into the output, and for gemm_allreduce into the bank the peers copy from). The peers' tiles come first (they
 // wait for them), the own tiles last: by then every peer has multiplied its part of them, so the waits below are
 // short and cannot form a cycle (no rank waits before it has published every tile the others need). The
 // reduction's rank order, and so every bit of the result, is that of the comm blocks' (reduce_rows).
@@ -13,7 +13,6 @@
 
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
-#include "cpu/output_pool.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar::cpu {
@@ -49,7 +48,8 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
   const auto partial_options = at::TensorOptions().dtype(job.partial_dtype);
   // One tile of this rank's own partial, reused. Its rows are pad_n apart as in the window: the GEMM library picks
   // its kernel (and so its rounding) by the output's strides, and the tile must come out as the comm blocks' way has
-  // it, bit for bit. Only rows x cols of it are touched (about one tile of cache).
+  // it, bit for bit. Only rows x cols of it are touched (one tile: in cache for 256-row tiles; with column panels the
+  // own tile has all M rows).
   at::Tensor scratch;
   std::vector<const uint8_t*> sources(job.world);
   try {
@@ -66,9 +66,8 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                           at::from_blob(job.region(job.rank, partial_offset), {rows, cols}, {p.pad_n, 1},
                                         partial_options));
       } else {
-        // From the output pool: with column panels an own tile has all M rows, and a fresh block that large would
-        // be mapped (and faulted in) anew on every call.
-        if (!scratch.defined()) scratch = pooled_empty(p.base_m, p.pad_n, job.partial_dtype);
+        // As long as one tile with rows pad_n apart, no longer.
+        if (!scratch.defined()) scratch = at::empty({(p.base_m - 1) * p.pad_n + p.base_n}, partial_options);
         job.gemm->compute(row0, rows, col0, cols,
                           at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
         // The own partial first, then the wait: a rank with few or no peers' tiles to multiply would otherwise sit
