@@ -10,3 +10,22 @@ def raises(fn, *fragments, exc=Exception):
     for fragment in fragments:
         assert fragment in message, f"expected {fragment!r} in the error: {message}"
     return message
+
+
+def error_of_a_fused_call_with(setter, value, env, a_shape, b_shape):
+    """One fused gemm_allreduce of random a_shape x b_shape inputs under the environment `env`, with an engine switch
+    set to `value` by `setter` (a `_C._set_*` that returns the old value, which is restored after). Ranks pass values
+    that differ; returns the call's ValueError message, or "" if the call passed."""
+    import torch
+    import torch_gemm_ar
+    from scoped_env import scoped_env
+
+    previous = setter(value)
+    try:
+        with scoped_env(**env):
+            torch_gemm_ar.gemm_allreduce(torch.randn(*a_shape), torch.randn(*b_shape), algorithm="fused")
+    except ValueError as e:
+        return str(e)
+    finally:
+        setter(previous)
+    return ""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_gemm_ar
+from expect import error_of_a_fused_call_with
 from inputs import TOLERANCE, assert_matches, bias_vector, digest, reference, shard, weight
 from scoped_env import scoped_env
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
@@ -154,15 +155,8 @@ def test_empty_outputs_keep_working(ranks, one_core):
 
 
 def mixed_switch(rank, world):
-    previous = _C._set_fewer_b_reorders(EVERY_DTYPE if rank == 0 else NEVER)
-    try:
-        with scoped_env(**ONE_CORE):
-            torch_gemm_ar.gemm_allreduce(torch.randn(600, 8), torch.randn(8, 1100), algorithm="fused")
-    except ValueError as e:
-        return str(e)
-    finally:
-        _C._set_fewer_b_reorders(previous)
-    return ""
+    return error_of_a_fused_call_with(_C._set_fewer_b_reorders, EVERY_DTYPE if rank == 0 else NEVER, ONE_CORE,
+                                      (600, 8), (8, 1100))
 
 
 def test_ranks_that_differ_in_the_switch_get_an_error_not_a_hang(ranks):

@@ -11,6 +11,7 @@ import torch
 
 import torch_gemm_ar
 from torch_gemm_ar import _C
+from expect import error_of_a_fused_call_with
 from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from scoped_env import scoped_env
 
@@ -250,15 +251,7 @@ def test_negative_control_stress_catches_a_bank_written_too_early(ranks):
 
 
 def mixed_switches(rank, world):
-    previous = _C._set_one_shot(rank == 0)
-    try:
-        with scoped_env(**INLINE):
-            torch_gemm_ar.gemm_allreduce(torch.randn(3, 8), torch.randn(8, 16), algorithm="fused")
-    except ValueError as e:
-        return str(e)
-    finally:
-        _C._set_one_shot(previous)
-    return ""
+    return error_of_a_fused_call_with(_C._set_one_shot, rank == 0, INLINE, (3, 8), (8, 16))
 
 
 def test_ranks_that_differ_in_an_engine_switch_get_an_error_not_a_hang(ranks):

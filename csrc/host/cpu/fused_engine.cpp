@@ -273,32 +273,6 @@ void FusedEngine::ring_peers() const {
   }
 }
 
-EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world) {
-  const EngineConfig config = engine_config(world);
-  const int fewer = engine_switches().fewer_b_reorders.load();
-  const bool fewer_b_reorders = fewer == 2 || (fewer == 1 && reorders_b_per_product(dtype));
-  if (op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
-    return fewer_b_reorders ? tile_row_per_rank_geometry(config, m, n, world) : row_epilogue_geometry(config, m, n, world);
-  }
-  if (op == kOpGemmAllreduce && fewer_b_reorders) {
-    const EngineConfig panels = column_panel_geometry(config, m, n, world);
-    if (panels.base_m != config.base_m || panels.base_n != config.base_n) return panels;
-  }
-  if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
-    return wide_row_geometry(config, m, n, world);
-  }
-  return config;
-}
-
-void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,
-                       std::optional<PackedBPanels>& panels) {
-  // Worth it from two tile rows on. One compute thread only: the packed GEMM threads as oneMKL is told, not as
-  // ATen's parallel regions are.
-  if (!engine_switches().packed_b.load() || compute_blocks != 1 || plan.m_tiles < 2) return;
-  panels.emplace(gemm.b(), plan.base_n, plan.base_m);
-  if (panels->usable()) gemm.use_panels(&*panels);
-}
-
 std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
   config_ = call_config(call.op, call.m, call.n, call.dtype, world_);
   ++epoch_;

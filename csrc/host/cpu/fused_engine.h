@@ -17,23 +17,13 @@
 
 #include "common/call_args.h"
 #include "common/rank_agreement.h"
+#include "cpu/call_geometry.h"
 #include "cpu/engine_config.h"
 #include "cpu/fused_call.h"
 #include "cpu/packed_b_panels.h"
 #include "cpu/window_set.h"
 
 namespace gemm_ar::cpu {
-
-// The engine's configuration for one call of `op` (OpKind) of M x N in `dtype` on `world` local ranks: the settings
-// (engine_config) with the op's own tile geometry (add+RMSNorm: row_epilogue_geometry; gemm_allreduce:
-// column_panel_geometry where its products reorder B per call, else wide_row_geometry as for gemm_reduce_scatter)
-// where the engine switches allow it.
-EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world);
-
-// B's panels packed once for every tile row of `plan` (cpu/packed_b_panels.h) where the engine packs them: `gemm`
-// then multiplies through `panels`, which must outlive its calls.
-void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,
-                       std::optional<PackedBPanels>& panels);
 
 class FusedEngine {
  public:
