@@ -61,3 +61,13 @@ def ranks():
     pools = _Pools()
     yield pools
     pools.close()
+
+
+@pytest.fixture
+def one_core_env(monkeypatch):
+    """This process's engine settings as on a one-core rank (one compute thread, comm between tiles), no tile from
+    the environment: for tests of the per-call geometry rules. Returns monkeypatch to change them further."""
+    monkeypatch.delenv("TORCH_GEMM_AR_CPU_TILE", raising=False)
+    monkeypatch.setenv("TORCH_GEMM_AR_COMPUTE_THREADS", "1")
+    monkeypatch.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
+    return monkeypatch

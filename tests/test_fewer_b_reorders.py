@@ -24,15 +24,7 @@ NEVER, NATIVE_HALF, EVERY_DTYPE = 0, 1, 2
 CALLS = [(1, 33, 65), (7, 300, 777), (129, 20, 1000), (1031, 37, 613), (2100, 9, 1100)]
 
 
-@pytest.fixture
-def one_core(monkeypatch):
-    monkeypatch.delenv("TORCH_GEMM_AR_CPU_TILE", raising=False)
-    for name, value in ONE_CORE.items():
-        monkeypatch.setenv(name, value)
-    return monkeypatch
-
-
-def test_the_rules(one_core):
+def test_the_rules(one_core_env):
     # gemm_allreduce: all M rows (rounded up to the 64-row stripes), N in `world` panels of 16-column multiples.
     assert _C._column_panel_geometry(1031, 613, 2) == (1088, 320, 64)
     assert _C._column_panel_geometry(1, 2048, 2) == (64, 1024, 64)
@@ -43,16 +35,16 @@ def test_the_rules(one_core):
     assert _C._tile_row_per_rank_geometry(1, 2048, 2) == (16, 2048, 16)
     assert _C._tile_row_per_rank_geometry(1543, 300, 3) == (528, 512, 16)
     # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
-    one_core.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
+    one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
     assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == _C._row_epilogue_geometry(4096, 2048, 2)
-    one_core.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
-    one_core.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
+    one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
+    one_core_env.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
     assert _C._column_panel_geometry(4096, 2048, 2) == (128, 256, 32)
     assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == (128, 256, 32)
 
 
-def test_which_calls_take_them(one_core):
+def test_which_calls_take_them(one_core_env):
     previous = _C._set_fewer_b_reorders(NATIVE_HALF)
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -143,7 +135,7 @@ def empty_outputs(rank, world):
     return True
 
 
-def test_empty_outputs_keep_working(ranks, one_core):
+def test_empty_outputs_keep_working(ranks, one_core_env):
     """N=0 (and the tile walk's M=0) make no tiles: the geometries must not turn them into an invalid plan."""
     assert ranks(2).run(empty_outputs) == [True, True]
     previous = _C._set_fewer_b_reorders(EVERY_DTYPE)

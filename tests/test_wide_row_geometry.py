@@ -28,10 +28,7 @@ def tile_cols(m, n, world):
     return _C._wide_row_geometry(m, n, world)[1]
 
 
-def test_the_rule(monkeypatch):
-    monkeypatch.delenv("TORCH_GEMM_AR_CPU_TILE", raising=False)
-    for name, value in ONE_CORE.items():
-        monkeypatch.setenv(name, value)
+def test_the_rule(one_core_env):
     assert _C._wide_row_geometry(1031, 613, 2) == (256, 624, 64)  # one panel, rounded up to 16 columns
     assert _C._wide_row_geometry(1100, 2100, 2) == (256, 1056, 64)  # over 2048: two equal panels
     assert _C._wide_row_geometry(4096, 5000, 2) == (256, 1680, 64)  # three
@@ -41,11 +38,11 @@ def test_the_rule(monkeypatch):
     assert _C._wide_row_geometry(1535, 613, 3) == (256, 512, 64)
     assert _C._wide_row_geometry(4096, 512, 2) == (256, 512, 64)
     # A comm thread overlaps the GEMM at the default tiles' finer grain.
-    monkeypatch.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
+    one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert _C._wide_row_geometry(4096, 2048, 2) == (256, 512, 64)
     # A tile from the environment is kept for every call.
-    monkeypatch.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
-    monkeypatch.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
+    one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
+    one_core_env.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
     assert _C._wide_row_geometry(4096, 2048, 2) == (128, 256, 32)
 
 

@@ -10,12 +10,12 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype,
   const int fewer = engine_switches().fewer_b_reorders.load();
   const bool fewer_b_reorders = fewer == 2 || (fewer == 1 && reorders_b_per_product(dtype));
   if (op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
-    return fewer_b_reorders ? tile_row_per_rank_geometry(config, m, n, world) : row_epilogue_geometry(config, m, n, world);
+    return fewer_b_reorders ? tile_row_per_rank_geometry(config, m, n, world)
+                            : row_epilogue_geometry(config, m, n, world);
   }
-  if (op == kOpGemmAllreduce && fewer_b_reorders) {
-    const EngineConfig panels = column_panel_geometry(config, m, n, world);
-    if (panels.base_m != config.base_m || panels.base_n != config.base_n) return panels;
-  }
+  // Where column_panel_geometry keeps `config` (a tile from the environment, comm threads, an empty output),
+  // wide_row_geometry keeps it too.
+  if (op == kOpGemmAllreduce && fewer_b_reorders) return column_panel_geometry(config, m, n, world);
   if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
     return wide_row_geometry(config, m, n, world);
   }
