@@ -1,6 +1,7 @@
 """Geometries with fewer tile rows on one-core ranks, for products that reorder all of B per call (bf16/fp16 computed
-natively through oneDNN; cpu/engine_config.h): gemm_allreduce takes one tile row in `world` column panels
-(column_panel_geometry), add+RMSNorm one full-width tile row per rank (tile_row_per_rank_geometry). The rules; which
+natively through oneDNN; cpu/engine_config.h, cpu/call_geometry.h): gemm_allreduce takes one full-width tile row per
+rank (tile_row_per_rank_geometry) from M >= 1024 and 2M >= K, else one tile row in `world` column panels
+(column_panel_geometry); add+RMSNorm one full-width tile row per rank. The rules; which
 calls take them (the switch's three modes, and the dtypes whose products reorder B on this CPU); results against
 float64 and bit for bit on every rank, forced on for every dtype so that CPUs without native bf16 test them too, on
 shapes that are not multiples of any tile, world 2 and 3, both ways the owner reduces, one-shot and two-phase sizes;
@@ -20,8 +21,13 @@ from torch_gemm_ar import _C
 ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
 NEVER, NATIVE_HALF, EVERY_DTYPE = 0, 1, 2
 
-# (M, K, N): short and long calls, one-shot and two-phase sizes, N under and over one 512-column tile.
-CALLS = [(1, 33, 65), (7, 300, 777), (129, 20, 1000), (1031, 37, 613), (2100, 9, 1100)]
+# (M, K, N): short and long calls, one-shot and two-phase sizes, N under and over one 512-column tile; both
+# gemm_allreduce geometries (row panels from M >= 1024 and 2M >= K).
+CALLS = [(1, 33, 65), (7, 300, 777), (129, 20, 1000), (1031, 37, 613), (2100, 9, 1100), (1030, 2070, 130)]
+
+
+def gemm_allreduce_geometry(m, k, n, world):
+    return (_C._tile_row_per_rank_geometry if _C._prefers_row_panels(m, k) else _C._column_panel_geometry)(m, n, world)
 
 
 def test_the_rules(one_core_env):
@@ -34,6 +40,10 @@ def test_the_rules(one_core_env):
     assert _C._tile_row_per_rank_geometry(1031, 613, 2) == (528, 624, 16)
     assert _C._tile_row_per_rank_geometry(1, 2048, 2) == (16, 2048, 16)
     assert _C._tile_row_per_rank_geometry(1543, 300, 3) == (528, 512, 16)
+    # gemm_allreduce: row panels for long calls whose K is not over 2M (world - 1 more reorders of B against strided
+    # half rows in every reduction and copy), column panels otherwise.
+    assert _C._prefers_row_panels(1024, 2048) and _C._prefers_row_panels(4096, 256)
+    assert not _C._prefers_row_panels(1023, 16) and not _C._prefers_row_panels(2048, 4097)
     # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
@@ -52,16 +62,17 @@ def test_which_calls_take_them(one_core_env):
             native = _C._reorders_b_per_product(like)
             for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
                 _C._set_fewer_b_reorders(mode)
-                want = _C._column_panel_geometry(2048, 1024, 2) if takes else _C._wide_row_geometry(2048, 1024, 2)
-                assert _C._call_geometry("gemm_allreduce", 2048, 1024, like, 2) == want, (dtype, mode)
-                want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
-                assert _C._call_geometry("add_rmsnorm", 2048, 1024, like, 2) == want, (dtype, mode)
+                for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry)):
+                    want = fewer(2048, 1024, 2) if takes else _C._wide_row_geometry(2048, 1024, 2)
+                    assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
+                    want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
+                    assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
         assert not _C._reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
             _C._set_fewer_b_reorders(3)
         with pytest.raises(ValueError, match="op must be"):
-            _C._call_geometry("matmul", 2, 2, torch.empty(0), 2)
+            _C._call_geometry("matmul", 2, 2, 2, torch.empty(0), 2)
     finally:
         _C._set_fewer_b_reorders(previous)
 
@@ -76,8 +87,8 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                 for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     step = seed + 17 * case
                     like = torch.empty(0, dtype=dtype)
-                    tiles = _C._call_geometry("gemm_allreduce", m, n, like, world)
-                    assert tiles == _C._column_panel_geometry(m, n, world), (m, n, dtype, tiles)
+                    tiles = _C._call_geometry("gemm_allreduce", m, k, n, like, world)
+                    assert tiles == gemm_allreduce_geometry(m, k, n, world), (m, k, n, dtype, tiles)
                     shards = [shard(step, r, m, k, dtype, three_d=case % 2 == 0) for r in range(world)]
                     b = weight(step, k, n, dtype, transposed=case % 2 == 1)
                     bias = bias_vector(step, n, dtype) if case % 3 != 1 else None
@@ -89,7 +100,7 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                     digests.append(digest(out))
                     if dtype == torch.float16:
                         continue  # add+RMSNorm: fp32 and bf16 (its CPU dtypes' tests are in test_add_rmsnorm.py)
-                    tiles = _C._call_geometry("add_rmsnorm", m, n, like, world)
+                    tiles = _C._call_geometry("add_rmsnorm", m, k, n, like, world)
                     assert tiles == _C._tile_row_per_rank_geometry(m, n, world), (m, n, dtype, tiles)
                     label = f"{what} add+RMSNorm, tiles {tiles}"
                     residual = residual_of(step, ref_sum.shape, dtype)

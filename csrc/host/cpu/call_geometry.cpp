@@ -5,7 +5,9 @@
 
 namespace gemm_ar::cpu {
 
-EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world) {
+bool prefers_row_panels(int64_t m, int64_t k) { return m >= 1024 && 2 * m >= k; }
+
+EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
   const EngineConfig config = engine_config(world);
   const int fewer = engine_switches().fewer_b_reorders.load();
   const bool fewer_b_reorders = fewer == 2 || (fewer == 1 && reorders_b_per_product(dtype));
@@ -15,7 +17,10 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype,
   }
   // Where column_panel_geometry keeps `config` (a tile from the environment, comm threads, an empty output),
   // wide_row_geometry keeps it too.
-  if (op == kOpGemmAllreduce && fewer_b_reorders) return column_panel_geometry(config, m, n, world);
+  if (op == kOpGemmAllreduce && fewer_b_reorders) {
+    return prefers_row_panels(m, k) ? tile_row_per_rank_geometry(config, m, n, world)
+                                    : column_panel_geometry(config, m, n, world);
+  }
   if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
     return wide_row_geometry(config, m, n, world);
   }

@@ -12,12 +12,18 @@
 
 namespace gemm_ar::cpu {
 
-// The engine's configuration for one call of `op` (OpKind) of M x N in `dtype` on `world` local ranks: the settings
-// (engine_config) with the op's own tile geometry where the engine switches allow it. Where the call's products
-// reorder B per call (reorders_b_per_product): add+RMSNorm tile_row_per_rank_geometry, gemm_allreduce
-// column_panel_geometry; otherwise add+RMSNorm row_epilogue_geometry, gemm_allreduce and gemm_reduce_scatter
-// wide_row_geometry.
-EngineConfig call_config(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world);
+// The engine's configuration for one call of `op` (OpKind) of [M, K] x [K, N] in `dtype` on `world` local ranks: the
+// settings (engine_config) with the op's own tile geometry where the engine switches allow it. Where the call's
+// products reorder B per call (reorders_b_per_product): add+RMSNorm tile_row_per_rank_geometry, gemm_allreduce
+// tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; otherwise add+RMSNorm
+// row_epilogue_geometry, gemm_allreduce and gemm_reduce_scatter wide_row_geometry.
+EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world);
+
+// Of the two geometries with few products for a gemm_allreduce whose products reorder all of B per call: one
+// full-width tile row per rank costs world - 1 more reorders of B (K x N each); column panels of all M rows cost
+// strided half rows in the reduction and the copies, which ran at 0.4x the speed of whole rows (M x N). Row panels
+// won from M >= 1024 and 2M >= K in interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks; docs/performance.md).
+bool prefers_row_panels(int64_t m, int64_t k);
 
 // B's panels packed once for every tile row of `plan` (cpu/packed_b_panels.h) where the engine packs them: `gemm`
 // then multiplies through `panels`, which must outlive its calls.

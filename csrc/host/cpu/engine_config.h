@@ -42,7 +42,8 @@ EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n,
 // the same geometry (it is in the call signature).
 EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
-// The geometry of one add+RMSNorm call on a one-core rank whose products reorder all of B per call: the row
+// The geometry of one add+RMSNorm call (and of a long gemm_allreduce, call_geometry.h) on a one-core rank whose
+// products reorder all of B per call: the row
 // epilogue's full-width tiles and 16-row stripes, but one tile row per rank (M / world rows, rounded up to the
 // stripes), so B is reordered `world` times per call instead of once per 256 rows (bf16 on an Intel Xeon with AMX:
 // fused 1.10x compute-only at M2048 K1024 N2048 against 1.19x with 256-row tiles, 1.25x against 1.38x at M16, where

@@ -19,7 +19,7 @@ at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std:
                     a.scalar_type(), " and ", b.sizes(), " ", b.scalar_type());
   TORCH_CHECK_VALUE(world >= 1, "engine_tile_walk: world must be >= 1; got ", world);
   const int64_t m = a.size(0), n = b.size(1), k = a.size(1);
-  const EngineConfig config = call_config(kOpGemmAllreduce, m, n, a.scalar_type(), world);
+  const EngineConfig config = call_config(kOpGemmAllreduce, m, k, n, a.scalar_type(), world);
   TilePlan plan{};
   TORCH_CHECK(make_tile_plan(&plan, m, n, k, config.base_m, config.base_n, 1, 1, config.sub_m),
               "engine_tile_walk: invalid tile plan for M=", m, " N=", n, " K=", k);

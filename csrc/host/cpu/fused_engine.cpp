@@ -104,7 +104,7 @@ void FusedEngine::ring_peers() const {
 }
 
 std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
-  config_ = call_config(call.op, call.m, call.n, call.dtype, world_);
+  config_ = call_config(call.op, call.m, call.k, call.n, call.dtype, world_);
   ++epoch_;
   signature_ = call_signature(call, chosen);
   // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too.
