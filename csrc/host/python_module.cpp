@@ -10,6 +10,8 @@
 #include "cpu/fused_call.h"
 #include "cpu/fused_engine.h"
 #include "cpu/packed_b_panels.h"
+#include "cpu/reduce_avx512.h"
+#include "cpu/tile_kernels.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
 
@@ -24,6 +26,40 @@ auto geometry_of(GeometryRule rule) {
     const auto c = rule(gemm_ar::cpu::engine_config(world), m, n, world);
     return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
   };
+}
+
+// The owner's reduction (cpu/tile_kernels.h) on tensors, through the AVX-512 loop or the portable one (tests):
+// out (and bank) = the sum of `partials` in list order; with add_into_out, out holds an addend.
+void reduce_rows_for_test(const std::vector<at::Tensor>& partials, at::Tensor& out, std::optional<at::Tensor> bank,
+                          bool add_into_out, bool avx512) {
+  TORCH_CHECK_VALUE(!partials.empty(), "_reduce_rows: partials must not be empty");
+  const auto& first = partials[0];
+  std::vector<const uint8_t*> sources;
+  for (const auto& p : partials) {
+    TORCH_CHECK_VALUE(p.dim() == 2 && p.sizes() == first.sizes() && p.strides() == first.strides() &&
+                          p.stride(1) == 1 && p.scalar_type() == first.scalar_type() && p.device().is_cpu(),
+                      "_reduce_rows: partials must be CPU [rows, cols] tensors of one shape, dtype and row stride");
+    sources.push_back(static_cast<const uint8_t*>(p.data_ptr()));
+  }
+  auto check_out = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.sizes() == first.sizes() && t.stride(1) == 1 &&
+                          t.scalar_type() == out.scalar_type() && t.device().is_cpu(),
+                      "_reduce_rows: ", name, " must be a CPU tensor shaped like the partials, in out's dtype");
+  };
+  check_out(out, "out");
+  if (bank) check_out(*bank, "bank");
+  gemm_ar::cpu::ReduceRows job{sources.data(), static_cast<int>(sources.size()), first.stride(0), first.scalar_type(),
+                               bank ? static_cast<uint8_t*>(bank->data_ptr()) : nullptr, bank ? bank->stride(0) : 0,
+                               static_cast<uint8_t*>(out.data_ptr()), out.stride(0), out.scalar_type(),
+                               first.size(0), first.size(1), add_into_out};
+  const bool previous = gemm_ar::cpu::set_avx512_reduce(avx512);
+  try {
+    gemm_ar::cpu::reduce_rows(job);
+  } catch (...) {
+    gemm_ar::cpu::set_avx512_reduce(previous);
+    throw;
+  }
+  gemm_ar::cpu::set_avx512_reduce(previous);
 }
 
 }  // namespace
@@ -57,26 +93,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return switches.fewer_b_reorders.exchange(mode);
         },
         "CPU fused engine: which calls on one-core ranks take the geometries with fewer tile rows (gemm_allreduce: "
-        "one tile row in column panels; add+RMSNorm: one tile row per rank): 1 (the default) those whose products "
+        "one tile row per rank, or for short calls with a long K one tile row in column panels; add+RMSNorm: one tile "
+        "row per rank): 1 (the default) those whose products "
         "reorder B per call (bf16/fp16 computed natively), 0 none, 2 every dtype (benchmarks, tests); returns the "
         "old value");
   m.def("_column_panel_geometry", geometry_of(&gemm_ar::cpu::column_panel_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of column_panel_geometry for a call of M x N on "
         "`world` local ranks (tests)");
   m.def("_call_geometry",
-        [](const std::string& op, int64_t m, int64_t n, const at::Tensor& like, int world) {
+        [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm",
                             "_call_geometry: op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
           const int64_t kind = op == "add_rmsnorm" ? gemm_ar::kOpGemmAllreduceAddRmsnorm : gemm_ar::kOpGemmAllreduce;
-          const auto c = gemm_ar::cpu::call_config(kind, m, n, like.scalar_type(), world);
+          const auto c = gemm_ar::cpu::call_config(kind, m, k, n, like.scalar_type(), world);
           return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
         },
         "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce' or "
-        "'add_rmsnorm') of M x N in the dtype of `like` takes on `world` local ranks, under this process's settings "
+        "'add_rmsnorm') of [M, K] x [K, N] in the dtype of `like` takes on `world` local ranks, under this process's settings "
         "and switches (tests)");
   m.def("_tile_row_per_rank_geometry", geometry_of(&gemm_ar::cpu::tile_row_per_rank_geometry),
-        "CPU fused engine: (tile rows, tile columns, stripe rows) of tile_row_per_rank_geometry for an add+RMSNorm "
-        "call of M x N on `world` local ranks (tests)");
+        "CPU fused engine: (tile rows, tile columns, stripe rows) of tile_row_per_rank_geometry for a call of M x N "
+        "on `world` local ranks (tests)");
+  m.def("_prefers_row_panels", &gemm_ar::cpu::prefers_row_panels, pybind11::arg("m"), pybind11::arg("k"),
+        "CPU fused engine: whether a gemm_allreduce of [M, K] x [K, N] whose products reorder B per call takes one "
+        "tile row per rank rather than column panels (tests)");
+  m.def("_reduce_rows", &reduce_rows_for_test, pybind11::arg("partials"), pybind11::arg("out"),
+        pybind11::arg("bank"), pybind11::arg("add_into_out"), pybind11::arg("avx512"),
+        "CPU engine: the owner's reduction of `partials` (list order) into out and bank, through the AVX-512 loop "
+        "(where the CPU has it) or the portable one (tests)");
+  m.def("_set_avx512_reduce", &gemm_ar::cpu::set_avx512_reduce, pybind11::arg("on"),
+        "CPU engine: False makes the owner's reduction run the portable loop where it would run the AVX-512 one "
+        "(A/B benchmarks); returns the old value");
+  m.def("_has_avx512_reduce", &gemm_ar::cpu::cpu_has_avx512_reduce,
+        "CPU engine: whether the owner's reduction runs its AVX-512 loop on this CPU (fp32 and bf16)");
   m.def("_reorders_b_per_product", [](const at::Tensor& t) { return gemm_ar::reorders_b_per_product(t.scalar_type()); },
         "Whether this CPU's product of t's dtype reorders B per call (bf16/fp16 computed natively; tests)");
   m.def("_set_one_shot", [&switches](bool on) { return switches.one_shot.exchange(on); },

@@ -1,6 +1,7 @@
 #include "cpu/tile_kernels.h"
 
 #include "common/element_casts.h"
+#include "cpu/reduce_avx512.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -76,6 +77,7 @@ GEMM_AR_VECTOR_CLONES void add_bf16(const c10::BFloat16* src, int64_t src_stride
 }  // namespace
 
 void reduce_rows(const ReduceRows& job) {
+  if (reduce_rows_avx512(job)) return;
   const auto in = job.partial_dtype, out = job.out_dtype;
   if (in == at::kDouble && out == at::kDouble) return reduce_typed<double, double, double>(job);
   if (in == at::kFloat && out == at::kFloat) return reduce_f32(job);
