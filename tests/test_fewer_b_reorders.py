@@ -1,19 +1,23 @@
 """Geometries with fewer tile rows on one-core ranks, for products that reorder all of B per call (bf16/fp16 computed
 natively through oneDNN; cpu/engine_config.h, cpu/call_geometry.h): gemm_allreduce takes one full-width tile row per
 rank (tile_row_per_rank_geometry) from M >= 1024 and 2M >= K, else one tile row in `world` column panels
-(column_panel_geometry); add+RMSNorm one full-width tile row per rank. The rules; which
+(column_panel_geometry); add+RMSNorm one full-width tile row per rank. Where M < 4K those calls multiply the rank's
+whole partial in one GEMM call (CallJob::one_product), tile by tile otherwise. The rules; which
 calls take them (the switch's three modes, and the dtypes whose products reorder B on this CPU); results against
 float64 and bit for bit on every rank, forced on for every dtype so that CPUs without native bf16 test them too, on
 shapes that are not multiples of any tile, world 2 and 3, both ways the owner reduces, one-shot and two-phase sizes;
-and ranks that differ in the switch get an error, not a hang."""
+back-to-back stress of one-product calls among tile-by-tile ones with a late rank, and its negative control; and
+ranks that differ in the switch get an error, not a hang."""
 import random
+import time
 
 import pytest
 import torch
 
 import torch_gemm_ar
 from expect import error_of_a_fused_call_with
-from inputs import TOLERANCE, assert_matches, bias_vector, digest, reference, shard, weight
+from inputs import (TOLERANCE, assert_matches, assert_matches_sum_of_partials, bias_vector, digest, reference, shard,
+                    weight)
 from scoped_env import scoped_env
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
 from torch_gemm_ar import _C
@@ -44,6 +48,9 @@ def test_the_rules(one_core_env):
     # half rows in every reduction and copy), column panels otherwise.
     assert _C._prefers_row_panels(1024, 2048) and _C._prefers_row_panels(4096, 256)
     assert not _C._prefers_row_panels(1023, 16) and not _C._prefers_row_panels(2048, 4097)
+    # One GEMM call for the whole partial below M = 4K (B's reorders weigh more than the tiles' earlier publication).
+    assert _C._prefers_one_product(2048, 1024) and _C._prefers_one_product(4095, 1024)
+    assert not _C._prefers_one_product(4096, 1024) and not _C._prefers_one_product(4096, 256)
     # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
@@ -62,11 +69,15 @@ def test_which_calls_take_them(one_core_env):
             native = _C._reorders_b_per_product(like)
             for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
                 _C._set_fewer_b_reorders(mode)
-                for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry)):
+                for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
+                                 (256, _C._tile_row_per_rank_geometry)):
                     want = fewer(2048, 1024, 2) if takes else _C._wide_row_geometry(2048, 1024, 2)
                     assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
                     want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
                     assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
+                    for op in ("gemm_allreduce", "add_rmsnorm"):
+                        one = _C._call_multiplies_in_one_product(op, 2048, k, 1024, like, 2)
+                        assert one == (takes and k != 256), (op, dtype, mode, k)
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
         assert not _C._reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
@@ -84,6 +95,7 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
         previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_owner_last(owner_last))
         try:
             for case, (m, k, n) in enumerate(CALLS):
+                one_product = _C._prefers_one_product(m, k)
                 for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     step = seed + 17 * case
                     like = torch.empty(0, dtype=dtype)
@@ -93,10 +105,15 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                     b = weight(step, k, n, dtype, transposed=case % 2 == 1)
                     bias = bias_vector(step, n, dtype) if case % 3 != 1 else None
                     what = f"M={m} K={k} N={n} {dtype} world {world} owner_last={owner_last}"
+                    before = _C._one_product_calls()
                     out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
+                    # One shot (small fp32 calls) and the comm blocks' way multiply tile by tile.
+                    one_shot = dtype == torch.float32 and m * n * 4 * (world - 1) <= 4 << 20
+                    took = _C._one_product_calls() - before
+                    assert took == int(one_product and owner_last and not one_shot), (what, took)
                     ref_sum = reference(shards, b, bias)
                     assert out.shape == shards[rank].shape[:-1] + (n,), what
-                    assert_matches(out, ref_sum, dtype, k, world, f"{what} gemm_allreduce, tiles {tiles}")
+                    assert_matches_sum_of_partials(out, shards, b, bias, dtype, k, f"{what} gemm_allreduce, tiles {tiles}")
                     digests.append(digest(out))
                     if dtype == torch.float16:
                         continue  # add+RMSNorm: fp32 and bf16 (its CPU dtypes' tests are in test_add_rmsnorm.py)
@@ -155,6 +172,62 @@ def test_empty_outputs_keep_working(ranks, one_core_env):
         assert _C._engine_tile_walk(torch.ones(5, 3), torch.ones(3, 0), None, 2).shape == (5, 0)
     finally:
         _C._set_fewer_b_reorders(previous)
+
+
+def random_call(rng):
+    """One product with row panels or column panels, or tile by tile (M >= 4K), in fp32 (forced) or bf16."""
+    kind = rng.choice(["rows", "columns", "tiles"])
+    if kind == "rows":
+        m, k, n = rng.randint(1024, 1100), rng.randint(300, 700), rng.randint(1, 300)
+    elif kind == "columns":
+        m, k, n = rng.randint(1, 300), rng.randint(80, 200), rng.randint(1, 700)
+    else:
+        m, k, n = rng.randint(1024, 1100), rng.randint(1, 200), rng.randint(1, 300)
+    return m, k, n, rng.choice([torch.float32, torch.bfloat16]), rng.random() < 0.3
+
+
+def one_product_stress(rank, world, seed, calls, ignore_epochs=False):
+    """Back-to-back fused calls with new inputs and shapes; a rank runs late now and then. Returns the number of wrong
+    results and of calls multiplied in one GEMM call."""
+    rng = random.Random(seed)
+    wrong = 0
+    before = _C._one_product_calls()
+    with scoped_env(**ONE_CORE):
+        # No one shot: small fp32 calls would take it instead (tests/test_one_shot.py stresses that way).
+        previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_ignore_epochs(ignore_epochs), _C._set_one_shot(False))
+        try:
+            for step in range(calls):
+                m, k, n, dtype, with_bias = random_call(rng)
+                shards = [shard(seed + step, r, m, k, dtype) for r in range(world)]
+                b = weight(seed + step, k, n, dtype, transposed=step % 2 == 0)
+                bias = bias_vector(seed + step, n, dtype) if with_bias else None
+                if rank == step % world and step % 5 == 0:
+                    time.sleep(0.002)
+                out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
+                try:
+                    assert_matches_sum_of_partials(out, shards, b, bias, dtype, k, "stress")
+                except AssertionError:
+                    wrong += 1
+        finally:
+            _C._set_fewer_b_reorders(previous[0])
+            _C._set_ignore_epochs(previous[1])
+            _C._set_one_shot(previous[2])
+    return wrong, _C._one_product_calls() - before
+
+
+@pytest.mark.parametrize("world,calls", [(2, 1000), (3, 300)])
+def test_one_product_back_to_back_stress(ranks, world, calls):
+    results = ranks(world).run(one_product_stress, random.randrange(1 << 30), calls, timeout_s=600)
+    assert [wrong for wrong, _ in results] == [0] * world, f"wrong results per rank: {results}"
+    # Two thirds of the calls are one-product shapes.
+    assert all(one > calls // 2 for _, one in results), results
+
+
+def test_negative_control_stress_catches_stale_partials(ranks):
+    """With any earlier call's flag taken as this call's (a deliberate protocol bug), a rank reduces partials its
+    peer has not written yet: the same stress test must report wrong results."""
+    results = ranks(2).run(one_product_stress, random.randrange(1 << 30), 300, True, timeout_s=600)
+    assert sum(wrong for wrong, _ in results) > 0, f"the stress test did not notice stale partials: {results}"
 
 
 def mixed_switch(rank, world):

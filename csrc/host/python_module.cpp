@@ -28,6 +28,15 @@ auto geometry_of(GeometryRule rule) {
   };
 }
 
+// The CPU engine's configuration for a call of `op` ('gemm_allreduce' or 'add_rmsnorm') as the tests see it.
+gemm_ar::cpu::EngineConfig config_of_call(const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like,
+                                          int world) {
+  TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm",
+                    "_call_geometry: op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
+  const int64_t kind = op == "add_rmsnorm" ? gemm_ar::kOpGemmAllreduceAddRmsnorm : gemm_ar::kOpGemmAllreduce;
+  return gemm_ar::cpu::call_config(kind, m, k, n, like.scalar_type(), world);
+}
+
 // The owner's reduction (cpu/tile_kernels.h) on tensors, through the AVX-512 loop or the portable one (tests):
 // out (and bank) = the sum of `partials` in list order; with add_into_out, out holds an addend.
 void reduce_rows_for_test(const std::vector<at::Tensor>& partials, at::Tensor& out, std::optional<at::Tensor> bank,
@@ -97,20 +106,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "row per rank): 1 (the default) those whose products "
         "reorder B per call (bf16/fp16 computed natively), 0 none, 2 every dtype (benchmarks, tests); returns the "
         "old value");
+  m.def("_set_one_product", [&switches](bool on) { return switches.one_product.exchange(on); },
+        "CPU fused engine: False makes calls whose geometry multiplies the whole partial in one GEMM call (products "
+        "that reorder B per call, one core per rank) multiply tile by tile (benchmarks, tests); returns the old "
+        "value");
   m.def("_column_panel_geometry", geometry_of(&gemm_ar::cpu::column_panel_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of column_panel_geometry for a call of M x N on "
         "`world` local ranks (tests)");
   m.def("_call_geometry",
         [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
-          TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm",
-                            "_call_geometry: op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
-          const int64_t kind = op == "add_rmsnorm" ? gemm_ar::kOpGemmAllreduceAddRmsnorm : gemm_ar::kOpGemmAllreduce;
-          const auto c = gemm_ar::cpu::call_config(kind, m, k, n, like.scalar_type(), world);
+          const auto c = config_of_call(op, m, k, n, like, world);
           return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
         },
         "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce' or "
-        "'add_rmsnorm') of [M, K] x [K, N] in the dtype of `like` takes on `world` local ranks, under this process's settings "
-        "and switches (tests)");
+        "'add_rmsnorm') of [M, K] x [K, N] in the dtype of `like` takes on `world` local ranks, under this process's "
+        "settings and switches (tests)");
+  m.def("_call_multiplies_in_one_product",
+        [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
+          return gemm_ar::cpu::multiplies_in_one_product(config_of_call(op, m, k, n, like, world));
+        },
+        "CPU fused engine: whether such a call multiplies the rank's whole partial in one GEMM call where the owner "
+        "reduces in the compute block (tests)");
+  m.def("_prefers_one_product", &gemm_ar::cpu::prefers_one_product, pybind11::arg("m"), pybind11::arg("k"),
+        "CPU fused engine: whether the geometries for products that reorder B per call multiply [M, K] x [K, N] in "
+        "one GEMM call rather than tile by tile (tests)");
   m.def("_tile_row_per_rank_geometry", geometry_of(&gemm_ar::cpu::tile_row_per_rank_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of tile_row_per_rank_geometry for a call of M x N "
         "on `world` local ranks (tests)");
@@ -139,6 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "checking that peers have started the previous call); returns the old value");
   m.def("_one_shot_calls", &gemm_ar::cpu::one_shot_call_count,
         "CPU fused engine: gemm_allreduce calls this process reduced in one shot (tests)");
+  m.def("_one_product_calls", &gemm_ar::cpu::one_product_call_count,
+        "CPU fused engine: calls this process multiplied in one GEMM call (tests)");
   m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
         "CPU fused engine: False multiplies every tile through at::mm instead of B's panels packed once per call "
         "(benchmarks, tests); returns the old value");

@@ -7,24 +7,36 @@ namespace gemm_ar::cpu {
 
 bool prefers_row_panels(int64_t m, int64_t k) { return m >= 1024 && 2 * m >= k; }
 
+bool prefers_one_product(int64_t m, int64_t k) { return m < 4 * k; }
+
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
   const EngineConfig config = engine_config(world);
   const int fewer = engine_switches().fewer_b_reorders.load();
   const bool fewer_b_reorders = fewer == 2 || (fewer == 1 && reorders_b_per_product(dtype));
+  auto with_product_rule = [&](EngineConfig fewer) {
+    fewer.one_product = fewer.one_product && prefers_one_product(m, k);
+    return fewer;
+  };
   if (op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
-    return fewer_b_reorders ? tile_row_per_rank_geometry(config, m, n, world)
+    return fewer_b_reorders ? with_product_rule(tile_row_per_rank_geometry(config, m, n, world))
                             : row_epilogue_geometry(config, m, n, world);
   }
   // Where column_panel_geometry keeps `config` (a tile from the environment, comm threads, an empty output),
   // wide_row_geometry keeps it too.
   if (op == kOpGemmAllreduce && fewer_b_reorders) {
-    return prefers_row_panels(m, k) ? tile_row_per_rank_geometry(config, m, n, world)
-                                    : column_panel_geometry(config, m, n, world);
+    return with_product_rule(prefers_row_panels(m, k) ? tile_row_per_rank_geometry(config, m, n, world)
+                                                      : column_panel_geometry(config, m, n, world));
   }
   if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
     return wide_row_geometry(config, m, n, world);
   }
   return config;
+}
+
+bool multiplies_in_one_product(const EngineConfig& config) {
+  const EngineSwitches& switches = engine_switches();
+  return config.one_product && config.comm_inline && config.compute_blocks == 1 && switches.owner_last.load() &&
+         switches.one_product.load();
 }
 
 void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,

@@ -25,6 +25,17 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
 // won from M >= 1024 and 2M >= K in interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks; docs/performance.md).
 bool prefers_row_panels(int64_t m, int64_t k);
 
+// Whether those geometries multiply the rank's whole partial in one GEMM call (EngineConfig::one_product) rather than
+// tile by tile: one call reorders B once, not once per tile, but every tile is then published only at the end. In
+// interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks) one call took 0.89-0.94x the time from M1024 K1024 to
+// M2048 K2048, and 1.04-1.07x at M4096 K256 and M4096 K1024 (B cheap to reorder against the output's size).
+bool prefers_one_product(int64_t m, int64_t k);
+
+// Whether a call of `config` multiplies this rank's whole partial in one GEMM call where the owner reduces in the
+// compute block (EngineConfig::one_product, under the engine switches); the engine adds the call's own conditions
+// (CallJob::one_product).
+bool multiplies_in_one_product(const EngineConfig& config);
+
 // B's panels packed once for every tile row of `plan` (cpu/packed_b_panels.h) where the engine packs them: `gemm`
 // then multiplies through `panels`, which must outlive its calls.
 void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,

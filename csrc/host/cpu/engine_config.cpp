@@ -89,6 +89,7 @@ EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, i
   tall.sub_m = kStripeRows;
   tall.base_m = (rows + kStripeRows - 1) / kStripeRows * kStripeRows;
   tall.base_n = std::max(config.base_n, round_up_cols(n));
+  tall.one_product = true;
   return tall;
 }
 
@@ -97,6 +98,7 @@ EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_
   EngineConfig tall = config;
   tall.base_m = (m + config.sub_m - 1) / config.sub_m * config.sub_m;
   tall.base_n = round_up_cols((n + world - 1) / world);
+  tall.one_product = true;
   return tall;
 }
 

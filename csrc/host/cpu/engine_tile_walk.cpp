@@ -6,6 +6,7 @@
 
 #include "common/call_args.h"
 #include "common/local_gemm.h"
+#include "cpu/call_geometry.h"
 #include "cpu/fused_engine.h"
 #include "cpu/packed_b_panels.h"
 
@@ -24,9 +25,13 @@ at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std:
   TORCH_CHECK(make_tile_plan(&plan, m, n, k, config.base_m, config.base_n, 1, 1, config.sub_m),
               "engine_tile_walk: invalid tile plan for M=", m, " N=", n, " K=", k);
   LocalGemm gemm(a, b, bias, /*add_bias=*/true);
+  at::Tensor out = at::empty({m, n}, a.options().dtype(gemm.compute_dtype()));
+  if (multiplies_in_one_product(config)) {  // as the engine does (CallJob::one_product)
+    if (m > 0 && n > 0) gemm.compute(0, m, 0, n, out);
+    return out;
+  }
   std::optional<PackedBPanels> panels;
   use_packed_panels(gemm, plan, config.compute_blocks, panels);
-  at::Tensor out = at::empty({m, n}, a.options().dtype(gemm.compute_dtype()));
   // The compute blocks as the engine runs them (run_compute_blocks): each its range of the zigzag walk, in parallel
   // when the rank has the cores.
   at::parallel_for(0, config.compute_blocks, 1, [&](int64_t begin, int64_t end) {

@@ -75,6 +75,9 @@ struct EngineSwitches {
   // false: small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather like larger ones instead of
   // the one-shot reduction (A/B benchmarks, tests of both ways; see CallJob::one_shot).
   std::atomic<bool> one_shot{true};
+  // false: calls whose geometry asks for one GEMM per call (EngineConfig::one_product) multiply tile by tile
+  // (A/B benchmarks, tests of both ways; see CallJob::one_product).
+  std::atomic<bool> one_product{true};
   // true: a deliberate bug for a negative-control test: one-shot calls put their partials in bank 0 whatever the
   // call's parity (a rank's next call then overwrites partials that a slower peer still reads).
   std::atomic<bool> one_shot_single_bank{false};
@@ -138,6 +141,10 @@ struct CallJob {
   // partial, one phase instead of reduce-scatter + all-gather (one_shot_compute.cpp); no comm block work but the
   // header check.
   bool one_shot = false;
+  // Set with owner_reduces_in_compute (not one_shot) where the geometry asks for it (EngineConfig::one_product) and
+  // the call has one row chunk: the compute block multiplies all of this rank's partial in one GEMM call into its
+  // window, then publishes the peers' tiles and reduces its own from the window (owner_last_compute.cpp).
+  bool one_product = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.
@@ -175,6 +182,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
 constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);    // one_shot_compute.cpp
 int64_t one_shot_call_count();  // calls this process reduced in one shot (tests: the path is really taken)
+int64_t one_product_call_count();  // calls this process multiplied in one GEMM call (CallJob::one_product; tests)
 // The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
 // One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the

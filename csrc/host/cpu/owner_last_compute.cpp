@@ -6,6 +6,9 @@
 // wait for them), the own tiles last: by then every peer has multiplied its part of them, so the waits below are
 // short and cannot form a cycle (no rank waits before it has published every tile the others need). The
 // reduction's rank order, and so every bit of the result, is that of the comm blocks' (reduce_rows).
+// With CallJob::one_product the whole partial comes from one GEMM call into the window first (products that reorder
+// B per call then reorder it once), the own tiles are reduced from the window, and the walk below only publishes
+// and reduces.
 #include <ATen/ATen.h>
 #include <gemm_ar/protocol.hpp>
 
@@ -18,6 +21,8 @@
 namespace gemm_ar::cpu {
 
 namespace {
+
+std::atomic<int64_t> one_product_calls{0};
 
 // This rank's tiles in the walk order of the comm blocks' way (zigzag), the peers' tiles first.
 std::vector<int64_t> owner_last_order(const CallJob& job) {
@@ -34,6 +39,8 @@ std::vector<int64_t> owner_last_order(const CallJob& job) {
 }
 
 }  // namespace
+
+int64_t one_product_call_count() { return one_product_calls.load(std::memory_order_relaxed); }
 
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
   const bool scatter = job.op == kOpGemmReduceScatter;
@@ -53,13 +60,22 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
   at::Tensor scratch;
   std::vector<const uint8_t*> sources(job.world);
   try {
+    if (job.one_product && p.m > 0) {
+      // One row chunk: a's rows are the window's rows, tile row mi at mi * base_m in both.
+      job.gemm->compute(0, p.m, 0, p.n,
+                        at::from_blob(job.region(job.rank, partial_entry_offset(w, 0, 0, p.pad_n, job.partial_elem)),
+                                      {p.m, p.n}, {p.pad_n, 1}, partial_options));
+      one_product_calls.fetch_add(1, std::memory_order_relaxed);
+    }
     for (size_t i = 0; i < order.size(); ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
       const int64_t t = order[i];
       const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
       const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
       const int64_t row0 = chunked_tile_row0(p, job.chunks, mi), col0 = ni * p.base_n;
-      if (run_owner_of(t, job.world, job.own_run) != job.rank) {
+      if (job.one_product) {
+        // Multiplied above: nothing to do for a peer's tile but publish it (below).
+      } else if (run_owner_of(t, job.world, job.own_run) != job.rank) {
         // Padded position in the windows (mi * base_m); a's rows (row0) differ from it in row-chunked plans.
         const int64_t partial_offset = partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem);
         job.gemm->compute(row0, rows, col0, cols,
@@ -70,6 +86,8 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
         if (!scratch.defined()) scratch = at::empty({(p.base_m - 1) * p.pad_n + p.base_n}, partial_options);
         job.gemm->compute(row0, rows, col0, cols,
                           at::from_blob(scratch.data_ptr(), {rows, cols}, {p.pad_n, 1}, partial_options));
+      }
+      if (run_owner_of(t, job.world, job.own_run) == job.rank) {
         // The own partial first, then the wait: a rank with few or no peers' tiles to multiply would otherwise sit
         // idle until its peers finished theirs (at one tile per call, the two GEMMs ran one after the other: 2x).
         // Peers' data is read only once the call is agreed (comm block 0 checks the headers) and each peer's
@@ -95,7 +113,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
           if (stripe_rows > 0) {
             const int64_t padded_row = mi * p.base_m + s * p.sub_m;  // the stripe's first row in the windows
             for (int r = 0; r < job.world; ++r) {
-              sources[r] = r == job.rank ? static_cast<const uint8_t*>(scratch.data_ptr()) +
+              sources[r] = r == job.rank && !job.one_product ? static_cast<const uint8_t*>(scratch.data_ptr()) +
                                                s * p.sub_m * p.pad_n * job.partial_elem
                                          : job.region(r, partial_entry_offset(w, padded_row, col0, p.pad_n,
                                                                               job.partial_elem));
