@@ -1,7 +1,7 @@
 """Geometries with fewer tile rows on one-core ranks, for products that reorder all of B per call (bf16/fp16 computed
 natively through oneDNN; cpu/engine_config.h, cpu/call_geometry.h): gemm_allreduce takes one full-width tile row per
 rank (tile_row_per_rank_geometry) from M >= 1024 and 2M >= K, else one tile row in `world` column panels
-(column_panel_geometry); add+RMSNorm one full-width tile row per rank. Where M < 4K those calls multiply the rank's
+(column_panel_geometry); add+RMSNorm one full-width tile row per rank. Where M < 16K those calls multiply the rank's
 whole partial in one GEMM call (CallJob::one_product), tile by tile otherwise. The rules; which
 calls take them (the switch's three modes, and the dtypes whose products reorder B on this CPU); results against
 float64 and bit for bit on every rank, forced on for every dtype so that CPUs without native bf16 test them too, on
@@ -48,9 +48,9 @@ def test_the_rules(one_core_env):
     # half rows in every reduction and copy), column panels otherwise.
     assert _C._prefers_row_panels(1024, 2048) and _C._prefers_row_panels(4096, 256)
     assert not _C._prefers_row_panels(1023, 16) and not _C._prefers_row_panels(2048, 4097)
-    # One GEMM call for the whole partial below M = 4K (B's reorders weigh more than the tiles' earlier publication).
-    assert _C._prefers_one_product(2048, 1024) and _C._prefers_one_product(4095, 1024)
-    assert not _C._prefers_one_product(4096, 1024) and not _C._prefers_one_product(4096, 256)
+    # One GEMM call for the whole partial below M = 16K (B's reorders weigh more than the tiles' earlier publication).
+    assert _C._prefers_one_product(2048, 1024) and _C._prefers_one_product(4095, 256)
+    assert not _C._prefers_one_product(4096, 256) and not _C._prefers_one_product(16384, 1024)
     # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
@@ -70,14 +70,14 @@ def test_which_calls_take_them(one_core_env):
             for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
                 _C._set_fewer_b_reorders(mode)
                 for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
-                                 (256, _C._tile_row_per_rank_geometry)):
+                                 (128, _C._tile_row_per_rank_geometry)):
                     want = fewer(2048, 1024, 2) if takes else _C._wide_row_geometry(2048, 1024, 2)
                     assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
                     want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
                     assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
                     for op in ("gemm_allreduce", "add_rmsnorm"):
                         one = _C._call_multiplies_in_one_product(op, 2048, k, 1024, like, 2)
-                        assert one == (takes and k != 256), (op, dtype, mode, k)
+                        assert one == (takes and k != 128), (op, dtype, mode, k)
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
         assert not _C._reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
@@ -175,14 +175,14 @@ def test_empty_outputs_keep_working(ranks, one_core_env):
 
 
 def random_call(rng):
-    """One product with row panels or column panels, or tile by tile (M >= 4K), in fp32 (forced) or bf16."""
+    """One product with row panels or column panels, or tile by tile (M >= 16K), in fp32 (forced) or bf16."""
     kind = rng.choice(["rows", "columns", "tiles"])
     if kind == "rows":
         m, k, n = rng.randint(1024, 1100), rng.randint(300, 700), rng.randint(1, 300)
     elif kind == "columns":
         m, k, n = rng.randint(1, 300), rng.randint(80, 200), rng.randint(1, 700)
     else:
-        m, k, n = rng.randint(1024, 1100), rng.randint(1, 200), rng.randint(1, 300)
+        m, k, n = rng.randint(1024, 1100), rng.randint(1, 64), rng.randint(1, 300)
     return m, k, n, rng.choice([torch.float32, torch.bfloat16]), rng.random() < 0.3
 
 

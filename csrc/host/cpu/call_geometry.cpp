@@ -7,7 +7,7 @@ namespace gemm_ar::cpu {
 
 bool prefers_row_panels(int64_t m, int64_t k) { return m >= 1024 && 2 * m >= k; }
 
-bool prefers_one_product(int64_t m, int64_t k) { return m < 4 * k; }
+bool prefers_one_product(int64_t m, int64_t k) { return m < 16 * k; }
 
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
   const EngineConfig config = engine_config(world);

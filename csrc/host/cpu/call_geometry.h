@@ -27,8 +27,9 @@ bool prefers_row_panels(int64_t m, int64_t k);
 
 // Whether those geometries multiply the rank's whole partial in one GEMM call (EngineConfig::one_product) rather than
 // tile by tile: one call reorders B once, not once per tile, but every tile is then published only at the end. In
-// interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks) one call took 0.89-0.94x the time from M1024 K1024 to
-// M2048 K2048, and 1.04-1.07x at M4096 K256 and M4096 K1024 (B cheap to reorder against the output's size).
+// interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks) one call took 0.89-0.96x the time of tile by tile at
+// M/K of 0.5 to 8 (M1024-4096, K256-2048), 0.99-1.02x at M/K 8-16, and 1.10x at M4096 K256 N2048 (M/K 16: B cheap
+// to reorder against the output's size).
 bool prefers_one_product(int64_t m, int64_t k);
 
 // Whether a call of `config` multiplies this rank's whole partial in one GEMM call where the owner reduces in the
