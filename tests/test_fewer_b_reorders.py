@@ -19,6 +19,7 @@ from expect import error_of_a_fused_call_with
 from inputs import (TOLERANCE, assert_matches, assert_matches_sum_of_partials, bias_vector, digest, reference, shard,
                     weight)
 from scoped_env import scoped_env
+from stress_call import fused_call_is_right
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
 from torch_gemm_ar import _C
 
@@ -51,6 +52,9 @@ def test_the_rules(one_core_env):
     # One GEMM call for the whole partial below M = 16K (B's reorders weigh more than the tiles' earlier publication).
     assert _C._prefers_one_product(2048, 1024) and _C._prefers_one_product(4095, 256)
     assert not _C._prefers_one_product(4096, 256) and not _C._prefers_one_product(16384, 1024)
+    # Long-K gemm_allreduce calls take them in every dtype: K over 2M, from M = 512.
+    assert _C._is_long_k_call(512, 1025) and _C._is_long_k_call(1024, 4096)
+    assert not _C._is_long_k_call(511, 8192) and not _C._is_long_k_call(1024, 2048)
     # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
@@ -71,13 +75,16 @@ def test_which_calls_take_them(one_core_env):
                 _C._set_fewer_b_reorders(mode)
                 for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
                                  (128, _C._tile_row_per_rank_geometry)):
-                    want = fewer(2048, 1024, 2) if takes else _C._wide_row_geometry(2048, 1024, 2)
+                    # A long K (over 2M) takes them in every dtype, gemm_allreduce only.
+                    long_k = mode == NATIVE_HALF and k == 8192
+                    want = fewer(2048, 1024, 2) if takes or long_k else _C._wide_row_geometry(2048, 1024, 2)
                     assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
                     want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
                     assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
-                    for op in ("gemm_allreduce", "add_rmsnorm"):
-                        one = _C._call_multiplies_in_one_product(op, 2048, k, 1024, like, 2)
-                        assert one == (takes and k != 128), (op, dtype, mode, k)
+                    one = _C._call_multiplies_in_one_product("gemm_allreduce", 2048, k, 1024, like, 2)
+                    assert one == ((takes or long_k) and k != 128), (dtype, mode, k)
+                    one = _C._call_multiplies_in_one_product("add_rmsnorm", 2048, k, 1024, like, 2)
+                    assert one == (takes and k != 128), (dtype, mode, k)
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
         assert not _C._reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
@@ -198,16 +205,9 @@ def one_product_stress(rank, world, seed, calls, ignore_epochs=False):
         try:
             for step in range(calls):
                 m, k, n, dtype, with_bias = random_call(rng)
-                shards = [shard(seed + step, r, m, k, dtype) for r in range(world)]
-                b = weight(seed + step, k, n, dtype, transposed=step % 2 == 0)
-                bias = bias_vector(seed + step, n, dtype) if with_bias else None
                 if rank == step % world and step % 5 == 0:
                     time.sleep(0.002)
-                out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
-                try:
-                    assert_matches_sum_of_partials(out, shards, b, bias, dtype, k, "stress")
-                except AssertionError:
-                    wrong += 1
+                wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias, step % 2 == 0)
         finally:
             _C._set_fewer_b_reorders(previous[0])
             _C._set_ignore_epochs(previous[1])

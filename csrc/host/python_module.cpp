@@ -104,8 +104,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: which calls on one-core ranks take the geometries with fewer tile rows (gemm_allreduce: "
         "one tile row per rank, or for short calls with a long K one tile row in column panels; add+RMSNorm: one tile "
         "row per rank): 1 (the default) those whose products "
-        "reorder B per call (bf16/fp16 computed natively), 0 none, 2 every dtype (benchmarks, tests); returns the "
-        "old value");
+        "reorder B per call (bf16/fp16 computed natively) and gemm_allreduce calls with K > 2M from M = 512, 0 none, "
+        "2 every call (benchmarks, tests); returns the old value");
+  m.def("_is_long_k_call", &gemm_ar::cpu::is_long_k_call, pybind11::arg("m"), pybind11::arg("k"),
+        "CPU fused engine: whether a gemm_allreduce of [M, K] x [K, N] takes the fewer-product geometries in every "
+        "dtype (tests)");
   m.def("_set_one_product", [&switches](bool on) { return switches.one_product.exchange(on); },
         "CPU fused engine: False makes calls whose geometry multiplies the whole partial in one GEMM call (products "
         "that reorder B per call, one core per rank) multiply tile by tile (benchmarks, tests); returns the old "

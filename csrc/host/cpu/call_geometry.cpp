@@ -9,10 +9,13 @@ bool prefers_row_panels(int64_t m, int64_t k) { return m >= 1024 && 2 * m >= k; 
 
 bool prefers_one_product(int64_t m, int64_t k) { return m < 16 * k; }
 
+bool is_long_k_call(int64_t m, int64_t k) { return m >= 512 && k > 2 * m; }
+
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
   const EngineConfig config = engine_config(world);
   const int fewer = engine_switches().fewer_b_reorders.load();
-  const bool fewer_b_reorders = fewer == 2 || (fewer == 1 && reorders_b_per_product(dtype));
+  const bool fewer_b_reorders =
+      fewer == 2 || (fewer == 1 && (reorders_b_per_product(dtype) || (op == kOpGemmAllreduce && is_long_k_call(m, k))));
   auto with_product_rule = [&](EngineConfig fewer) {
     fewer.one_product = fewer.one_product && prefers_one_product(m, k);
     return fewer;

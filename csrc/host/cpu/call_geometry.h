@@ -15,8 +15,9 @@ namespace gemm_ar::cpu {
 // The engine's configuration for one call of `op` (OpKind) of [M, K] x [K, N] in `dtype` on `world` local ranks: the
 // settings (engine_config) with the op's own tile geometry where the engine switches allow it. Where the call's
 // products reorder B per call (reorders_b_per_product): add+RMSNorm tile_row_per_rank_geometry, gemm_allreduce
-// tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; otherwise add+RMSNorm
-// row_epilogue_geometry, gemm_allreduce and gemm_reduce_scatter wide_row_geometry.
+// tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; the same for a long-K
+// gemm_allreduce in any dtype (is_long_k_call); otherwise add+RMSNorm row_epilogue_geometry, gemm_allreduce and
+// gemm_reduce_scatter wide_row_geometry.
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world);
 
 // Of the two geometries with few products for a gemm_allreduce whose products reorder all of B per call: one
@@ -24,6 +25,13 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
 // strided half rows in the reduction and the copies, which ran at 0.4x the speed of whole rows (M x N). Row panels
 // won from M >= 1024 and 2M >= K in interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks; docs/performance.md).
 bool prefers_row_panels(int64_t m, int64_t k);
+
+// A gemm_allreduce of [M, K] x [K, N] whose K is over 2M (from M = 512): its tile rows each stream all of B's packed
+// panels (K x N) from memory, so the default tiles cost more than one product (fp32 on an Intel Xeon with AMX: the
+// engine's GEMM 1.04x compute-only at M1024 K4096 N1024), and with little output per unit of compute the
+// communication gains nothing from them. Such calls take the fewer-product geometries in every dtype (fused 0.90x
+// the time at M512 K4096 N4096 fp32, 0.97x at M1024 K3072 N2048, 0.99-1.00x at M1024 K4096 and K8192 N1024).
+bool is_long_k_call(int64_t m, int64_t k);
 
 // Whether those geometries multiply the rank's whole partial in one GEMM call (EngineConfig::one_product) rather than
 // tile by tile: one call reorders B once, not once per tile, but every tile is then published only at the end. In

@@ -68,9 +68,9 @@ struct EngineSwitches {
   std::atomic<bool> wide_row_panels{true};
   // false: tiles multiply through at::mm even where B's panels could be packed once (A/B benchmarks, tests).
   std::atomic<bool> packed_b{true};
-  // Which calls on one-core ranks take the geometries that multiply fewer tile rows (gemm_allreduce:
-  // column_panel_geometry; add+RMSNorm: tile_row_per_rank_geometry): 1 those whose products reorder B per call
-  // (reorders_b_per_product), 0 none, 2 every dtype (tests of the geometries on CPUs without such products).
+  // Which calls on one-core ranks take the geometries that multiply fewer tile rows (call_geometry.h): 1 those whose
+  // products reorder B per call (reorders_b_per_product) and long-K gemm_allreduce calls (is_long_k_call), 0 none,
+  // 2 every call (tests of the geometries on CPUs without such products).
   std::atomic<int> fewer_b_reorders{1};
   // false: small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather like larger ones instead of
   // the one-shot reduction (A/B benchmarks, tests of both ways; see CallJob::one_shot).
