@@ -383,8 +383,6 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
   prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
-  std::optional<PackedBPanels> panels;
-  if (!config_.one_product) use_packed_panels(gemm, job.plan, job.compute_blocks, panels);  // one product packs none
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
   auto out = add_into.defined() ? add_into : pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
@@ -404,6 +402,8 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
                  one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
   job.one_product = multiplies_in_one_product(config_) && job.owner_reduces_in_compute && !job.one_shot &&
                     job.op == kOpGemmAllreduce && job.chunks.count == 1;
+  std::optional<PackedBPanels> panels;  // outlives the call's products
+  if (!job.one_product) use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
   plan_work(job);
   execute(job);
   return out.view(out_shape);
