@@ -28,11 +28,12 @@ auto geometry_of(GeometryRule rule) {
   };
 }
 
-// The CPU engine's configuration for a call of `op` ('gemm_allreduce' or 'add_rmsnorm') as the tests see it.
-gemm_ar::cpu::EngineConfig config_of_call(const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like,
-                                          int world) {
+// The CPU engine's configuration for a call of `op` ('gemm_allreduce' or 'add_rmsnorm') as the tests see it;
+// `binding` names the caller in the error.
+gemm_ar::cpu::EngineConfig config_of_call(const char* binding, const std::string& op, int64_t m, int64_t k, int64_t n,
+                                          const at::Tensor& like, int world) {
   TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm",
-                    "_call_geometry: op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
+                    binding, ": op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
   const int64_t kind = op == "add_rmsnorm" ? gemm_ar::kOpGemmAllreduceAddRmsnorm : gemm_ar::kOpGemmAllreduce;
   return gemm_ar::cpu::call_config(kind, m, k, n, like.scalar_type(), world);
 }
@@ -118,7 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "`world` local ranks (tests)");
   m.def("_call_geometry",
         [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
-          const auto c = config_of_call(op, m, k, n, like, world);
+          const auto c = config_of_call("_call_geometry", op, m, k, n, like, world);
           return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
         },
         "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce' or "
@@ -126,7 +127,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "settings and switches (tests)");
   m.def("_call_multiplies_in_one_product",
         [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
-          return gemm_ar::cpu::multiplies_in_one_product(config_of_call(op, m, k, n, like, world));
+          return gemm_ar::cpu::multiplies_in_one_product(
+              config_of_call("_call_multiplies_in_one_product", op, m, k, n, like, world));
         },
         "CPU fused engine: whether such a call multiplies the rank's whole partial in one GEMM call where the owner "
         "reduces in the compute block (tests)");
