@@ -16,7 +16,7 @@ from benchkit import dist_env, report  # noqa: E402
 from benchkit.measure import Settings, Shape, measure_shape  # noqa: E402
 
 DEFAULT_SHAPES = "4096x256x2048,2048x1024x1024,1024x4096x1024"
-ROWS = ["compute_only", "engine_gemm", "fused_sequential", "fused", "baseline"]
+ROWS = ["compute_only", "compute_reused", "engine_gemm", "fused_sequential", "fused", "baseline"]
 TARGET_RATIO = report.fused_target("float32")
 ENGINE_GEMM_TARGET = report.ENGINE_GEMM_TARGET
 
@@ -48,7 +48,7 @@ def parse_args(argv=None):
 
 def summary_table(results) -> str:
     headers = ["shape", "compute us", "engine GEMM us", "sequential us", "fused us", "baseline us", "speedup",
-               "overlap eff", "engine GEMM/compute", "fused/compute", "vs baseline"]
+               "overlap eff", "engine GEMM/compute", "fused/compute", "fused/compute (reused out)", "vs baseline"]
     body = []
     for r in results:
         rows, s = r["rows"], r["shape"]
@@ -65,6 +65,7 @@ def summary_table(results) -> str:
             f"{fused['overlap_efficiency'] * 100:.1f}%" if fused.get("overlap_efficiency") is not None else "-",
             report.target_cell(r["ratios"].get("engine_gemm_over_compute_only_paired"), ENGINE_GEMM_TARGET),
             report.target_cell(r["ratios"].get("fused_over_compute_only_paired"), TARGET_RATIO),
+            report.target_cell(r["ratios"].get("fused_over_compute_reused_paired"), TARGET_RATIO),
             f"{fused['speedup_vs_baseline']:.3f}x" if fused.get("speedup_vs_baseline") else "-",
         ])
     return report.format_table(headers, body)

@@ -291,7 +291,7 @@ def check_shape_summary(summary, dtype, world=2, iters=None):
         assert all(t > 0 for times in entry["timings_s"] for t in times)
         assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
         assert entry["max_rel_error"] < REL_TOL[dtype], f"{key}: relative error {entry['max_rel_error']}"
-        local = key in ("compute_only", "engine_gemm")  # each rank's own product, not the reduced one
+        local = key in ("compute_only", "compute_reused", "engine_gemm")  # each rank's own product, not the reduced one
         if not local:
             assert entry["identical_on_all_ranks"], f"{key}: ranks returned different tensors"
         if not local and key != "allreduce_only":
@@ -309,8 +309,8 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
                                "flops_per_rank": 2 * 37 * 19 * 23}
     assert result["run"]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py --")
     rows = check_shape_summary(result, "float32", iters=2)
-    assert list(rows) == ["compute_only", "engine_gemm", "allreduce_only", "sequential", "sequential_portable",
-                          "chunked", "fused_sequential", "fused", "auto", "baseline"]
+    assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "allreduce_only", "sequential",
+                          "sequential_portable", "chunked", "fused_sequential", "fused", "auto", "baseline"]
     assert rows["chunked"]["sequential_reference"] == "sequential"
     assert rows["chunked"]["speedup_vs_sequential"] > 0
     # Defined only when sequential took longer than compute alone, which 2 timed calls of a tiny shape on a loaded
@@ -324,6 +324,9 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
                   "rel err"):
         assert label in stdout
     assert result["ratios"]["engine_gemm_over_compute_only"] > 0 and "engine GEMM only / compute-only" in stdout
+    # fused is also set against the GEMM into a reused output (no page faults of a fresh one, as fused's pool).
+    assert result["ratios"]["fused_over_compute_reused"] > 0 and "compute only (reused out)" in stdout
+    assert "fused / compute-only into a reused output" in stdout
 
 
 def test_bench_bfloat16_reports_the_fair_baselines(tmp_path):
@@ -356,8 +359,10 @@ def test_bench_cpu_fused_end_to_end(tmp_path):
     assert [(s["shape"]["m"], s["shape"]["k"], s["shape"]["n"]) for s in result["shapes"]] == [(37, 19, 23), (5, 130, 9)]
     for summary in result["shapes"]:
         rows = check_shape_summary(summary, "float32", iters=2)
-        assert list(rows) == ["compute_only", "engine_gemm", "fused_sequential", "fused", "baseline"]
+        assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "fused_sequential", "fused",
+                              "baseline"]
         assert summary["ratios"]["engine_gemm_over_compute_only"] > 0
+        assert summary["ratios"]["fused_over_compute_reused"] > 0
         paired = summary["ratios"]["engine_gemm_over_compute_only_paired"]
         assert 0 < paired["low"] <= paired["estimate"] <= paired["high"]
         if rows["fused"]["available"]:

@@ -132,14 +132,16 @@ def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times
         out_rows[key] = entry
     _derive(world, shape, rows, out_rows)
     ratios = {}
-    if out_rows.get("compute_only", {}).get("available"):
-        for key in ("fused", "engine_gemm"):
+    for reference, keys in (("compute_only", ("fused", "engine_gemm")), ("compute_reused", ("fused",))):
+        if not out_rows.get(reference, {}).get("available"):
+            continue
+        for key in keys:
             if out_rows.get(key, {}).get("available"):
-                ratios[f"{key}_over_compute_only"] = out_rows[key]["median_s"] / out_rows["compute_only"]["median_s"]
+                ratios[f"{key}_over_{reference}"] = out_rows[key]["median_s"] / out_rows[reference]["median_s"]
                 # Per iteration (the two ran moments apart) with a 95% interval: how sure one run is of the ratio
                 # (a noisy VM moved the ratio of medians by +-5% between runs).
-                paired = metrics.paired_speedup(out_rows[key]["iteration_s"], out_rows["compute_only"]["iteration_s"])
-                ratios[f"{key}_over_compute_only_paired"] = {k: paired[k] for k in ("estimate", "low", "high")}
+                paired = metrics.paired_speedup(out_rows[key]["iteration_s"], out_rows[reference]["iteration_s"])
+                ratios[f"{key}_over_{reference}_paired"] = {k: paired[k] for k in ("estimate", "low", "high")}
     return {
         "shape": {"m": shape.m, "k": shape.k, "n": shape.n, "dtype": str(shape.dtype).replace("torch.", ""),
                   "bias": shape.bias, "world": world, "flops_per_rank": metrics.gemm_flops(shape.m, shape.k, shape.n)},

@@ -76,6 +76,12 @@ def shape_table(summary: dict) -> str:
         if ratios.get(f"{key}_over_compute_only") is not None:
             lines.append(f"{label} / compute-only = {target_cell(ratios.get(f'{key}_over_compute_only_paired'), target)}"
                          f" (target <= {target:.2f}; the ratio of the medians: {ratios[f'{key}_over_compute_only']:.3f})")
+    if ratios.get("fused_over_compute_reused") is not None:
+        target = fused_target(dtype)
+        lines.append(f"fused / compute-only into a reused output = "
+                     f"{target_cell(ratios.get('fused_over_compute_reused_paired'), target)} (the same target, "
+                     f"without the fresh output's page faults; the ratio of the medians: "
+                     f"{ratios['fused_over_compute_reused']:.3f})")
     lines.extend(notes)
     return "\n".join(lines)
 
@@ -106,7 +112,9 @@ def target_cell(paired: Optional[dict], target: float) -> str:
 
 
 LEGEND = """\
-rows: compute only = the library's GEMM with no communication (a one-rank group); engine GEMM only = the fused
+rows: compute only = the library's GEMM with no communication (a one-rank group), into a fresh output per call as a
+  user's matmul; compute only (reused out) = the same GEMM into one output kept across calls, as fused's pooled
+  outputs are (CPU, where torch's GEMM of the dtype is the library's); engine GEMM only = the fused
   engine's GEMM alone (its tiles and packed B panels for this call, no communication); all_reduce only =
   dist.all_reduce of the buffer the library reduces; sequential / chunked / fused / auto =
   torch_gemm_ar.gemm_allreduce(algorithm=); sequential (same engine) = fused's engine with its communication after
