@@ -124,8 +124,11 @@ def conclusions(analysis: dict) -> str:
             lines.append(f"  under {floor}x by the estimate only, the interval reaching it, at {len(noise)} "
                          f"point(s): " + ", ".join(map(where, noise)))
     if analysis.get("auto_vs_best"):
+        family = analysis.get("auto_chose_best_family", 0)
         lines.append(f"auto ran the best single algorithm at {analysis['auto_chose_best']} of "
-                     f"{len(analysis['auto_vs_best'])} points")
+                     f"{len(analysis['auto_vs_best'])} points" +
+                     (f", and it with the other tile family (fused/tiles or fused/few-products, measured faster "
+                      f"while tuning) at {family} more" if family else ""))
     return "\n".join(lines)
 
 

@@ -129,6 +129,17 @@ def test_crossovers_thresholds_and_auto_floor():
     assert len(result["auto_vs_best"]) == 8
 
 
+def test_auto_with_another_tile_family_of_the_best_algorithm_is_counted_apart():
+    points = []
+    for choice in ("fused", "fused/tiles", "fused/few-products", "sequential/x", "chunked"):
+        point = _point({"sequential": 2.0, "fused": 1.0, "auto": 1.0, "baseline": 2.0})
+        point["auto_choice"] = choice
+        points.append(point)
+    result = crossover.analyse(["a"], [1, 16, 256, 1024, 4096], [points])
+    assert result["auto_chose_best"] == 1  # fused itself
+    assert result["auto_chose_best_family"] == 2  # fused with a tile family; not another algorithm's name
+
+
 def test_auto_under_a_floor_only_by_noise_is_told_apart_from_auto_below_it():
     # Against a best row of 1.0 s in every iteration: auto's iterations scatter around 1.0 (median ratio 0.952, its
     # interval reaching past 1), or sit 10% slower in every iteration (0.909, the interval with it).

@@ -44,7 +44,9 @@ def decisions() -> List[dict]:
 def decision_for(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, *, bias: bool = False,
                  group: GroupLike = None, device: str = "cpu") -> Optional[str]:
     """The algorithm `auto` runs for gemm_allreduce calls of M x K x N (K: this rank's shard) on `group`, once this
-    process has decided their bucket (measured, or from the tune cache); None until then."""
+    process has decided their bucket (measured, or from the tune cache); None until then. Besides the `algorithm=`
+    names, the CPU engine's "fused/tiles" and "fused/few-products": fused with the tile family the geometry rules did
+    not pick, measured faster here."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 

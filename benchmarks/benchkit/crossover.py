@@ -82,4 +82,8 @@ def analyse(layer_names: List[str], ms: List[int], points_by_layer: List[List[di
         "auto_under_best_floor_within_noise": [r for r in auto_vs_best
                                                if r["speed_vs_best"] < AUTO_BEST_FLOOR <= r["interval"][1]],
         "auto_chose_best": sum(1 for r in auto_vs_best if r["auto_choice"] == r["best"]),
+        # fused/tiles and fused/few-products: auto ran the best row's algorithm with a tile family it measured faster
+        "auto_chose_best_family": sum(1 for r in auto_vs_best
+                                      if r["auto_choice"] and r["auto_choice"] != r["best"]
+                                      and r["auto_choice"].split("/")[0] == r["best"]),
     }

@@ -5,6 +5,7 @@
 #include "common/local_gemm.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
+#include "cpu/call_geometry.h"
 #include "cpu/engine_config.h"
 #include "cpu/engine_tile_walk.h"
 #include "cpu/fused_call.h"
@@ -148,6 +149,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_avx512_reduce", &gemm_ar::cpu::set_avx512_reduce, pybind11::arg("on"),
         "CPU engine: False makes the owner's reduction run the portable loop where it would run the AVX-512 one "
         "(A/B benchmarks); returns the old value");
+  m.def("_set_tune_tile_family", [&switches](bool on) { return switches.tune_tile_family.exchange(on); },
+        pybind11::arg("on"),
+        "CPU engine: False keeps `auto` from timing fused with the tile family the geometry rules did not pick; "
+        "returns the old value");
+  m.def("_other_tile_family",
+        [](int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
+          const auto other = gemm_ar::cpu::other_tile_family(m, k, n, like.scalar_type(), world);
+          return std::string(other == gemm_ar::Algorithm::Auto ? "" : gemm_ar::algorithm_name(other));
+        },
+        pybind11::arg("m"), pybind11::arg("k"), pybind11::arg("n"), pybind11::arg("like"), pybind11::arg("world"),
+        "CPU engine: the fused candidate `auto` adds for this gemm_allreduce call (fused/tiles or "
+        "fused/few-products: the tile family the geometry rules did not pick), or '' where none");
   m.def("_has_avx512_reduce", &gemm_ar::cpu::cpu_has_avx512_reduce,
         "CPU engine: whether the owner's reduction runs its AVX-512 loop on this CPU (fp32 and bf16)");
   m.def("_reorders_b_per_product", [](const at::Tensor& t) { return gemm_ar::reorders_b_per_product(t.scalar_type()); },
@@ -216,11 +229,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_tuner_start_delay_us", [&tuner](int64_t us) { return tuner.set_start_delay_us(us); },
         "tests: this rank starts every tuning run `us` late (a late rank); returns the old value");
   m.def("_set_tuner_slow_candidate", [&tuner](const std::string& algorithm, int64_t us) {
-    const auto parsed = gemm_ar::parse_algorithm(algorithm);
-    TORCH_CHECK_VALUE(parsed.has_value() || algorithm.empty() || algorithm == "*", "unknown algorithm '", algorithm, "'");
-    tuner.set_slow_candidate(parsed.has_value() ? static_cast<int>(*parsed)
-                             : algorithm == "*" ? gemm_ar::AutoTuner::kEveryCandidate : -1, us);
-  }, "tests: every tuning run of `algorithm` (\"*\": of every candidate) takes `us` longer (\"\": none)");
+    const bool all_but = !algorithm.empty() && algorithm[0] == '!';
+    const auto parsed = gemm_ar::parse_tuned_algorithm(all_but ? algorithm.substr(1) : algorithm);
+    TORCH_CHECK_VALUE(parsed.has_value() || (!all_but && (algorithm.empty() || algorithm == "*")),
+                      "unknown algorithm '", algorithm, "'");
+    const int code = !parsed.has_value() ? (algorithm == "*" ? gemm_ar::AutoTuner::kEveryCandidate : -1)
+                     : all_but           ? gemm_ar::AutoTuner::kAllBut - static_cast<int>(*parsed)
+                                         : static_cast<int>(*parsed);
+    tuner.set_slow_candidate(code, us);
+  }, "tests: every tuning run of `algorithm` (\"*\": of every candidate; \"!name\": of every candidate but that one) "
+     "takes `us` longer (\"\": none)");
   m.def("_set_tuner_from_last_start", [&tuner](bool on) { return tuner.set_from_last_start(on); },
         "tests: False counts tuning runs by the slowest rank's own time (a negative control); returns the old value");
   m.def("_set_tuner_logger", [&tuner](pybind11::object fn) {

@@ -7,9 +7,19 @@
 
 namespace gemm_ar {
 
-enum class Algorithm : int64_t { Auto = 0, Sequential = 1, Chunked = 2, Fused = 3 };
+// FusedTiles and FusedFewProducts are `auto`'s own candidates, never an `algorithm=` value: fused with one tile
+// family forced on the CPU engine (cpu/call_geometry.h, FusedFamily), where the geometry rules picked the other one
+// from measurements on one CPU; the tuner measures both on this one.
+enum class Algorithm : int64_t { Auto = 0, Sequential = 1, Chunked = 2, Fused = 3, FusedTiles = 4, FusedFewProducts = 5 };
 
+// The `algorithm=` names (auto, sequential, chunked, fused).
 std::optional<Algorithm> parse_algorithm(std::string_view name);
+// Those and the tuner's own candidates (the tune cache, test switches).
+std::optional<Algorithm> parse_tuned_algorithm(std::string_view name);
+// Fused, with or without a forced tile family.
+bool is_fused(Algorithm algorithm);
+// Which tile family a fused algorithm forces (0: none, the geometry rules; 1: tiles; 2: few products).
+int64_t fused_family_of(Algorithm algorithm);
 const char* algorithm_name(Algorithm algorithm);
 // "auto, sequential, chunked, fused": for error messages.
 const char* algorithm_choices();

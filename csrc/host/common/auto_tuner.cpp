@@ -169,9 +169,10 @@ std::string AutoTuner::cache_path() const {
 
 namespace {
 
-std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available) {
+std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available, Algorithm other_tiles) {
   std::vector<Algorithm> out;
   if (fused_available) out.push_back(Algorithm::Fused);
+  if (fused_available && call.op == kOpGemmAllreduce && fused_family_of(other_tiles) != 0) out.push_back(other_tiles);
   out.push_back(Algorithm::Sequential);
   // Chunked differs from sequential only when every chunk has rows, and only gemm_allreduce-shaped ops have it.
   if ((call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm) && call.m >= 2 * chunk_count()) {
@@ -345,7 +346,7 @@ void plan_round(TuneBucket& bucket) {
 }  // namespace
 
 Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                                      Algorithm static_choice, bool may_tune) {
+                                      Algorithm static_choice, bool may_tune, Algorithm other_tiles) {
   if (call.m == 0 || !call.error.empty()) return static_choice;  // nothing to measure
   State& st = *state_;
   const at::Device device = call.b.defined() ? call.b.device() : at::Device(at::kCPU);
@@ -372,7 +373,7 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
   if (bucket.step == 0) {
     bucket.key = key;
     bucket.fast = std::move(fast);
-    bucket.candidates = candidates_for(call, fused_available);
+    bucket.candidates = candidates_for(call, fused_available, other_tiles);
     if (bucket.candidates.size() == 1) {
       // Nothing to choose between (sequential, the only candidate without fused or a row per chunk): decided at
       // once, so the next calls take the fast path (before, each call built the bucket again and dropped it).
@@ -391,7 +392,7 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
     auto section = st.file.find(st.fingerprint);
     if (section != st.file.end()) {
       auto hit = section->second.find(key);
-      if (hit != section->second.end()) call.tune_cached = static_cast<int64_t>(*parse_algorithm(hit->second));
+      if (hit != section->second.end()) call.tune_cached = static_cast<int64_t>(*parse_tuned_algorithm(hit->second));
     }
   }
   call.tune_step = bucket.step;
@@ -569,8 +570,8 @@ int64_t AutoTuner::slowdown_us(const CallArgs& call, c10d::ProcessGroup& group) 
   std::lock_guard<std::mutex> lock(state_->mutex);
   const TuneBucket* bucket = state_->find(group, call.tune_bucket);
   if (bucket == nullptr || bucket->decided || bucket->order.empty()) return 0;
-  const bool is_slow = slow == kEveryCandidate ||
-                       static_cast<int>(bucket->candidates[bucket->order[bucket->position]]) == slow;
+  const int running = static_cast<int>(bucket->candidates[bucket->order[bucket->position]]);
+  const bool is_slow = slow == kEveryCandidate || running == slow || (slow <= kAllBut && running != kAllBut - slow);
   return is_slow ? state_->slow_us.load(std::memory_order_relaxed) : 0;
 }
 

@@ -36,8 +36,10 @@ class AutoTuner {
   // Asked before the agreement of an auto call: the decided algorithm, or Auto while the bucket is still being
   // met or tuned (then the call's tune_* fields are set, and after_agreement chooses from every rank's signature).
   // may_tune=false (a graph being captured): only a decision already made in this process, else static_choice.
+  // `other_tiles` (FusedTiles or FusedFewProducts; Auto: none) joins the candidates of a bucket met for the first
+  // time (BackendHooks::fused_other_tiles).
   Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                             Algorithm static_choice, bool may_tune = true);
+                             Algorithm static_choice, bool may_tune = true, Algorithm other_tiles = Algorithm::Auto);
   // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
   // what this call runs (the next candidate, or the decision once every sample is in).
   Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);
@@ -68,6 +70,8 @@ class AutoTuner {
   // Tests: every tuning run of `algorithm` takes `us` longer (a candidate that is clearly slower); -1: none;
   // kEveryCandidate: all of them (candidates that cost the same).
   static constexpr int kEveryCandidate = -2;
+  // kAllBut - a: every candidate but algorithm a (a candidate that is clearly faster).
+  static constexpr int kAllBut = -100;
   void set_slow_candidate(int algorithm, int64_t us);
   // How much longer the tuning call about to run must take (set_slow_candidate), 0 normally.
   int64_t slowdown_us(const CallArgs& call, c10d::ProcessGroup& group) const;

@@ -29,6 +29,9 @@ struct CallArgs {
   int64_t m = 0, k = 0, n = 0;
   at::ScalarType dtype = at::kFloat;
   Algorithm algorithm = Algorithm::Auto;
+  // The tile family a fused run takes (fused_family_of the algorithm that runs: set by the op's flow): 0 the CPU
+  // engine's geometry rules, else the family `auto` measured faster here.
+  int64_t fused_family = 0;
   std::string op_name = "gemm_allreduce";  // prefix of every message about this call
   int64_t op = 0;                  // which op (OpKind): ranks calling different ops disagree
   int64_t shard_dim = 0;           // scatter_dim / gather_dim of the sequence-parallel ops, normalised (0 otherwise)

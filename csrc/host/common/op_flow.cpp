@@ -39,7 +39,12 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     chosen = backend.choose_auto(call, group, fused_reason.empty());
     if (backend.measured_auto && AutoTuner::enabled()) {
       const bool may_tune = !(backend.capturing && backend.capturing());
-      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune);
+      // The tile family the geometry rules did not pick, where the backend has one for this call: a candidate too.
+      const Algorithm other_tiles = fused_reason.empty() && backend.fused_other_tiles
+                                        ? backend.fused_other_tiles(call, group)
+                                        : Algorithm::Auto;
+      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune,
+                                                      other_tiles);
     }
   }
   if (before_exchange) before_exchange(chosen);
@@ -103,7 +108,11 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
     switch (chosen) {
       case Algorithm::Sequential: return run_sequential(call, *group);
       case Algorithm::Chunked: return run_chunked(call, *group, chunk_count());
-      case Algorithm::Fused: return backend.run_fused(call, *group);
+      case Algorithm::Fused:
+      case Algorithm::FusedTiles:
+      case Algorithm::FusedFewProducts:
+        call.fused_family = fused_family_of(chosen);
+        return backend.run_fused(call, *group);
       case Algorithm::Auto: break;
     }
     TORCH_CHECK(false, "gemm_allreduce: internal error: no algorithm chosen");

@@ -11,11 +11,35 @@ bool prefers_one_product(int64_t m, int64_t k) { return m < 16 * k; }
 
 bool is_long_k_call(int64_t m, int64_t k) { return m >= 512 && k > 2 * m; }
 
-EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
-  const EngineConfig config = engine_config(world);
+namespace {
+
+// Whether the geometry rules give this call the few-product family (the engine switches included).
+bool rules_take_few_products(int64_t op, int64_t m, int64_t k, at::ScalarType dtype) {
   const int fewer = engine_switches().fewer_b_reorders.load();
-  const bool fewer_b_reorders =
-      fewer == 2 || (fewer == 1 && (reorders_b_per_product(dtype) || (op == kOpGemmAllreduce && is_long_k_call(m, k))));
+  return fewer == 2 || (fewer == 1 && (reorders_b_per_product(dtype) || (op == kOpGemmAllreduce && is_long_k_call(m, k))));
+}
+
+bool same_geometry(const EngineConfig& a, const EngineConfig& b) {
+  return a.base_m == b.base_m && a.base_n == b.base_n && a.sub_m == b.sub_m && a.one_product == b.one_product &&
+         a.comm_inline == b.comm_inline && a.compute_blocks == b.compute_blocks && a.comm_blocks == b.comm_blocks;
+}
+
+}  // namespace
+
+Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
+  if (m * n < 65536) return Algorithm::Auto;  // tiny calls: their tuning would cost more than tiles can change
+  const Algorithm other =
+      rules_take_few_products(kOpGemmAllreduce, m, k, dtype) ? Algorithm::FusedTiles : Algorithm::FusedFewProducts;
+  const EngineConfig rules = call_config(kOpGemmAllreduce, m, k, n, dtype, world);
+  const EngineConfig forced = call_config(kOpGemmAllreduce, m, k, n, dtype, world, fused_family_of(other));
+  return same_geometry(rules, forced) ? Algorithm::Auto : other;
+}
+
+EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
+                         int64_t family) {
+  const EngineConfig config = engine_config(world);
+  const bool forced = op == kOpGemmAllreduce && family != 0;
+  const bool fewer_b_reorders = forced ? family == 2 : rules_take_few_products(op, m, k, dtype);
   auto with_product_rule = [&](EngineConfig fewer) {
     fewer.one_product = fewer.one_product && prefers_one_product(m, k);
     return fewer;

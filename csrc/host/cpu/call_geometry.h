@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "common/algorithm.h"
 #include "common/local_gemm.h"
 #include "cpu/engine_config.h"
 #include "cpu/packed_b_panels.h"
@@ -18,7 +19,14 @@ namespace gemm_ar::cpu {
 // tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; the same for a long-K
 // gemm_allreduce in any dtype (is_long_k_call); otherwise add+RMSNorm row_epilogue_geometry, gemm_allreduce and
 // gemm_reduce_scatter wide_row_geometry.
-EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world);
+// `family` (CallArgs::fused_family): 0 as above; for gemm_allreduce, 1 forces the default tiles (wide_row_geometry)
+// and 2 the geometries with few products (row or column panels), what `auto` measured faster on this CPU.
+EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
+                         int64_t family = 0);
+
+// For `auto`: the forced family (FusedTiles or FusedFewProducts) whose configuration differs from the rules' for this
+// gemm_allreduce call, where the output is big enough for its tiles to matter (from 64K elements); Auto otherwise.
+Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world);
 
 // Of the two geometries with few products for a gemm_allreduce whose products reorder all of B per call: one
 // full-width tile row per rank costs world - 1 more reorders of B (K x N each); column panels of all M rows cost

@@ -8,6 +8,7 @@
 #include "common/op_flow.h"
 #include "common/rank_agreement.h"
 #include "cpu/auto_policy.h"
+#include "cpu/call_geometry.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/fused_engine.h"
 
@@ -65,6 +66,12 @@ BackendHooks make_cpu_backend() {
   hooks.start_device_clock = &start_deferred_host_clock;
   // The engine agrees through its windows, which carry no data: a small sequential call then computes once, after.
   hooks.agreement_carries_payload = [](c10d::ProcessGroup& group) { return !engine_of_this_call(group).has_windows(); };
+  // `auto` also times fused with the tile family the geometry rules did not pick (measured on one CPU only).
+  hooks.fused_other_tiles = [](const CallArgs& call, c10d::ProcessGroup& group) {
+    return engine_switches().tune_tile_family.load() && call.op == kOpGemmAllreduce
+               ? other_tile_family(call.m, call.k, call.n, call.dtype, static_cast<int>(group.getSize()))
+               : Algorithm::Auto;
+  };
   return hooks;
 }
 

@@ -78,6 +78,8 @@ struct EngineSwitches {
   // false: calls whose geometry asks for one GEMM per call (EngineConfig::one_product) multiply tile by tile
   // (A/B benchmarks, tests of both ways; see CallJob::one_product).
   std::atomic<bool> one_product{true};
+  // false: `auto` races fused only with the geometry rules' tiles (tests, A/B runs; see other_tile_family).
+  std::atomic<bool> tune_tile_family{true};
   // true: a deliberate bug for a negative-control test: one-shot calls put their partials in bank 0 whatever the
   // call's parity (a rank's next call then overwrites partials that a slower peer still reads).
   std::atomic<bool> one_shot_single_bank{false};

@@ -104,11 +104,13 @@ void FusedEngine::ring_peers() const {
 }
 
 std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm chosen) {
-  config_ = call_config(call.op, call.m, call.k, call.n, call.dtype, world_);
+  config_family_ = fused_family_of(chosen);
+  config_ = call_config(call.op, call.m, call.k, call.n, call.dtype, world_, config_family_);
   ++epoch_;
   signature_ = call_signature(call, chosen);
-  // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too.
-  if (chosen == Algorithm::Fused || chosen == Algorithm::Auto) {
+  // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too (the
+  // rules' one; a tuning run of a forced tile family takes that family's, alike on every rank, in run()).
+  if (is_fused(chosen) || chosen == Algorithm::Auto) {
     signature_[kSigTileM] = config_.base_m;
     signature_[kSigTileN] = config_.base_n;
     signature_[kSigSubM] = config_.sub_m;
@@ -121,7 +123,7 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
   publish_header(windows_->base(rank_), epoch_, signature_);
   ring_peers();
   if (!call.error.empty()) raise(call.error + where(), agreement_problem_is_value_error({}, call));
-  if (chosen == Algorithm::Fused && call.m > 0) return {};
+  if (is_fused(chosen) && call.m > 0) return {};
   return check_every_signature(call);
 }
 
@@ -379,6 +381,11 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   TORCH_CHECK(!add_into.defined() || (!scatter && add_into.is_contiguous() && add_into.numel() == call.m * call.n &&
                                       add_into.scalar_type() == call.dtype),
               call.op_name, ": internal error: bad in-place output");
+  if (call.fused_family != config_family_) {
+    // A tuning run of a forced tile family (the agreement had `auto`): every rank's tuner picked the same one.
+    config_family_ = call.fused_family;
+    config_ = call_config(call.op, call.m, call.k, call.n, call.dtype, world_, config_family_);
+  }
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;

@@ -86,6 +86,7 @@ class FusedEngine {
   std::string unavailable_, poisoned_;
   uint32_t epoch_ = 0;
   EngineConfig config_{};
+  int64_t config_family_ = 0;  // the tile family config_ was made for (CallArgs::fused_family)
   // Region offsets stay fixed between growths, sized for the largest call so far: a call never writes where the
   // previous call's data (still read by a slower peer) lay under another shape's layout.
   LayoutParams capacity_{};
