@@ -8,8 +8,12 @@ import random
 import pytest
 import torch
 
+from scoped_env import scoped_env
 from test_auto_tuner import checked_auto_call, fresh_tuner
 from torch_gemm_ar import _C, tuning
+
+# The engine as on a one-core rank (what the rules and these counts assume), whatever this host's core count.
+ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
 
 # fp32 output over the one-shot limit (8 MiB): a decided few-product call runs as one product, which is counted.
 M, K, N = 2048, 256, 1024
@@ -17,10 +21,12 @@ SLOW_US = 150_000  # added to every tuning run of the candidates that must lose:
 
 
 def other_family(dtype, m=M, k=K, n=N, world=2):
-    return _C._other_tile_family(m, k, n, torch.empty(0, dtype=dtype), world)
+    assert os.environ.get("TORCH_GEMM_AR_CPU_TILE") is None  # a tile from the environment hides the families
+    with scoped_env(**ONE_CORE):
+        return _C._other_tile_family(m, k, n, torch.empty(0, dtype=dtype), world)
 
 
-def test_the_candidate_is_the_family_the_rules_did_not_pick():
+def test_the_candidate_is_the_family_the_rules_did_not_pick(one_core_env):
     f32, bf16 = torch.empty(0), torch.empty(0, dtype=torch.bfloat16)
     assert _C._other_tile_family(2048, 1024, 1024, f32, 2) == "fused/few-products"  # rules: default tiles
     assert _C._other_tile_family(1024, 4096, 1024, f32, 2) == "fused/tiles"  # long K: rules take few products
@@ -35,17 +41,18 @@ def tune_with(rank, world, seed, cache_path, dtype, slow, calls_after):
     """Tunes the bucket with `slow` ("!name": every candidate but that one) slowed, then runs `calls_after` decided
     calls. Returns the decision, this bucket's looked-up choice, and how many of the decided calls ran as one
     product (the few-product family; the default tiles never do)."""
-    fresh_tuner(cache_path)
-    _C._set_tuner_slow_candidate(slow, SLOW_US)
-    try:
-        tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N, dtype))
-    finally:
-        _C._set_tuner_slow_candidate("", 0)
-    before = _C._one_product_calls()
-    for i in range(calls_after):
-        checked_auto_call(rank, world, seed + 1 + i, M, K, N, dtype)
-    one_products = _C._one_product_calls() - before
-    return tuning.decisions(), tuning.decision_for(M, K, N, dtype), one_products
+    with scoped_env(**ONE_CORE):
+        fresh_tuner(cache_path)
+        _C._set_tuner_slow_candidate(slow, SLOW_US)
+        try:
+            tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N, dtype))
+        finally:
+            _C._set_tuner_slow_candidate("", 0)
+        before = _C._one_product_calls()
+        for i in range(calls_after):
+            checked_auto_call(rank, world, seed + 1 + i, M, K, N, dtype)
+        one_products = _C._one_product_calls() - before
+        return tuning.decisions(), tuning.decision_for(M, K, N, dtype), one_products
 
 
 def check_decided(results, family, calls_after):
@@ -82,17 +89,18 @@ def test_negative_control_a_slow_family_is_not_decided(ranks, tmp_path):
 
 
 def decided_then_cached(rank, world, seed, cache_path, family):
-    fresh_tuner(cache_path)
-    _C._set_tuner_slow_candidate("!" + family, SLOW_US)
-    try:
-        tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N))
-    finally:
-        _C._set_tuner_slow_candidate("", 0)
-    _C._tuner_clear_memory()  # a new process, as far as the tuner knows: the decision comes from the file
-    before = _C._one_product_calls()
-    for i in range(2):
-        checked_auto_call(rank, world, seed + 1 + i, M, K, N)
-    return tuning.decisions(), _C._one_product_calls() - before
+    with scoped_env(**ONE_CORE):
+        fresh_tuner(cache_path)
+        _C._set_tuner_slow_candidate("!" + family, SLOW_US)
+        try:
+            tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N))
+        finally:
+            _C._set_tuner_slow_candidate("", 0)
+        _C._tuner_clear_memory()  # a new process, as far as the tuner knows: the decision comes from the file
+        before = _C._one_product_calls()
+        for i in range(2):
+            checked_auto_call(rank, world, seed + 1 + i, M, K, N)
+        return tuning.decisions(), _C._one_product_calls() - before
 
 
 def test_a_decided_family_comes_back_from_the_tune_cache(ranks, tmp_path):
@@ -109,9 +117,10 @@ def test_a_decided_family_comes_back_from_the_tune_cache(ranks, tmp_path):
 def without_the_family(rank, world, seed, cache_path):
     previous = _C._set_tune_tile_family(False)
     try:
-        fresh_tuner(cache_path)
-        tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N))
-        return tuning.decisions()
+        with scoped_env(**ONE_CORE):
+            fresh_tuner(cache_path)
+            tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N))
+            return tuning.decisions()
     finally:
         _C._set_tune_tile_family(previous)
 
@@ -120,6 +129,46 @@ def test_the_switch_removes_the_candidate(ranks, tmp_path):
     results = ranks(2).run(without_the_family, random.randrange(1 << 20), str(tmp_path / "tune.json"))
     for decisions in results:
         assert set(decisions[0]["candidate_us"]) == {"fused", "sequential", "chunked"}, decisions
+
+
+def first_call_decides_nothing_about_the_candidates(rank, world, seed, cache_path, first_m):
+    """A bucket's candidates follow from the bucket (its largest M), not from whichever of its calls came first."""
+    with scoped_env(**ONE_CORE):
+        fresh_tuner(cache_path)
+        tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, first_m, K, 100))
+        return set(tuning.decisions()[0]["candidate_us"])
+
+
+def test_a_buckets_candidates_do_not_depend_on_its_first_call(ranks, tmp_path):
+    # M 513..1024 with N = 100: 51,300 output elements at M = 513 (under the 64K of other_tile_family), 102,400 at the
+    # bucket's M = 1024.
+    family = other_family(torch.float32, m=1024, n=100)
+    assert family and other_family(torch.float32, m=513, n=100) == ""
+    seen = [ranks(2).run(first_call_decides_nothing_about_the_candidates, random.randrange(1 << 20),
+                         str(tmp_path / f"tune{m}.json"), m) for m in (513, 1024)]
+    assert all(family in candidates for per_rank in seen for candidates in per_rank), seen
+
+
+def switch_differs(rank, world, setter):
+    previous = getattr(_C, setter)(rank != 0)
+    try:
+        with scoped_env(**ONE_CORE):
+            fresh_tuner(os.path.join("/tmp", f"unused-{os.getpid()}.json"))
+            checked_auto_call(rank, world, 3, M, K, N)
+            return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        getattr(_C, setter)(previous)
+        _C._tuner_clear_memory()
+
+
+@pytest.mark.parametrize("setter", ["_set_tune_tile_family", "_set_wide_row_panels", "_set_one_product"])
+def test_ranks_that_differ_in_a_geometry_switch_get_an_error_not_a_hang(ranks, setter):
+    """A tuning run of a forced tile family takes a configuration the agreement does not compare field by field: the
+    switches it depends on (and the one that adds the candidate) are agreed on instead."""
+    for message in ranks(2).run(switch_differs, setter, timeout_s=120):
+        assert message is not None and ("switches" in message or "tile" in message), message
 
 
 def bad_algorithm(rank, world):
@@ -136,4 +185,3 @@ def test_tuned_names_are_not_algorithm_values(ranks):
     """The families are `auto`'s own candidates: `algorithm=` keeps its four names."""
     for message in ranks(2).run(bad_algorithm):
         assert message is not None and "algorithm" in message and "fused/tiles" in message, message
-    assert os.environ.get("TORCH_GEMM_AR_CPU_TILE") is None  # a tile from the environment would hide the families

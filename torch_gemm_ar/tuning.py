@@ -29,8 +29,9 @@ from ._ops import GroupLike, gemm_allreduce, group_name_of
 logger = logging.getLogger("torch_gemm_ar.tuning")
 _C._set_tuner_logger(logger.info)
 
-# Candidates per bucket at most (fused, sequential, chunked): tune() makes enough calls for any bucket.
-_MAX_CANDIDATES = 3
+# Candidates per bucket at most (fused, fused with the other tile family on the CPU engine, sequential, chunked):
+# tune() makes enough calls for any bucket.
+_MAX_CANDIDATES = 4
 
 
 def decisions() -> List[dict]:

@@ -151,8 +151,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(A/B benchmarks); returns the old value");
   m.def("_set_tune_tile_family", [&switches](bool on) { return switches.tune_tile_family.exchange(on); },
         pybind11::arg("on"),
-        "CPU engine: False keeps `auto` from timing fused with the tile family the geometry rules did not pick; "
-        "returns the old value");
+        "CPU engine: False keeps `auto` from timing fused with the tile family the geometry rules did not pick (set "
+        "it alike on every rank: ranks that differ get an error naming the engine's switches); returns the old value");
   m.def("_other_tile_family",
         [](int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           const auto other = gemm_ar::cpu::other_tile_family(m, k, n, like.scalar_type(), world);

@@ -67,9 +67,13 @@ BackendHooks make_cpu_backend() {
   // The engine agrees through its windows, which carry no data: a small sequential call then computes once, after.
   hooks.agreement_carries_payload = [](c10d::ProcessGroup& group) { return !engine_of_this_call(group).has_windows(); };
   // `auto` also times fused with the tile family the geometry rules did not pick (measured on one CPU only).
+  // Asked for the bucket's largest M (M rounded up to a power of two, as the tuner's buckets are), so that a bucket
+  // has the same candidates whichever of its calls meets it first (a cached decision must be one of them).
   hooks.fused_other_tiles = [](const CallArgs& call, c10d::ProcessGroup& group) {
+    int64_t bucket_m = 1;
+    while (bucket_m < call.m) bucket_m <<= 1;
     return engine_switches().tune_tile_family.load() && call.op == kOpGemmAllreduce
-               ? other_tile_family(call.m, call.k, call.n, call.dtype, static_cast<int>(group.getSize()))
+               ? other_tile_family(bucket_m, call.k, call.n, call.dtype, static_cast<int>(group.getSize()))
                : Algorithm::Auto;
   };
   return hooks;

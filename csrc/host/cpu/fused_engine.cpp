@@ -31,8 +31,14 @@ constexpr size_t kGrowthQuantum = size_t{1} << 20;
 // rank reducing in one shot and a rank reducing in two phases would read each other's stale data).
 int64_t engine_mode_bits() {
   const EngineSwitches& s = engine_switches();
+  // The geometry switches too: a tuning run of a forced tile family takes a configuration that the agreement does not
+  // compare field by field (it compares the rules' one), so every input of call_config must be agreed on; and
+  // tune_tile_family decides the candidates `auto` races.
   return int64_t{s.overlap.load()} | int64_t{s.owner_last.load()} << 1 | int64_t{s.one_shot.load()} << 2 |
-         int64_t{s.one_shot_single_bank.load()} << 3 | int64_t{s.skip_previous_call_wait.load()} << 4;
+         int64_t{s.one_shot_single_bank.load()} << 3 | int64_t{s.skip_previous_call_wait.load()} << 4 |
+         int64_t{s.wide_row_panels.load()} << 5 | int64_t{s.row_epilogue_geometry.load()} << 6 |
+         int64_t{s.one_product.load()} << 7 | int64_t{s.tune_tile_family.load()} << 8 |
+         int64_t{s.fewer_b_reorders.load() & 3} << 9;
 }
 
 }  // namespace
@@ -109,7 +115,8 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
   ++epoch_;
   signature_ = call_signature(call, chosen);
   // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too (the
-  // rules' one; a tuning run of a forced tile family takes that family's, alike on every rank, in run()).
+  // rules' one; a tuning run of a forced tile family takes that family's in run(), the same on every rank because
+  // every input of call_config, the geometry switches included, is in this signature).
   if (is_fused(chosen) || chosen == Algorithm::Auto) {
     signature_[kSigTileM] = config_.base_m;
     signature_[kSigTileN] = config_.base_n;
@@ -382,7 +389,8 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
                                       add_into.scalar_type() == call.dtype),
               call.op_name, ": internal error: bad in-place output");
   if (call.fused_family != config_family_) {
-    // A tuning run of a forced tile family (the agreement had `auto`): every rank's tuner picked the same one.
+    // A tuning run of a forced tile family (the agreement had `auto`): every rank's tuner picked the same candidate
+    // from the same agreed times, and call_config's inputs were agreed on (engine_mode_bits).
     config_family_ = call.fused_family;
     config_ = call_config(call.op, call.m, call.k, call.n, call.dtype, world_, config_family_);
   }
