@@ -8,9 +8,11 @@
 namespace gemm_ar {
 
 // FusedTiles and FusedFewProducts are `auto`'s own candidates, never an `algorithm=` value: fused with one tile
-// family forced on the CPU engine (cpu/call_geometry.h, FusedFamily), where the geometry rules picked the other one
-// from measurements on one CPU; the tuner measures both on this one.
-enum class Algorithm : int64_t { Auto = 0, Sequential = 1, Chunked = 2, Fused = 3, FusedTiles = 4, FusedFewProducts = 5 };
+// family forced on the CPU engine (CallArgs::fused_family, cpu/call_geometry.h), where the geometry rules picked
+// the other one from measurements on one CPU; the tuner measures both on this one.
+enum class Algorithm : int64_t {
+  Auto = 0, Sequential = 1, Chunked = 2, Fused = 3, FusedTiles = 4, FusedFewProducts = 5
+};
 
 // The `algorithm=` names (auto, sequential, chunked, fused).
 std::optional<Algorithm> parse_algorithm(std::string_view name);

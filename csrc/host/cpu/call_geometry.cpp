@@ -16,7 +16,8 @@ namespace {
 // Whether the geometry rules give this call the few-product family (the engine switches included).
 bool rules_take_few_products(int64_t op, int64_t m, int64_t k, at::ScalarType dtype) {
   const int fewer = engine_switches().fewer_b_reorders.load();
-  return fewer == 2 || (fewer == 1 && (reorders_b_per_product(dtype) || (op == kOpGemmAllreduce && is_long_k_call(m, k))));
+  return fewer == 2 ||
+         (fewer == 1 && (reorders_b_per_product(dtype) || (op == kOpGemmAllreduce && is_long_k_call(m, k))));
 }
 
 bool same_geometry(const EngineConfig& a, const EngineConfig& b) {
