@@ -127,8 +127,8 @@ def conclusions(analysis: dict) -> str:
         family = analysis.get("auto_chose_best_family", 0)
         lines.append(f"auto ran the best single algorithm at {analysis['auto_chose_best']} of "
                      f"{len(analysis['auto_vs_best'])} points" +
-                     (f", and it with the other tile family (fused/tiles or fused/few-products, measured faster "
-                      f"while tuning) at {family} more" if family else ""))
+                     (f", and it as another of the CPU engine's configurations (fused/tiles, fused/few-products or "
+                      f"fused/gathered-inputs, measured faster while tuning) at {family} more" if family else ""))
     return "\n".join(lines)
 
 

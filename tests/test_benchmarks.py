@@ -338,6 +338,10 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
     # fused is also set against the GEMM into a reused output (no page faults of a fresh one, as fused's pool).
     assert result["ratios"]["fused_over_compute_reused"] > 0 and "compute only (reused out)" in stdout
     assert "fused / compute-only into a reused output" in stdout
+    # What auto decided before the timed calls (37 x 23 is a bucket auto tunes: a candidate's name, not a guess).
+    assert result["auto_choice"] in ("sequential", "chunked", "fused", "fused/tiles", "fused/few-products",
+                                     "fused/gathered-inputs"), result["auto_choice"]
+    assert f"auto ran: {result['auto_choice']} (decided by measurement" in stdout
 
 
 def test_bench_bfloat16_reports_the_fair_baselines(tmp_path):

@@ -29,9 +29,9 @@ from ._ops import GroupLike, gemm_allreduce, group_name_of
 logger = logging.getLogger("torch_gemm_ar.tuning")
 _C._set_tuner_logger(logger.info)
 
-# Candidates per bucket at most (fused, fused with the other tile family on the CPU engine, sequential, chunked):
-# tune() makes enough calls for any bucket.
-_MAX_CANDIDATES = 4
+# Candidates per bucket at most (fused, and on the CPU engine fused with the other tile family and the
+# gathered-inputs flow, sequential, chunked): tune() makes enough calls for any bucket.
+_MAX_CANDIDATES = 5
 
 
 def decisions() -> List[dict]:

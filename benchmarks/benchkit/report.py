@@ -82,6 +82,9 @@ def shape_table(summary: dict) -> str:
                      f"{target_cell(ratios.get('fused_over_compute_reused_paired'), target)} (the same target, "
                      f"without the fresh output's page faults; the ratio of the medians: "
                      f"{ratios['fused_over_compute_reused']:.3f})")
+    if summary.get("auto_choice"):
+        lines.append(f"auto ran: {summary['auto_choice']} (decided by measurement before the timed calls; fused/... "
+                     f"names are the CPU engine's tile families and its gathered-inputs flow)")
     lines.extend(notes)
     return "\n".join(lines)
 

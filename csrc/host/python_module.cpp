@@ -10,6 +10,7 @@
 #include "cpu/engine_tile_walk.h"
 #include "cpu/fused_call.h"
 #include "cpu/fused_engine.h"
+#include "cpu/gathered_inputs.h"
 #include "cpu/packed_b_panels.h"
 #include "cpu/reduce_avx512.h"
 #include "cpu/tile_kernels.h"
@@ -153,6 +154,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("on"),
         "CPU engine: False keeps `auto` from timing fused with the tile family the geometry rules did not pick (set "
         "it alike on every rank: ranks that differ get an error naming the engine's switches); returns the old value");
+  m.def("_set_tune_gathered_inputs", [&switches](bool on) { return switches.tune_gathered_inputs.exchange(on); },
+        pybind11::arg("on"),
+        "CPU engine: False keeps `auto` from timing fused/gathered-inputs (set it alike on every rank: ranks that "
+        "differ get an error naming the engine's switches); returns the old value");
+  m.def("_suits_gathered_inputs",
+        [](int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
+          return gemm_ar::cpu::suits_gathered_inputs(m, k, n, like.scalar_type(), world);
+        },
+        pybind11::arg("m"), pybind11::arg("k"), pybind11::arg("n"), pybind11::arg("like"), pybind11::arg("world"),
+        "CPU engine: whether `auto` times fused/gathered-inputs for a gemm_allreduce bucket of this largest M");
+  m.def("_set_gathered_inputs_late", [&switches](bool on) { return switches.gathered_inputs_late.exchange(on); },
+        "CPU fused engine: a deliberate protocol bug for negative-control tests (the gathered-inputs flow publishes "
+        "a rank's inputs after the flags that announce them)");
+  m.def("_gathered_inputs_calls", &gemm_ar::cpu::gathered_inputs_call_count,
+        "CPU fused engine: gemm_allreduce calls this process ran with the gathered-inputs flow (tests)");
   m.def("_other_tile_family",
         [](int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           const auto other = gemm_ar::cpu::other_tile_family(m, k, n, like.scalar_type(), world);

@@ -13,15 +13,22 @@ std::optional<Algorithm> parse_algorithm(std::string_view name) {
 std::optional<Algorithm> parse_tuned_algorithm(std::string_view name) {
   if (name == "fused/tiles") return Algorithm::FusedTiles;
   if (name == "fused/few-products") return Algorithm::FusedFewProducts;
+  if (name == "fused/gathered-inputs") return Algorithm::FusedGatheredInputs;
   return parse_algorithm(name);
 }
 
 bool is_fused(Algorithm algorithm) {
-  return algorithm == Algorithm::Fused || algorithm == Algorithm::FusedTiles || algorithm == Algorithm::FusedFewProducts;
+  return algorithm == Algorithm::Fused || algorithm == Algorithm::FusedTiles ||
+         algorithm == Algorithm::FusedFewProducts || algorithm == Algorithm::FusedGatheredInputs;
 }
 
 int64_t fused_family_of(Algorithm algorithm) {
-  return algorithm == Algorithm::FusedTiles ? 1 : algorithm == Algorithm::FusedFewProducts ? 2 : 0;
+  switch (algorithm) {
+    case Algorithm::FusedTiles: return 1;
+    case Algorithm::FusedFewProducts: return 2;
+    case Algorithm::FusedGatheredInputs: return 3;
+    default: return 0;
+  }
 }
 
 const char* algorithm_name(Algorithm algorithm) {
@@ -32,6 +39,7 @@ const char* algorithm_name(Algorithm algorithm) {
     case Algorithm::Fused: return "fused";
     case Algorithm::FusedTiles: return "fused/tiles";
     case Algorithm::FusedFewProducts: return "fused/few-products";
+    case Algorithm::FusedGatheredInputs: return "fused/gathered-inputs";
   }
   return "?";
 }

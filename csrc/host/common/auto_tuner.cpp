@@ -169,10 +169,13 @@ std::string AutoTuner::cache_path() const {
 
 namespace {
 
-std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available, Algorithm other_tiles) {
+std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available,
+                                      const std::vector<Algorithm>& fused_variants) {
   std::vector<Algorithm> out;
   if (fused_available) out.push_back(Algorithm::Fused);
-  if (fused_available && call.op == kOpGemmAllreduce && fused_family_of(other_tiles) != 0) out.push_back(other_tiles);
+  for (const Algorithm variant : fused_variants) {
+    if (fused_available && call.op == kOpGemmAllreduce && fused_family_of(variant) != 0) out.push_back(variant);
+  }
   out.push_back(Algorithm::Sequential);
   // Chunked differs from sequential only when every chunk has rows, and only gemm_allreduce-shaped ops have it.
   if ((call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm) && call.m >= 2 * chunk_count()) {
@@ -346,7 +349,8 @@ void plan_round(TuneBucket& bucket) {
 }  // namespace
 
 Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                                      Algorithm static_choice, bool may_tune, Algorithm other_tiles) {
+                                      Algorithm static_choice, bool may_tune,
+                                      const std::vector<Algorithm>& fused_variants) {
   if (call.m == 0 || !call.error.empty()) return static_choice;  // nothing to measure
   State& st = *state_;
   const at::Device device = call.b.defined() ? call.b.device() : at::Device(at::kCPU);
@@ -373,7 +377,7 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
   if (bucket.step == 0) {
     bucket.key = key;
     bucket.fast = std::move(fast);
-    bucket.candidates = candidates_for(call, fused_available, other_tiles);
+    bucket.candidates = candidates_for(call, fused_available, fused_variants);
     if (bucket.candidates.size() == 1) {
       // Nothing to choose between (sequential, the only candidate without fused or a row per chunk): decided at
       // once, so the next calls take the fast path (before, each call built the bucket again and dropped it).

@@ -36,10 +36,10 @@ class AutoTuner {
   // Asked before the agreement of an auto call: the decided algorithm, or Auto while the bucket is still being
   // met or tuned (then the call's tune_* fields are set, and after_agreement chooses from every rank's signature).
   // may_tune=false (a graph being captured): only a decision already made in this process, else static_choice.
-  // `other_tiles` (FusedTiles or FusedFewProducts; Auto: none) joins the candidates of a bucket met for the first
-  // time (BackendHooks::fused_other_tiles).
+  // `fused_variants` (BackendHooks::fused_variants) join the candidates of a bucket met for the first time.
   Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                             Algorithm static_choice, bool may_tune = true, Algorithm other_tiles = Algorithm::Auto);
+                             Algorithm static_choice, bool may_tune = true,
+                             const std::vector<Algorithm>& fused_variants = {});
   // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
   // what this call runs (the next candidate, or the decision once every sample is in).
   Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);

@@ -40,11 +40,11 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     if (backend.measured_auto && AutoTuner::enabled()) {
       const bool may_tune = !(backend.capturing && backend.capturing());
       // The tile family the geometry rules did not pick, where the backend has one for this call: a candidate too.
-      const Algorithm other_tiles = fused_reason.empty() && backend.fused_other_tiles
-                                        ? backend.fused_other_tiles(call, group)
-                                        : Algorithm::Auto;
+      const std::vector<Algorithm> variants = fused_reason.empty() && backend.fused_variants
+                                                  ? backend.fused_variants(call, group)
+                                                  : std::vector<Algorithm>{};
       chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune,
-                                                      other_tiles);
+                                                      variants);
     }
   }
   if (before_exchange) before_exchange(chosen);
@@ -111,6 +111,7 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
       case Algorithm::Fused:
       case Algorithm::FusedTiles:
       case Algorithm::FusedFewProducts:
+      case Algorithm::FusedGatheredInputs:
         call.fused_family = fused_family_of(chosen);
         return backend.run_fused(call, *group);
       case Algorithm::Auto: break;

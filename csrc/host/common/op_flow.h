@@ -51,9 +51,10 @@ struct BackendHooks {
   // Whether check_agreement's exchange can carry a small sequential call's result (AgreementPayload): only then is
   // the partial product computed before it (else it would be computed twice). Empty: check_ranks_agree, which can.
   std::function<bool(c10d::ProcessGroup&)> agreement_carries_payload;
-  // FusedTiles or FusedFewProducts: fused with the tile family the geometry rules did not pick for this call, where
-  // it is a different configuration worth timing (`auto` then races it too); Auto: none. Empty: never.
-  std::function<Algorithm(const CallArgs&, c10d::ProcessGroup&)> fused_other_tiles;
+  // The backend's other ways to run this call fused that `auto` races too: FusedTiles or FusedFewProducts (the tile
+  // family the geometry rules did not pick, where it is a different configuration worth timing) and
+  // FusedGatheredInputs (where the inputs are small against the output). Empty list or function: none.
+  std::function<std::vector<Algorithm>(const CallArgs&, c10d::ProcessGroup&)> fused_variants;
 };
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name,

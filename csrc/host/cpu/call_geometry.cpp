@@ -39,6 +39,13 @@ Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtyp
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
                          int64_t family) {
   const EngineConfig config = engine_config(world);
+  if (op == kOpGemmAllreduce && family == 3) {
+    // The gathered-inputs flow: one full-width tile row per rank, its rows multiplied in one product.
+    EngineConfig gathered = tile_row_per_rank_geometry(config, m, n, world);
+    gathered.one_product = false;
+    gathered.gathered_inputs = gathered.comm_inline && !gathered.tile_from_env && m > 0 && n > 0;
+    return gathered;
+  }
   const bool forced = op == kOpGemmAllreduce && family != 0;
   const bool fewer_b_reorders = forced ? family == 2 : rules_take_few_products(op, m, k, dtype);
   auto with_product_rule = [&](EngineConfig fewer) {

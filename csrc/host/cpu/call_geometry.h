@@ -20,7 +20,8 @@ namespace gemm_ar::cpu {
 // gemm_allreduce in any dtype (is_long_k_call); otherwise add+RMSNorm row_epilogue_geometry, gemm_allreduce and
 // gemm_reduce_scatter wide_row_geometry.
 // `family` (CallArgs::fused_family): 0 as above; for gemm_allreduce, 1 forces the default tiles (wide_row_geometry)
-// and 2 the geometries with few products (row or column panels), what `auto` measured faster on this CPU.
+// and 2 the geometries with few products (row or column panels), what `auto` measured faster on this CPU; 3 the
+// gathered-inputs flow (cpu/gathered_inputs.h) on tile_row_per_rank_geometry's tiles.
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
                          int64_t family = 0);
 

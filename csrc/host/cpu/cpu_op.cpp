@@ -11,6 +11,7 @@
 #include "cpu/call_geometry.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/fused_engine.h"
+#include "cpu/gathered_inputs.h"
 
 namespace gemm_ar::cpu {
 
@@ -66,15 +67,25 @@ BackendHooks make_cpu_backend() {
   hooks.start_device_clock = &start_deferred_host_clock;
   // The engine agrees through its windows, which carry no data: a small sequential call then computes once, after.
   hooks.agreement_carries_payload = [](c10d::ProcessGroup& group) { return !engine_of_this_call(group).has_windows(); };
-  // `auto` also times fused with the tile family the geometry rules did not pick (measured on one CPU only).
-  // Asked for the bucket's largest M (M rounded up to a power of two, as the tuner's buckets are), so that a bucket
-  // has the same candidates whichever of its calls meets it first (a cached decision must be one of them).
-  hooks.fused_other_tiles = [](const CallArgs& call, c10d::ProcessGroup& group) {
+  // `auto` also times fused with the tile family the geometry rules did not pick (measured on one CPU only), and the
+  // gathered-inputs flow where the inputs are small against the output. Asked for the bucket's largest M (M rounded
+  // up to a power of two, as the tuner's buckets are), so that a bucket has the same candidates whichever of its
+  // calls meets it first (a cached decision must be one of them).
+  hooks.fused_variants = [](const CallArgs& call, c10d::ProcessGroup& group) {
+    std::vector<Algorithm> variants;
+    if (call.op != kOpGemmAllreduce) return variants;
     int64_t bucket_m = 1;
     while (bucket_m < call.m) bucket_m <<= 1;
-    return engine_switches().tune_tile_family.load() && call.op == kOpGemmAllreduce
-               ? other_tile_family(bucket_m, call.k, call.n, call.dtype, static_cast<int>(group.getSize()))
-               : Algorithm::Auto;
+    const int world = static_cast<int>(group.getSize());
+    if (engine_switches().tune_tile_family.load()) {
+      const Algorithm other = other_tile_family(bucket_m, call.k, call.n, call.dtype, world);
+      if (other != Algorithm::Auto) variants.push_back(other);
+    }
+    if (engine_switches().tune_gathered_inputs.load() &&
+        suits_gathered_inputs(bucket_m, call.k, call.n, call.dtype, world)) {
+      variants.push_back(Algorithm::FusedGatheredInputs);
+    }
+    return variants;
   };
   return hooks;
 }

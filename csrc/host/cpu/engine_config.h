@@ -19,6 +19,8 @@ struct EngineConfig {
   // block, the rank's whole partial comes from one GEMM call (CallJob::one_product), so B is reordered once per
   // call, not once per tile.
   bool one_product = false;
+  // Set by call_config for the gathered-inputs flow (tile_row_per_rank_geometry's tiles; cpu/gathered_inputs.h).
+  bool gathered_inputs = false;
 };
 
 EngineConfig engine_config(int local_ranks);

@@ -80,6 +80,11 @@ struct EngineSwitches {
   std::atomic<bool> one_product{true};
   // false: `auto` races fused only with the geometry rules' tiles (tests, A/B runs; see other_tile_family).
   std::atomic<bool> tune_tile_family{true};
+  // false: `auto` does not time the gathered-inputs flow (CallArgs::fused_family 3, cpu/gathered_inputs.h).
+  std::atomic<bool> tune_gathered_inputs{true};
+  // true: a deliberate bug for a negative-control test: the gathered-inputs flow publishes this rank's inputs only
+  // after the tile flags that tell peers they are there (a fast peer then multiplies the previous call's inputs).
+  std::atomic<bool> gathered_inputs_late{false};
   // true: a deliberate bug for a negative-control test: one-shot calls put their partials in bank 0 whatever the
   // call's parity (a rank's next call then overwrites partials that a slower peer still reads).
   std::atomic<bool> one_shot_single_bank{false};
@@ -147,6 +152,10 @@ struct CallJob {
   // the call has one row chunk: the compute block multiplies all of this rank's partial in one GEMM call into its
   // window, then publishes the peers' tiles and reduces its own from the window (owner_last_compute.cpp).
   bool one_product = false;
+  // Set with owner_reduces_in_compute where the configuration asks for it (EngineConfig::gathered_inputs) and the
+  // call is a plain gemm_allreduce whose inputs fit the partial region: every rank publishes its a and b instead of
+  // partials, and each owner multiplies its rows by all of them (cpu/gathered_inputs.h).
+  bool gathered_inputs = false;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.

@@ -11,6 +11,7 @@
 #include "common/settings.h"
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
+#include "cpu/gathered_inputs.h"
 #include "cpu/host_identity.h"
 #include "cpu/output_pool.h"
 #include "cpu/packed_b_panels.h"
@@ -38,7 +39,8 @@ int64_t engine_mode_bits() {
          int64_t{s.one_shot_single_bank.load()} << 3 | int64_t{s.skip_previous_call_wait.load()} << 4 |
          int64_t{s.wide_row_panels.load()} << 5 | int64_t{s.row_epilogue_geometry.load()} << 6 |
          int64_t{s.one_product.load()} << 7 | int64_t{s.tune_tile_family.load()} << 8 |
-         int64_t{s.fewer_b_reorders.load() & 3} << 9;
+         int64_t{s.fewer_b_reorders.load() & 3} << 9 | int64_t{s.tune_gathered_inputs.load()} << 11 |
+         int64_t{s.gathered_inputs_late.load()} << 12;
 }
 
 }  // namespace
@@ -417,8 +419,18 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
                  one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
   job.one_product = multiplies_in_one_product(config_) && job.owner_reduces_in_compute && !job.one_shot &&
                     job.op == kOpGemmAllreduce && job.chunks.count == 1;
+  // The same inputs on every rank (the agreed call, the engine switches, the plan) give the same choice.
+  job.gathered_inputs = config_.gathered_inputs && job.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
+                        job.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
+                        job.partial_dtype == call.dtype &&
+                        gathered_input_bytes(call.m, call.k, call.n, job.partial_elem) <=
+                            job.plan.pad_m * job.plan.pad_n * job.partial_elem;
+  if (job.gathered_inputs) {
+    job.one_shot = job.one_product = false;
+    count_gathered_inputs_call();
+  }
   std::optional<PackedBPanels> panels;  // outlives the call's products
-  if (!job.one_product) use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
+  if (!job.one_product && !job.gathered_inputs) use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
   plan_work(job);
   execute(job);
   return out.view(out_shape);

@@ -8,7 +8,8 @@
 // reduction's rank order, and so every bit of the result, is that of the comm blocks' (reduce_rows).
 // With CallJob::one_product the whole partial comes from one GEMM call into the window first (products that reorder
 // B per call then reorder it once), the own tiles are reduced from the window, and the walk below only publishes
-// and reduces.
+// and reduces. With CallJob::gathered_inputs (cpu/gathered_inputs.h) the rank's inputs go into the window first,
+// the peers' tiles are only published, and each own tile is one product of every rank's inputs, copied into the bank.
 #include <ATen/ATen.h>
 #include <gemm_ar/protocol.hpp>
 
@@ -16,6 +17,7 @@
 
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
+#include "cpu/gathered_inputs.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar::cpu {
@@ -58,8 +60,12 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
   // it, bit for bit. Only rows x cols of it are touched (one tile: in cache for 256-row tiles; with column panels the
   // own tile has all M rows).
   at::Tensor scratch;
+  at::Tensor gathered_a, gathered_b;  // the gathered-inputs flow's concatenated rows of a and columns of b
   std::vector<const uint8_t*> sources(job.world);
   try {
+    // Before any tile flag: a peer that sees one may read the inputs (gathered_inputs_late breaks this on purpose).
+    const bool late_inputs = job.gathered_inputs && engine_switches().gathered_inputs_late.load();
+    if (job.gathered_inputs && !late_inputs) publish_gathered_inputs(job);
     if (job.one_product && p.m > 0) {
       // One row chunk: a's rows are the window's rows, tile row mi at mi * base_m in both.
       job.gemm->compute(0, p.m, 0, p.n,
@@ -67,14 +73,17 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                                       {p.m, p.n}, {p.pad_n, 1}, partial_options));
       one_product_calls.fetch_add(1, std::memory_order_relaxed);
     }
+    const size_t peer_tiles = order.size() - static_cast<size_t>(run_owned_tile_count(p.tiles, job.world, job.rank,
+                                                                                        job.own_run));
     for (size_t i = 0; i < order.size(); ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
+      if (late_inputs && i == peer_tiles) publish_gathered_inputs(job);  // the bug: after the peers' tile flags
       const int64_t t = order[i];
       const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
       const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
       const int64_t row0 = chunked_tile_row0(p, job.chunks, mi), col0 = ni * p.base_n;
-      if (job.one_product) {
-        // Multiplied above: nothing to do for a peer's tile but publish it (below).
+      if (job.one_product || job.gathered_inputs) {
+        // Multiplied above, or the owner multiplies it: nothing to do for a peer's tile but publish it (below).
       } else if (run_owner_of(t, job.world, job.own_run) != job.rank) {
         // Padded position in the windows (mi * base_m); a's rows (row0) differ from it in row-chunked plans.
         const int64_t partial_offset = partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem);
@@ -105,12 +114,20 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
             doorbell(job.windows[job.rank], ag_block_of(first_local, job.comm_blocks)), job.timeout, &job.abort);
         // This rank's output holds only its own chunks when scattering; no peer copies a reduce-scatter's result.
         const int64_t out_row0 = scatter ? chunked_owner_row0(p, job.chunks, mi, job.world) : row0;
+        // Every peer's inputs are in (its tile flag of t, acquire): the tile's rows in one product, into the output.
+        if (job.gathered_inputs) multiply_gathered_rows(job, row0, rows, col0, cols, gathered_a, gathered_b);
         // Stripe by stripe: each stripe's final flag goes out as soon as it is reduced, and a row epilogue runs on
         // its rows while they are in cache (with full-width tiles a stripe holds whole rows).
         for (int64_t s = 0; s < p.stripes; ++s) {
           const int64_t stripe_rows = chunked_stripe_rows(p, job.chunks, mi, s);
           const int64_t l = run_local_subtile(t, s, job.world, p.stripes, job.own_run);
-          if (stripe_rows > 0) {
+          if (stripe_rows > 0 && job.gathered_inputs) {
+            // The product is final: its stripe into the bank the peers copy from.
+            const int64_t padded_row = mi * p.base_m + s * p.sub_m;
+            copy_rows(job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem, p.n * job.out_elem,
+                      job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n, job.out_elem)),
+                      p.pad_n * job.out_elem, stripe_rows, cols * job.out_elem);
+          } else if (stripe_rows > 0) {
             const int64_t padded_row = mi * p.base_m + s * p.sub_m;  // the stripe's first row in the windows
             for (int r = 0; r < job.world; ++r) {
               sources[r] = r == job.rank && !job.one_product ? static_cast<const uint8_t*>(scratch.data_ptr()) +
@@ -140,6 +157,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
       queue_bell.ring();
       if (progress) progress();
     }
+    if (late_inputs && peer_tiles == order.size()) publish_gathered_inputs(job);
   } catch (const LocalAbort&) {
   } catch (const std::exception& e) {
     job.fail(e.what(), false);

@@ -142,4 +142,17 @@ GEMM_AR_FN int64_t shard_row_offset(const WindowLayout& w, int64_t row, int64_t 
   return w.partial_offset + row * k * elem_bytes;
 }
 
+// gemm_allreduce's gathered-inputs flow has no partial products either: its rank's a ([M, K]) and then b ([K, N]),
+// both row-major, lie where they would; each owner multiplies its rows by every rank's K at once.
+GEMM_AR_FN int64_t gathered_a_row_offset(const WindowLayout& w, int64_t row, int64_t k, int64_t elem_bytes) {
+  return w.partial_offset + row * k * elem_bytes;
+}
+GEMM_AR_FN int64_t gathered_b_offset(const WindowLayout& w, int64_t m, int64_t k, int64_t elem_bytes) {
+  return w.partial_offset + align_up(m * k * elem_bytes, kWindowAlign);
+}
+// Bytes from the partial region's start that the gathered inputs take.
+GEMM_AR_FN int64_t gathered_input_bytes(int64_t m, int64_t k, int64_t n, int64_t elem_bytes) {
+  return align_up(m * k * elem_bytes, kWindowAlign) + k * n * elem_bytes;
+}
+
 }  // namespace gemm_ar
