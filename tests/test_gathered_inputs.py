@@ -28,26 +28,38 @@ def native(dtype):
 
 
 def per_rank_inputs(seed, world, m, k, n, dtype, bias):
-    """Every rank's own a and b (b as nn.Linear's weight.t() on odd seeds), and the bias."""
+    """Every rank's own a, b (nn.Linear's weight.t() on odd seeds) and bias (each rank's different: rank 0's is the
+    one added, in every flow)."""
     g = torch.Generator().manual_seed(seed)
     a = [torch.randn(m, k, generator=g, dtype=torch.float64).to(dtype) for _ in range(world)]
     b = [torch.randn(n, k, generator=g, dtype=torch.float64).to(dtype).t() if seed % 2 else
          torch.randn(k, n, generator=g, dtype=torch.float64).to(dtype) for _ in range(world)]
-    c = torch.randn(n, generator=g, dtype=torch.float64).to(dtype) if bias else None
+    c = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) if bias else None for _ in range(world)]
     return a, b, c
 
 
 def checked_call(rank, world, seed, m, k, n, dtype, bias):
     a, b, c = per_rank_inputs(seed, world, m, k, n, dtype, bias)
-    out = torch_gemm_ar.gemm_allreduce(a[rank], b[rank], bias=c, algorithm="auto")
-    ref = sum(x.double() @ y.double() for x, y in zip(a, b)) + (c.double() if bias else 0)
+    out = torch_gemm_ar.gemm_allreduce(a[rank], b[rank], bias=c[rank], algorithm="auto")
+    ref = sum(x.double() @ y.double() for x, y in zip(a, b)) + (c[0].double() if bias else 0)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ((k * world) ** 0.5 + 1))
 
 
-def test_offered_only_where_the_inputs_are_small_against_the_output():
+def test_offered_only_where_the_inputs_are_small_against_the_output(one_core_env):
     f32 = torch.empty(0)
-    assert _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)  # inputs 0.79M elements, output 8.4M
+    with scoped_env(**ONE_CORE):
+        offered = _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)  # inputs 0.79M elements, output 8.4M
+    assert offered
+    # Not where the engine would not run it: comm threads (no owner-last walk) or a tile from the environment.
+    with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="1"):
+        assert not _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)
+    with scoped_env(TORCH_GEMM_AR_CPU_TILE="256,512,64", **ONE_CORE):
+        assert not _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)
+
+
+def test_offered_by_shape(one_core_env):
+    f32 = torch.empty(0)
     assert _C._suits_gathered_inputs(M, K, N, f32, 3)
     assert not _C._suits_gathered_inputs(4096, 256, 2048, f32, 2)  # inputs 1.6M elements, output 8.4M: close
     assert not _C._suits_gathered_inputs(2048, 1024, 1024, f32, 2)  # inputs 3M elements, output 2M
@@ -91,7 +103,8 @@ def test_decided_everywhere_runs_and_is_right(ranks, tmp_path, world, dtype, bia
     chosen = {d[0]["algorithm"] for d in decisions}
     if not native(dtype):  # not offered: computed in fp32 on this CPU, so every candidate is slowed alike
         assert GATHERED not in decisions[0][0]["candidate_us"], decisions
-        return
+        pytest.skip(f"{dtype} is computed in fp32 on this CPU (no AVX-512 BF16 or AMX): the flow is not offered "
+                    "(checked above), so it cannot run")
     assert chosen == {GATHERED}, decisions  # alike on every rank
     for _, ran, calls in results:
         assert ran == calls  # the decided flow is the one that ran, at every M of the bucket
@@ -194,4 +207,26 @@ def switch_differs(rank, world):
 
 def test_ranks_that_differ_in_the_switch_get_an_error_not_a_hang(ranks):
     for message in ranks(2).run(switch_differs, timeout_s=120):
+        assert message is not None and "switches" in message, message
+
+
+def tile_env_differs(rank, world):
+    """Rank 1 has TORCH_GEMM_AR_CPU_TILE set to the tile the rules pick for this call anyway (so the tiles in the
+    signature match): with a tile from the environment no family is forced and the gathered-inputs flow is off, so
+    the ranks would run different flows unless the setting itself is agreed."""
+    assert os.environ.get("TORCH_GEMM_AR_CPU_TILE") is None
+    env = dict(ONE_CORE, TORCH_GEMM_AR_CPU_TILE="256,512,64") if rank == 1 else ONE_CORE
+    with scoped_env(**env):
+        fresh_tuner(os.path.join("/tmp", f"unused-{os.getpid()}.json"))
+        try:
+            checked_call(rank, world, 5, 300, 19, 500, torch.float32, False)
+            return None
+        except ValueError as e:
+            return str(e)
+        finally:
+            _C._tuner_clear_memory()
+
+
+def test_ranks_that_differ_in_the_tile_from_the_environment_get_an_error(ranks):
+    for message in ranks(2).run(tile_env_differs, timeout_s=120):
         assert message is not None and "switches" in message, message

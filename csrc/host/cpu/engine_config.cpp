@@ -12,6 +12,11 @@
 
 namespace gemm_ar::cpu {
 
+bool tile_from_environment() {
+  const char* tile = std::getenv("TORCH_GEMM_AR_CPU_TILE");
+  return tile != nullptr && *tile != '\0';
+}
+
 EngineConfig engine_config(int local_ranks) {
   EngineConfig config{256, 512, 64, 1, 1, false};
   if (const char* tile = std::getenv("TORCH_GEMM_AR_CPU_TILE"); tile != nullptr && *tile != '\0') {

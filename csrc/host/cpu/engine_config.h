@@ -25,6 +25,10 @@ struct EngineConfig {
 
 EngineConfig engine_config(int local_ranks);
 
+// Whether TORCH_GEMM_AR_CPU_TILE is set (EngineConfig::tile_from_env): every geometry rule and forced family then
+// keeps that tile, so ranks must agree on it (it is in the engine-mode field of the call signature).
+bool tile_from_environment();
+
 // The geometry of one add+RMSNorm call (a row epilogue): full-width tiles with short stripes, so that a stripe's
 // rows are whole when the owner reduces them (or a peer copies them) and the epilogue normalises them while they
 // are still in cache; no later pass over the output. Kept as `config` when the tile is from the environment, or

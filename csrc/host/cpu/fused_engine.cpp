@@ -34,13 +34,14 @@ int64_t engine_mode_bits() {
   const EngineSwitches& s = engine_switches();
   // The geometry switches too: a tuning run of a forced tile family takes a configuration that the agreement does not
   // compare field by field (it compares the rules' one), so every input of call_config must be agreed on; and
-  // tune_tile_family decides the candidates `auto` races.
+  // tune_tile_family decides the candidates `auto` races. A tile from the environment turns the geometry rules and the
+  // forced families off (the agreement compares the rules' tile, which may equal it).
   return int64_t{s.overlap.load()} | int64_t{s.owner_last.load()} << 1 | int64_t{s.one_shot.load()} << 2 |
          int64_t{s.one_shot_single_bank.load()} << 3 | int64_t{s.skip_previous_call_wait.load()} << 4 |
          int64_t{s.wide_row_panels.load()} << 5 | int64_t{s.row_epilogue_geometry.load()} << 6 |
          int64_t{s.one_product.load()} << 7 | int64_t{s.tune_tile_family.load()} << 8 |
          int64_t{s.fewer_b_reorders.load() & 3} << 9 | int64_t{s.tune_gathered_inputs.load()} << 11 |
-         int64_t{s.gathered_inputs_late.load()} << 12;
+         int64_t{s.gathered_inputs_late.load()} << 12 | int64_t{tile_from_environment()} << 13;
 }
 
 }  // namespace

@@ -4,7 +4,9 @@
 
 #include <atomic>
 
+#include "common/call_args.h"
 #include "common/local_gemm.h"
+#include "cpu/call_geometry.h"
 
 namespace gemm_ar::cpu {
 namespace {
@@ -23,11 +25,22 @@ at::Tensor peer_b(const CallJob& job, int r) {
                        at::TensorOptions().dtype(job.partial_dtype));
 }
 
+// Rank 0's bias as published in its window (every owner adds it to its rows: the sum holds it once).
+at::Tensor rank0_bias(const CallJob& job) {
+  const TilePlan& p = job.plan;
+  return at::from_blob(job.region(0, gathered_bias_offset(job.layout, p.m, p.k, p.n, job.partial_elem)), {p.n},
+                       at::TensorOptions().dtype(job.partial_dtype));
+}
+
 }  // namespace
 
 bool suits_gathered_inputs(int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
   const bool as_is = dtype == at::kFloat || reorders_b_per_product(dtype);
-  return as_is && world >= 2 && m > 0 && n > 0 && k >= 0 && m * n >= 65536 && 8 * k * (m + n) <= m * n;
+  if (!as_is || world < 2 || m <= 0 || n <= 0 || k < 0 || m * n < 65536 || 8 * k * (m + n) > m * n) return false;
+  // As FusedEngine::run sets CallJob::gathered_inputs (the call's own conditions hold for a gemm_allreduce).
+  const EngineSwitches& switches = engine_switches();
+  return call_config(kOpGemmAllreduce, m, k, n, dtype, world, 3).gathered_inputs && switches.owner_last.load() &&
+         switches.overlap.load();
 }
 
 void publish_gathered_inputs(const CallJob& job) {
@@ -35,6 +48,7 @@ void publish_gathered_inputs(const CallJob& job) {
   // flags the walk publishes afterwards.
   peer_a(job, job.rank).copy_(job.call->a2d);
   peer_b(job, job.rank).copy_(job.call->b);
+  if (job.rank == 0 && job.call->bias.has_value()) rank0_bias(job).copy_(*job.call->bias);
 }
 
 void multiply_gathered_rows(const CallJob& job, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
@@ -55,9 +69,10 @@ void multiply_gathered_rows(const CallJob& job, int64_t row0, int64_t rows, int6
   }
   at::Tensor out = at::from_blob(job.out + (row0 * p.n + col0) * job.out_elem, {rows, cols}, {p.n, 1},
                                  at::TensorOptions().dtype(job.out_dtype));
-  // Every owner adds the bias to its own rows: each output row holds it once.
+  // Every owner adds rank 0's bias to its own rows (the other flows add rank 0's once, to its partial).
   if (job.call->bias.has_value()) {
-    at::addmm_out(out, job.call->bias->narrow(0, col0, cols), a_cat, b_cat);
+    const at::Tensor bias = job.rank == 0 ? *job.call->bias : rank0_bias(job);
+    at::addmm_out(out, bias.narrow(0, col0, cols), a_cat, b_cat);
   } else {
     at::mm_out(out, a_cat, b_cat);
   }

@@ -21,6 +21,8 @@ namespace gemm_ar::cpu {
 // of 64K elements or more, inputs at most an eighth of it (K (M + N) <= M N / 8: where the two flows are close, the
 // tuner's back-to-back runs and a model's surroundings disagreed), and a dtype the engine multiplies as it is (fp32,
 // or bf16/fp16 with the CPU's matrix instructions).
+// Also the engine's side: the configuration of the flow takes it (one core per rank, communication between tiles,
+// no tile from the environment) and the owner-last walk is on.
 bool suits_gathered_inputs(int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world);
 
 // Copies this rank's a and b into its window (layout.hpp, gathered_a_row_offset and gathered_b_offset); peers read

@@ -73,11 +73,8 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                                       {p.m, p.n}, {p.pad_n, 1}, partial_options));
       one_product_calls.fetch_add(1, std::memory_order_relaxed);
     }
-    const size_t peer_tiles = order.size() - static_cast<size_t>(run_owned_tile_count(p.tiles, job.world, job.rank,
-                                                                                        job.own_run));
     for (size_t i = 0; i < order.size(); ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
-      if (late_inputs && i == peer_tiles) publish_gathered_inputs(job);  // the bug: after the peers' tile flags
       const int64_t t = order[i];
       const int64_t mi = tile_row(p, t), ni = tile_col(p, t);
       const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
@@ -157,7 +154,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
       queue_bell.ring();
       if (progress) progress();
     }
-    if (late_inputs && peer_tiles == order.size()) publish_gathered_inputs(job);
+    if (late_inputs) publish_gathered_inputs(job);  // the deliberate bug: after every tile flag and this rank's product
   } catch (const LocalAbort&) {
   } catch (const std::exception& e) {
     job.fail(e.what(), false);

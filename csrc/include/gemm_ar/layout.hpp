@@ -150,9 +150,13 @@ GEMM_AR_FN int64_t gathered_a_row_offset(const WindowLayout& w, int64_t row, int
 GEMM_AR_FN int64_t gathered_b_offset(const WindowLayout& w, int64_t m, int64_t k, int64_t elem_bytes) {
   return w.partial_offset + align_up(m * k * elem_bytes, kWindowAlign);
 }
+// Then rank 0's bias ([N]; only rank 0's counts, as in the other flows, where rank 0 adds it to its partial).
+GEMM_AR_FN int64_t gathered_bias_offset(const WindowLayout& w, int64_t m, int64_t k, int64_t n, int64_t elem_bytes) {
+  return gathered_b_offset(w, m, k, elem_bytes) + align_up(k * n * elem_bytes, kWindowAlign);
+}
 // Bytes from the partial region's start that the gathered inputs take.
 GEMM_AR_FN int64_t gathered_input_bytes(int64_t m, int64_t k, int64_t n, int64_t elem_bytes) {
-  return align_up(m * k * elem_bytes, kWindowAlign) + k * n * elem_bytes;
+  return align_up(m * k * elem_bytes, kWindowAlign) + align_up(k * n * elem_bytes, kWindowAlign) + n * elem_bytes;
 }
 
 }  // namespace gemm_ar
