@@ -185,3 +185,18 @@ def test_tuned_names_are_not_algorithm_values(ranks):
     """The families are `auto`'s own candidates: `algorithm=` keeps its four names."""
     for message in ranks(2).run(bad_algorithm):
         assert message is not None and "algorithm" in message and "fused/tiles" in message, message
+
+
+def test_a_variant_replaces_fused_only_when_its_own_median_is_lower_too():
+    """The race's leader by the median relative to each round's fastest run, except that a fused variant must also
+    have the lower median of its own runs (a bf16 quick sweep's tuning took fused/tiles at 1.29x fused's median, and
+    it then ran at 0.86x fused's speed)."""
+    decide = _C._tuner_decide_from_samples
+    # Two slow rounds where the variant is a little faster, then fast rounds where fused is as fast or faster.
+    slow_spell = [[2.0, 2.0, 1.0, 1.0], [1.9, 1.9, 1.2, 0.99]]
+    assert decide(["fused", "fused/tiles"], slow_spell, trust_medians=False) == "fused/tiles"  # the rule alone
+    assert decide(["fused", "fused/tiles"], slow_spell) == "fused"
+    assert decide(["fused", "fused/gathered-inputs"], slow_spell) == "fused"
+    # A variant faster by both measures is taken; other algorithms keep the relative rule alone.
+    assert decide(["fused", "fused/few-products"], [[1.0] * 4, [0.9] * 4]) == "fused/few-products"
+    assert decide(["fused", "sequential"], slow_spell) == "sequential"

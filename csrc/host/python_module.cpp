@@ -238,6 +238,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return tuner.decision_for(group_name, world, m, k, n, dtype, bias, c10::Device(device).type());
         },
         "auto tuner: the algorithm decided for a gemm_allreduce call of that shape on the group (\"\": none yet)");
+  m.def("_tuner_decide_from_samples", &gemm_ar::decide_from_samples, pybind11::arg("names"),
+        pybind11::arg("samples"), pybind11::arg("trust_medians") = true,
+        "tests: the candidate a race with these per-round samples decides (the tuner's rule, without running calls)");
   m.def("_tuner_cache_path", [&tuner] { return tuner.cache_path(); });
   m.def("_tuner_in_progress", [&tuner](const std::string& group_name) { return tuner.in_progress(group_name); },
         "auto tuner: whether a shape bucket of the group (\"\": any group) is being tuned");

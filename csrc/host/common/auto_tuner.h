@@ -28,6 +28,12 @@ struct TunerDecision {
   std::vector<std::pair<std::string, double>> candidate_relative;
 };
 
+// The decision a race with these per-round samples (seconds; samples[i][r] is candidate i's run in round r) ends in,
+// every candidate still in it: the leader by the median relative to each round's fastest run, and with
+// trust_medians a fused variant only when its own median is also below fused's (tests of the rule).
+std::string decide_from_samples(const std::vector<std::string>& names, const std::vector<std::vector<double>>& samples,
+                                bool trust_medians = true);
+
 class AutoTuner {
  public:
   static AutoTuner& instance();
@@ -36,10 +42,11 @@ class AutoTuner {
   // Asked before the agreement of an auto call: the decided algorithm, or Auto while the bucket is still being
   // met or tuned (then the call's tune_* fields are set, and after_agreement chooses from every rank's signature).
   // may_tune=false (a graph being captured): only a decision already made in this process, else static_choice.
-  // `fused_variants` (BackendHooks::fused_variants) join the candidates of a bucket met for the first time.
+  // `fused_variants` (BackendHooks::fused_variants) join the candidates of a bucket met for the first time (asked
+  // only then).
   Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
                              Algorithm static_choice, bool may_tune = true,
-                             const std::vector<Algorithm>& fused_variants = {});
+                             const std::function<std::vector<Algorithm>()>& fused_variants = {});
   // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
   // what this call runs (the next candidate, or the decision once every sample is in).
   Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);

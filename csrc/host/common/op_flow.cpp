@@ -40,9 +40,11 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     if (backend.measured_auto && AutoTuner::enabled()) {
       const bool may_tune = !(backend.capturing && backend.capturing());
       // The tile family the geometry rules did not pick, where the backend has one for this call: a candidate too.
-      const std::vector<Algorithm> variants = fused_reason.empty() && backend.fused_variants
-                                                  ? backend.fused_variants(call, group)
-                                                  : std::vector<Algorithm>{};
+      // Asked only when a bucket is met for the first time: working them out costs several call configurations.
+      const auto variants = [&] {
+        return fused_reason.empty() && backend.fused_variants ? backend.fused_variants(call, group)
+                                                              : std::vector<Algorithm>{};
+      };
       chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune,
                                                       variants);
     }

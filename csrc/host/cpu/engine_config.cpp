@@ -32,7 +32,8 @@ EngineConfig engine_config(int local_ranks) {
     config.tile_from_env = true;
   }
   // This rank's share of the cores, within the intra-op threads the user allowed (torchrun sets 1 per rank).
-  const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
+  // Read once: hardware_concurrency reads /sys on every call, and every call's configuration starts here.
+  static const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
   const int64_t share = std::max<int64_t>(1, cores / std::max(1, local_ranks));
   const int64_t default_compute = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), share));
   config.compute_blocks = env_int("TORCH_GEMM_AR_COMPUTE_THREADS", default_compute, 1, 1024);
