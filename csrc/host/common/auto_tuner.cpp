@@ -380,7 +380,6 @@ std::string decide_from_samples(const std::vector<std::string>& names, const std
   return algorithm_name(bucket.candidates[trust_medians ? trusted_leader(bucket) : leader(bucket)]);
 }
 
-
 Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
                                       Algorithm static_choice, bool may_tune,
                                       const std::function<std::vector<Algorithm>()>& fused_variants) {

@@ -39,8 +39,8 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     chosen = backend.choose_auto(call, group, fused_reason.empty());
     if (backend.measured_auto && AutoTuner::enabled()) {
       const bool may_tune = !(backend.capturing && backend.capturing());
-      // The tile family the geometry rules did not pick, where the backend has one for this call: a candidate too.
-      // Asked only when a bucket is met for the first time: working them out costs several call configurations.
+      // The backend's other ways to run the call fused (BackendHooks::fused_variants): candidates too. Asked only
+      // when a bucket is met for the first time: working them out costs several call configurations.
       const auto variants = [&] {
         return fused_reason.empty() && backend.fused_variants ? backend.fused_variants(call, group)
                                                               : std::vector<Algorithm>{};

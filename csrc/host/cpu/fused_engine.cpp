@@ -409,6 +409,13 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   job.row_epilogue = row_epilogue;
   // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
   job.owner_reduces_in_compute = config_.comm_inline && job.overlap && engine_switches().owner_last.load();
+  // The same inputs on every rank (the agreed call, the engine switches, the plan) give the same choice.
+  job.gathered_inputs = config_.gathered_inputs && job.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
+                        job.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
+                        job.partial_dtype == call.dtype &&
+                        gathered_input_bytes(call.m, call.k, call.n, job.partial_elem) <=
+                            job.plan.pad_m * job.plan.pad_n * job.partial_elem;
+  if (job.gathered_inputs) count_gathered_inputs_call();
   // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
   // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
   // noise, 0.97-1.0x, from 1 MiB up: docs/performance.md).
@@ -416,20 +423,10 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // reduces the whole output on every rank (1.02-1.05x slower than two phases at four sizes on an Intel Xeon with AMX).
   // Every rank reaches the same choice from the same call; it decides how the window is used.
   const int64_t one_shot_reads = call.m * call.n * job.partial_elem * (world_ - 1);
-  job.one_shot = job.owner_reduces_in_compute && job.op == kOpGemmAllreduce && world_ > 1 && job.partial_elem >= 4 &&
-                 one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
+  job.one_shot = job.owner_reduces_in_compute && !job.gathered_inputs && job.op == kOpGemmAllreduce && world_ > 1 &&
+                 job.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
   job.one_product = multiplies_in_one_product(config_) && job.owner_reduces_in_compute && !job.one_shot &&
-                    job.op == kOpGemmAllreduce && job.chunks.count == 1;
-  // The same inputs on every rank (the agreed call, the engine switches, the plan) give the same choice.
-  job.gathered_inputs = config_.gathered_inputs && job.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
-                        job.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
-                        job.partial_dtype == call.dtype &&
-                        gathered_input_bytes(call.m, call.k, call.n, job.partial_elem) <=
-                            job.plan.pad_m * job.plan.pad_n * job.partial_elem;
-  if (job.gathered_inputs) {
-    job.one_shot = job.one_product = false;
-    count_gathered_inputs_call();
-  }
+                    !job.gathered_inputs && job.op == kOpGemmAllreduce && job.chunks.count == 1;
   std::optional<PackedBPanels> panels;  // outlives the call's products
   if (!job.one_product && !job.gathered_inputs) use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
   plan_work(job);

@@ -118,14 +118,13 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
         for (int64_t s = 0; s < p.stripes; ++s) {
           const int64_t stripe_rows = chunked_stripe_rows(p, job.chunks, mi, s);
           const int64_t l = run_local_subtile(t, s, job.world, p.stripes, job.own_run);
+          const int64_t padded_row = mi * p.base_m + s * p.sub_m;  // the stripe's first row in the windows
           if (stripe_rows > 0 && job.gathered_inputs) {
             // The product is final: its stripe into the bank the peers copy from.
-            const int64_t padded_row = mi * p.base_m + s * p.sub_m;
             copy_rows(job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem, p.n * job.out_elem,
                       job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n, job.out_elem)),
                       p.pad_n * job.out_elem, stripe_rows, cols * job.out_elem);
           } else if (stripe_rows > 0) {
-            const int64_t padded_row = mi * p.base_m + s * p.sub_m;  // the stripe's first row in the windows
             for (int r = 0; r < job.world; ++r) {
               sources[r] = r == job.rank && !job.one_product ? static_cast<const uint8_t*>(scratch.data_ptr()) +
                                                s * p.sub_m * p.pad_n * job.partial_elem
