@@ -132,7 +132,8 @@ def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times
         out_rows[key] = entry
     _derive(world, shape, rows, out_rows)
     ratios = {}
-    for reference, keys in (("compute_only", ("fused", "engine_gemm")), ("compute_reused", ("fused",))):
+    for reference, keys in (("compute_only", ("fused", "engine_gemm")), ("compute_reused", ("fused",)),
+                            ("fused_private", ("fused",))):
         if not out_rows.get(reference, {}).get("available"):
             continue
         for key in keys:

@@ -82,6 +82,11 @@ def shape_table(summary: dict) -> str:
                      f"{target_cell(ratios.get('fused_over_compute_reused_paired'), target)} (the same target, "
                      f"without the fresh output's page faults; the ratio of the medians: "
                      f"{ratios['fused_over_compute_reused']:.3f})")
+    paired = ratios.get("fused_over_fused_private_paired")
+    if paired is not None:
+        lines.append(f"fused / fused with private outputs = {paired['estimate']:.3f} ({paired['low']:.3f}-"
+                     f"{paired['high']:.3f}) (outputs in window slots where the call takes them: one-core ranks, "
+                     f"outputs of 1 MiB or more, two phases)")
     if summary.get("auto_choice"):
         lines.append(f"auto ran: {summary['auto_choice']} (decided by measurement before the timed calls; fused/... "
                      f"names are the CPU engine's tile families and its gathered-inputs flow)")

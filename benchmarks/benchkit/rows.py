@@ -22,6 +22,7 @@ ROW_ORDER = (
     "chunked",
     "fused_sequential",
     "fused",
+    "fused_private",
     "auto",
     "baseline",
     "baseline_fp32",
@@ -61,11 +62,19 @@ def available_row_keys(device_type: str, dtype) -> List[str]:
     if device_type != "cpu":
         keys.remove("sequential_portable")
         keys.remove("engine_gemm")
+    if device_type != "cpu" or not output_slots_on():
+        keys.remove("fused_private")  # the same row as fused where outputs are never in window slots
     if device_type != "cpu" or (dtype in (torch.bfloat16, torch.float16) and library_computes_in_fp32(dtype)):
         keys.remove("compute_reused")  # there torch's GEMM of the dtype is not the library's (it converts to fp32)
     if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and library_computes_in_fp32(dtype)):
         keys.remove("baseline_fp32")
     return keys
+
+
+def output_slots_on() -> bool:
+    """Whether the CPU engine puts outputs in window slots (TORCH_GEMM_AR_SHARED_OUTPUTS)."""
+    from torch_gemm_ar import _C
+    return bool(getattr(_C, "_shared_output_slots", lambda: 0)())
 
 
 def library_computes_in_fp32(dtype) -> bool:
@@ -183,6 +192,18 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
     if "fused" in keys:
         rows["fused"] = Row("fused", "fused", PIPELINED, library_call("fused"), "reduced",
                             reduce_bytes, sequential_ref="fused_sequential")
+    if "fused_private" in keys:  # only where outputs may be in window slots (available_row_keys)
+        fused_in_slots = library_call("fused")
+
+        def fused_private_outputs(i: int) -> torch.Tensor:
+            previous = lib._C._set_shared_output_slots(0)  # every rank runs this row at the same call: they agree
+            try:
+                return fused_in_slots(i)
+            finally:
+                lib._C._set_shared_output_slots(previous)
+
+        rows["fused_private"] = Row("fused_private", "fused (private outputs)", PIPELINED, fused_private_outputs,
+                                    "reduced", reduce_bytes, sequential_ref="fused_sequential")
     if "auto" in keys:
         rows["auto"] = Row("auto", "auto", PIPELINED, library_call("auto"), "reduced",
                            reduce_bytes)

@@ -13,6 +13,7 @@
 #include "cpu/gathered_inputs.h"
 #include "cpu/packed_b_panels.h"
 #include "cpu/reduce_avx512.h"
+#include "cpu/shared_outputs.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
@@ -169,6 +170,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a rank's inputs after the flags that announce them)");
   m.def("_gathered_inputs_calls", &gemm_ar::cpu::gathered_inputs_call_count,
         "CPU fused engine: gemm_allreduce calls this process ran with the gathered-inputs flow (tests)");
+  m.def("_set_shared_output_slots", &gemm_ar::cpu::set_shared_output_slots, pybind11::arg("slots"),
+        "CPU engine: output slots per window from the next call (TORCH_GEMM_AR_SHARED_OUTPUTS; 0: every output "
+        "private). Set it alike on every rank (ranks that differ get an error naming the engine's switches); returns "
+        "the old value");
+  m.def("_set_shared_output_no_wait", [&switches](bool on) { return switches.shared_output_no_wait.exchange(on); },
+        pybind11::arg("on"),
+        "CPU fused engine: a deliberate protocol bug for negative-control tests (an owner whose output is in a window "
+        "slot returns before its peers have copied its rows); returns the old value");
+  m.def("_set_peer_copy_delay_us", [&switches](int us) { return switches.peer_copy_delay_us.exchange(us); },
+        pybind11::arg("us"),
+        "CPU fused engine, tests: sleep this long before each copy of a peer's rows; returns the old value");
+  m.def("_shared_output_calls", &gemm_ar::cpu::shared_output_call_count,
+        "CPU fused engine: gemm_allreduce calls whose output this process put in a window slot (tests)");
+  m.def("_shared_output_slots", &gemm_ar::cpu::shared_output_slots,
+        "CPU fused engine: output slots per window from the next call (TORCH_GEMM_AR_SHARED_OUTPUTS)");
   m.def("_other_tile_family",
         [](int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           const auto other = gemm_ar::cpu::other_tile_family(m, k, n, like.scalar_type(), world);

@@ -4,12 +4,15 @@
 #include <gemm_ar/protocol.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
+#include "cpu/shared_outputs.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar::cpu {
@@ -348,18 +351,34 @@ class CommBlock {
     const int64_t rows = chunked_stripe_rows(p_, job_.chunks, mi, item.stripe), cols = tile_cols(p_, ni);
     uint8_t* out = job_.out + (row0 * p_.n + col0) * job_.out_elem;
     const int64_t bank_offset = reduced_entry_offset(w_, job_.bank, padded_row0, col0, p_.pad_n, job_.out_elem);
-    if (item.owner != me_ && job_.out_holds_addend) {
-      add_rows_into(job_.region(item.owner, bank_offset), p_.pad_n, out, p_.n, rows, cols, job_.out_dtype);
-    } else if (item.owner != me_) {
-      copy_rows(job_.region(item.owner, bank_offset), p_.pad_n * job_.out_elem, out, p_.n * job_.out_elem, rows,
-                cols * job_.out_elem);
+    if (item.owner != me_) {
+      // The owner's rows: in its output where it has one in a window slot (the word is ordered by the final flag's
+      // acquire in ready()), otherwise in its bank.
+      if (const int delay = engine_switches().peer_copy_delay_us.load(std::memory_order_relaxed); delay > 0)
+        std::this_thread::sleep_for(std::chrono::microseconds(delay));
+      const uint32_t slot = read_output_slot(job_.windows[item.owner], job_.bank);
+      const uint8_t* source = job_.region(item.owner, bank_offset);
+      int64_t stride = p_.pad_n;
+      if (slot != kRowsInBank) {
+        TORCH_CHECK(slot <= static_cast<uint32_t>(job_.output_slots) && job_.output_slot_bytes > 0,
+                    "gemm_allreduce: rank ", item.owner, " names output slot ", slot,
+                    " that the windows do not have [rank ", me_, "]");
+        source = job_.windows[item.owner] + job_.output_slots_offset + (slot - 1) * job_.output_slot_bytes +
+                 (row0 * p_.n + col0) * job_.out_elem;
+        stride = p_.n;
+      }
+      if (job_.out_holds_addend) {
+        add_rows_into(source, stride, out, p_.n, rows, cols, job_.out_dtype);
+      } else {
+        copy_rows(source, stride * job_.out_elem, out, p_.n * job_.out_elem, rows, cols * job_.out_elem);
+      }
     } else {
       for (int r = 0; r < world_; ++r)
         sources_[r] = job_.region(r, partial_entry_offset(w_, padded_row0, col0, p_.pad_n, job_.partial_elem));
-      // No peer copies a reduce-scatter's result: no bank.
+      // No bank where no peer copies from it: a reduce-scatter's result, an output in a window slot.
       reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype,
-                             scatter ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out, p_.n, job_.out_dtype,
-                             rows, cols, job_.out_holds_addend});
+                             scatter || job_.out_in_slot ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out,
+                             p_.n, job_.out_dtype, rows, cols, job_.out_holds_addend});
       store_release(window_word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
       for (int64_t i = 0; i + 1 < world_; ++i)
         doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();

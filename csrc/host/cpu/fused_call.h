@@ -92,6 +92,15 @@ struct EngineSwitches {
   // peer has started the previous call (after a one-shot call and a call that raised at once, a slower peer may still
   // read this rank's data of the one-shot call).
   std::atomic<bool> skip_previous_call_wait{false};
+  // Output slots per window (cpu/shared_outputs.h; 0: every output private): TORCH_GEMM_AR_SHARED_OUTPUTS until set
+  // (-1: not read yet). Read it through shared_output_slots().
+  std::atomic<int> output_slots{-1};
+  // true: a deliberate bug for a negative-control test: an owner whose output is in a slot returns without waiting
+  // for its peers to copy its rows (a caller that overwrites the output at once then corrupts the peers' results).
+  std::atomic<bool> shared_output_no_wait{false};
+  // Tests: a rank sleeps this long before each copy of a peer's rows (so that an owner which returned before its
+  // peers copied, shared_output_no_wait, is caught every time). Timing only: not agreed between ranks.
+  std::atomic<int> peer_copy_delay_us{0};
 };
 EngineSwitches& engine_switches();
 
@@ -156,6 +165,11 @@ struct CallJob {
   // call is a plain gemm_allreduce whose inputs fit the partial region: every rank publishes its a and b instead of
   // partials, and each owner multiplies its rows by all of them (cpu/gathered_inputs.h).
   bool gathered_inputs = false;
+  // Set with owner_reduces_in_compute where this rank's output is in one of its window's slots
+  // (cpu/shared_outputs.h): the owner writes its reduced rows only there, peers copy them from it, no bank.
+  bool out_in_slot = false;
+  // Where the output slots start in every window, their size and how many there are (0: the windows have none).
+  int64_t output_slots_offset = 0, output_slot_bytes = 0, output_slots = 0;
   std::vector<std::vector<WorkItem>> items;  // per comm block
   RowBlockEpilogue row_epilogue;              // may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.

@@ -21,6 +21,7 @@ namespace gemm_ar::cpu {
 namespace {
 
 constexpr size_t kGrowthQuantum = size_t{1} << 20;
+constexpr int64_t kSlotAlignment = 4096;
 
 // Raises a ValueError for diagnoses that every rank reaches alike, a RuntimeError for everything else.
 [[noreturn]] void raise(const std::string& message, bool disagreement) {
@@ -41,7 +42,8 @@ int64_t engine_mode_bits() {
          int64_t{s.wide_row_panels.load()} << 5 | int64_t{s.row_epilogue_geometry.load()} << 6 |
          int64_t{s.one_product.load()} << 7 | int64_t{s.tune_tile_family.load()} << 8 |
          int64_t{s.fewer_b_reorders.load() & 3} << 9 | int64_t{s.tune_gathered_inputs.load()} << 11 |
-         int64_t{s.gathered_inputs_late.load()} << 12 | int64_t{tile_from_environment()} << 13;
+         int64_t{s.gathered_inputs_late.load()} << 12 | int64_t{tile_from_environment()} << 13 |
+         int64_t{s.shared_output_no_wait.load()} << 14 | int64_t{shared_output_slots()} << 15;
 }
 
 }  // namespace
@@ -188,12 +190,27 @@ LayoutParams grown_capacity(const LayoutParams& call, const LayoutParams& old) {
   return c;
 }
 
+// Where the output slots start in every window: after the regions, page-aligned.
+int64_t slots_offset_of(const WindowLayout& regions) {
+  return (kControlBytes + regions.total_bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+}
+
 }  // namespace
 
-void FusedEngine::grow(const LayoutParams& need) {
-  const LayoutParams capacity = grown_capacity(need, capacity_);
+void FusedEngine::grow(const LayoutParams& need, int64_t slot_bytes) {
+  const LayoutParams capacity = fits(need, capacity_) ? capacity_ : grown_capacity(need, capacity_);
   const WindowLayout regions = make_window_layout(capacity);
-  const size_t bytes = static_cast<size_t>(kControlBytes + regions.total_bytes);
+  // Slots grow like the regions (at least doubling), page-aligned, in the number agreed for this call
+  // (engine_mode_bits): every rank derives the same sizes. They stay with these windows.
+  const int64_t slots_offset = slots_offset_of(regions);
+  const int slot_count = shared_output_slots();
+  const int64_t next_slot_bytes =
+      slot_count == 0 ? 0
+      : slot_bytes > slot_bytes_
+          ? (std::max(slot_bytes, 2 * slot_bytes_) + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment
+          : slot_bytes_;
+  const size_t bytes = static_cast<size_t>(
+      next_slot_bytes > 0 ? slots_offset + slot_count * next_slot_bytes : kControlBytes + regions.total_bytes);
   const size_t rounded = (bytes + kGrowthQuantum - 1) / kGrowthQuantum * kGrowthQuantum;
   // Every rank has agreed on this call before growing (run() checked the headers), so all of them grow; while
   // waiting, a peer that died or gave up ends the wait at once.
@@ -213,6 +230,13 @@ void FusedEngine::grow(const LayoutParams& need) {
   windows_->resize(rounded, epoch_, wait_timeout(), poll);
   capacity_ = capacity;
   regions_ = regions;
+  // Tensors in the old slots keep the old window mapped and free their slot there.
+  slot_bytes_ = next_slot_bytes;
+  slot_count_ = next_slot_bytes > 0 ? slot_count : 0;
+  slots_.reset();
+  if (slot_count_ > 0) {
+    slots_ = std::make_unique<SharedOutputSlots>(windows_->segment(rank_), slots_offset, slot_bytes_, slot_count_);
+  }
   publish_header(windows_->base(rank_), epoch_, signature_);  // the new windows start zeroed
   ring_peers();
 }
@@ -285,7 +309,7 @@ RowChunks sequence_chunks(const CallArgs& call, int world, bool local) {
 }  // namespace
 
 void FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
-                              const LayoutParams& need) {
+                              const LayoutParams& need, const std::function<int64_t(CallJob&)>& choose_flow) {
   job.op = call.op == kOpGemmAllreduceAddRmsnorm ? kOpGemmAllreduce : call.op;
   job.epoch = epoch_;
   job.bank = call_bank(epoch_);
@@ -305,13 +329,14 @@ void FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGem
   const LayoutParams needed = need.world != 0 ? need
                                               : make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
                                                                    job.compute_blocks, job.comm_blocks);
-  if (!fits(needed, capacity_)) {
+  const int64_t slot_need = choose_flow ? choose_flow(job) : 0;
+  if (!fits(needed, capacity_) || slot_need > slot_bytes_) {
     // Growing is collective, so agree on the call first (the comm blocks would check it only later): a rank
     // whose arguments differ must not be waited for in a growth it will never join. Every rank reaches the same
     // verdict from the same headers.
     check_every_signature(call);
     try {
-      grow(needed);
+      grow(needed, slot_need);
     } catch (...) {
       publish_abort(windows_->base(rank_), epoch_);
       ring_peers();
@@ -320,6 +345,9 @@ void FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGem
   }
   job.layout = regions_;
   job.windows = bases();
+  job.output_slots_offset = slots_offset_of(regions_);
+  job.output_slot_bytes = slot_bytes_;
+  job.output_slots = slot_count_;
   job.gemm = &gemm;
   job.window_set = windows_.get();
   job.call = &call;
@@ -400,37 +428,80 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
-  prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {});
+  bool wants_slot = false;
+  // The data flow: the same inputs on every rank (the agreed call, the engine switches, the plan) give the same
+  // choice, except where this rank's output goes (a free slot or not), which only this rank's peers need to know.
+  auto choose_flow = [&](CallJob& j) -> int64_t {
+    const EngineSwitches& switches = engine_switches();
+    // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
+    j.owner_reduces_in_compute = config_.comm_inline && switches.overlap.load() && switches.owner_last.load();
+    j.gathered_inputs = config_.gathered_inputs && j.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
+                        j.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
+                        j.partial_dtype == call.dtype &&
+                        gathered_input_bytes(call.m, call.k, call.n, j.partial_elem) <=
+                            j.plan.pad_m * j.plan.pad_n * j.partial_elem;
+    // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
+    // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
+    // noise, 0.97-1.0x, from 1 MiB up: docs/performance.md).
+    // Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to copy, and one shot
+    // reduces the whole output on every rank (1.02-1.05x slower than two phases at four sizes on an Intel Xeon with
+    // AMX). It decides how the window is used.
+    const int64_t one_shot_reads = call.m * call.n * j.partial_elem * (world_ - 1);
+    j.one_shot = j.owner_reduces_in_compute && !j.gathered_inputs && j.op == kOpGemmAllreduce && world_ > 1 &&
+                 j.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && switches.one_shot.load();
+    j.one_product = multiplies_in_one_product(config_) && j.owner_reduces_in_compute && !j.one_shot &&
+                    !j.gathered_inputs && j.op == kOpGemmAllreduce && j.chunks.count == 1;
+    // Peers copy the owners' rows from their outputs (in the owner-last walk, where the owner writes them once and
+    // last); not where the output is changed after the rows are final (an epilogue, the in-place residual).
+    const bool slot_output = j.owner_reduces_in_compute && !j.one_shot && j.op == kOpGemmAllreduce && world_ > 1 &&
+                             !row_epilogue && !add_into.defined() &&
+                             call.m * call.n * j.out_elem >= kMinSlotOutputBytes &&
+                             shared_output_slots() > 0;
+    wants_slot = slot_output;
+    return slot_output ? call.m * call.n * j.out_elem : 0;
+  };
+  prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {},
+              choose_flow);
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
-  auto out = add_into.defined() ? add_into : pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
+  at::Tensor out;
+  int slot = -1;
+  if (wants_slot && slots_) std::tie(out, slot) = slots_->take(call.m, call.n, call.dtype);
+  if (!out.defined()) {
+    out = add_into.defined() ? add_into : pooled_empty(scatter ? call.m / world_ : call.m, call.n, call.dtype);
+  }
+  job.out_in_slot = slot >= 0;
+  // Every gemm_allreduce call says where its rows are (peers may read the word of this parity from an older call).
+  if (!scatter) publish_output_slot(windows_->base(rank_), job.bank, job.out_in_slot ? slot + 1 : kRowsInBank);
   job.out = static_cast<uint8_t*>(out.data_ptr());
   job.out_holds_addend = add_into.defined() && engine_switches().add_into_residual.load();
   job.row_epilogue = row_epilogue;
-  // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
-  job.owner_reduces_in_compute = config_.comm_inline && job.overlap && engine_switches().owner_last.load();
-  // The same inputs on every rank (the agreed call, the engine switches, the plan) give the same choice.
-  job.gathered_inputs = config_.gathered_inputs && job.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
-                        job.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
-                        job.partial_dtype == call.dtype &&
-                        gathered_input_bytes(call.m, call.k, call.n, job.partial_elem) <=
-                            job.plan.pad_m * job.plan.pad_n * job.partial_elem;
   if (job.gathered_inputs) count_gathered_inputs_call();
-  // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
-  // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
-  // noise, 0.97-1.0x, from 1 MiB up: docs/performance.md).
-  // Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to copy, and one shot
-  // reduces the whole output on every rank (1.02-1.05x slower than two phases at four sizes on an Intel Xeon with AMX).
-  // Every rank reaches the same choice from the same call; it decides how the window is used.
-  const int64_t one_shot_reads = call.m * call.n * job.partial_elem * (world_ - 1);
-  job.one_shot = job.owner_reduces_in_compute && !job.gathered_inputs && job.op == kOpGemmAllreduce && world_ > 1 &&
-                 job.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && engine_switches().one_shot.load();
-  job.one_product = multiplies_in_one_product(config_) && job.owner_reduces_in_compute && !job.one_shot &&
-                    !job.gathered_inputs && job.op == kOpGemmAllreduce && job.chunks.count == 1;
   std::optional<PackedBPanels> panels;  // outlives the call's products
   if (!job.one_product && !job.gathered_inputs) use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
   plan_work(job);
   execute(job);
+  if (!scatter) {
+    // This rank has copied every peer's rows: their owners may return (and their callers change their outputs).
+    // Only an owner whose rows were in a slot waits for it (its slot word, published before the final flags this
+    // rank acquired in the call, says so): wake just those.
+    publish_copies_done(windows_->base(rank_), epoch_);
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_ && read_output_slot(windows_->base(r), job.bank) != kRowsInBank) {
+        doorbell(windows_->base(r), kMainDoorbell).ring();
+      }
+    }
+    if (job.out_in_slot) {
+      try {
+        wait_for_peer_copies(job);
+      } catch (const std::exception& e) {
+        publish_abort(windows_->base(rank_), epoch_);
+        ring_peers();
+        poisoned_ = e.what();
+        raise(std::string(e.what()) + where(), false);
+      }
+    }
+  }
   return out.view(out_shape);
 }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <gemm_ar/tile_plan.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "cpu/engine_config.h"
 #include "cpu/fused_call.h"
 #include "cpu/packed_b_panels.h"
+#include "cpu/shared_outputs.h"
 #include "cpu/window_set.h"
 
 namespace gemm_ar::cpu {
@@ -61,13 +63,16 @@ class FusedEngine {
  private:
   FusedEngine(c10d::ProcessGroup& group);
   // Grows the windows (collectively) so that the fixed region layout holds `need`.
-  void grow(const LayoutParams& need);
+  // `slot_bytes`: the output slots' size wanted (cpu/shared_outputs.h); 0 keeps the current one.
+  void grow(const LayoutParams& need, int64_t slot_bytes);
   // Waits for every rank's header of the current call and raises the diagnosis, if any, on every rank.
   std::vector<CallSignature> check_every_signature(const CallArgs& call);
   // Fills the job's plan (row chunks `chunks`), blocks and windows for this call, growing the windows to hold
   // `need` (need.world == 0: the layout of the plan's partial products, reduced banks and queues).
+  // `choose_flow` (may be empty) runs once the plan is made: it sets the job's data flow and returns the output slot
+  // size the call wants (0: none), so that the windows grow for both at once.
   void prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
-                   const LayoutParams& need);
+                   const LayoutParams& need, const std::function<int64_t(CallJob&)>& choose_flow = {});
   // Runs a planned job (compute blocks here, comm blocks on the comm threads or between tiles); raises its error.
   // Waits until every peer has started the call before this one (see execute).
   void wait_for_previous_call(const CallJob& job);
@@ -91,6 +96,10 @@ class FusedEngine {
   // previous call's data (still read by a slower peer) lay under another shape's layout.
   LayoutParams capacity_{};
   WindowLayout regions_{};
+  // The output slots at the end of the windows (cpu/shared_outputs.h): their size (0: none) and this rank's ones.
+  int64_t slot_bytes_ = 0;
+  int slot_count_ = 0;
+  std::unique_ptr<SharedOutputSlots> slots_;
   CallSignature signature_{};
 
   std::mutex mutex_;

@@ -120,10 +120,14 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
           const int64_t l = run_local_subtile(t, s, job.world, p.stripes, job.own_run);
           const int64_t padded_row = mi * p.base_m + s * p.sub_m;  // the stripe's first row in the windows
           if (stripe_rows > 0 && job.gathered_inputs) {
-            // The product is final: its stripe into the bank the peers copy from.
-            copy_rows(job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem, p.n * job.out_elem,
-                      job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n, job.out_elem)),
-                      p.pad_n * job.out_elem, stripe_rows, cols * job.out_elem);
+            // The product is final: its stripe into the bank the peers copy from, unless they copy it from the
+            // output itself (in a window slot).
+            if (!job.out_in_slot) {
+              copy_rows(job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem, p.n * job.out_elem,
+                        job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n,
+                                                                  job.out_elem)),
+                        p.pad_n * job.out_elem, stripe_rows, cols * job.out_elem);
+            }
           } else if (stripe_rows > 0) {
             for (int r = 0; r < job.world; ++r) {
               sources[r] = r == job.rank && !job.one_product ? static_cast<const uint8_t*>(scratch.data_ptr()) +
@@ -132,7 +136,8 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                                                                               job.partial_elem));
             }
             uint8_t* out = job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem;
-            uint8_t* bank = scatter ? nullptr
+            // No bank where no peer copies from it: a reduce-scatter's result, an output in a window slot.
+            uint8_t* bank = scatter || job.out_in_slot ? nullptr
                                     : job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0,
                                                                                 p.pad_n, job.out_elem));
             reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,

@@ -33,19 +33,19 @@ void WindowSet::resize(size_t bytes, uint64_t round, std::chrono::milliseconds t
   try {
     names = exchange_over_store(*store_, prefix + "/name", rank_, world_, mine.name() + "|" + std::to_string(bytes),
                                 timeout, poll);
-    std::vector<SharedSegment> next(world_);
+    std::vector<std::shared_ptr<SharedSegment>> next(world_);
     for (int r = 0; r < world_; ++r) {
       const auto bar = names[r].rfind('|');
       const std::string name = names[r].substr(0, bar);
       TORCH_CHECK(std::stoull(names[r].substr(bar + 1)) == bytes, "gemm_allreduce: rank ", r,
                   " sized its window differently (", names[r].substr(bar + 1), " vs ", bytes, " bytes)");
       names[r] = name;
-      next[r] = r == rank_ ? std::move(mine) : SharedSegment::open(name, bytes);
+      next[r] = std::make_shared<SharedSegment>(r == rank_ ? std::move(mine) : SharedSegment::open(name, bytes));
     }
     // Once every rank has mapped every window, the names are no longer needed: unlink ours right away so that
     // nothing is left in /dev/shm, even if a process is killed later.
     exchange_over_store(*store_, prefix + "/mapped", rank_, world_, "1", timeout, poll);
-    SharedSegment::unlink_name(next[rank_].name());
+    SharedSegment::unlink_name(next[rank_]->name());
     windows_ = std::move(next);
   } catch (...) {
     forget_all();

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,8 +26,10 @@ class WindowSet {
   // number): a rendezvous that failed on some ranks leaves keys that a later one must not read.
   void resize(size_t bytes, uint64_t round, std::chrono::milliseconds timeout, const std::function<void()>& poll);
 
-  uint8_t* base(int rank) const { return static_cast<uint8_t*>(windows_[rank].data()); }
-  size_t bytes() const { return windows_.empty() ? 0 : windows_[0].size(); }
+  uint8_t* base(int rank) const { return static_cast<uint8_t*>(windows_[rank]->data()); }
+  size_t bytes() const { return windows_.empty() ? 0 : windows_[0]->size(); }
+  // Keeps rank's current mapping alive after a resize (tensors that live in a window: cpu/shared_outputs.h).
+  std::shared_ptr<const SharedSegment> segment(int rank) const { return windows_[rank]; }
   bool mapped() const { return !windows_.empty(); }
   pid_t pid(int rank) const { return pids_[rank]; }
   // Throws naming the first peer whose process no longer exists.
@@ -36,7 +39,7 @@ class WindowSet {
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_;
   std::vector<pid_t> pids_;
-  std::vector<SharedSegment> windows_;
+  std::vector<std::shared_ptr<SharedSegment>> windows_;
 };
 
 }  // namespace gemm_ar::cpu
