@@ -5,6 +5,7 @@
 #include "common/local_gemm.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
+#include "common/tuning_race.h"
 #include "cpu/call_geometry.h"
 #include "cpu/engine_config.h"
 #include "cpu/engine_tile_walk.h"

@@ -28,12 +28,6 @@ struct TunerDecision {
   std::vector<std::pair<std::string, double>> candidate_relative;
 };
 
-// The decision a race with these per-round samples (seconds; samples[i][r] is candidate i's run in round r) ends in,
-// every candidate still in it: the leader by the median relative to each round's fastest run, and with
-// trust_medians a fused variant only when its own median is also below fused's (tests of the rule).
-std::string decide_from_samples(const std::vector<std::string>& names, const std::vector<std::vector<double>>& samples,
-                                bool trust_medians = true);
-
 class AutoTuner {
  public:
   static AutoTuner& instance();
