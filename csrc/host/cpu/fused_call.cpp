@@ -363,7 +363,8 @@ class CommBlock {
         TORCH_CHECK(slot <= static_cast<uint32_t>(job_.output_slots) && job_.output_slot_bytes > 0,
                     "gemm_allreduce: rank ", item.owner, " names output slot ", slot,
                     " that the windows do not have [rank ", me_, "]");
-        source = job_.windows[item.owner] + job_.output_slots_offset + (slot - 1) * job_.output_slot_bytes +
+        source = job_.windows[item.owner] +
+                 output_slot_offset(job_.output_slots_offset, job_.output_slot_bytes, static_cast<int>(slot) - 1) +
                  (row0 * p_.n + col0) * job_.out_elem;
         stride = p_.n;
       }

@@ -192,7 +192,7 @@ LayoutParams grown_capacity(const LayoutParams& call, const LayoutParams& old) {
 
 // Where the output slots start in every window: after the regions, page-aligned.
 int64_t slots_offset_of(const WindowLayout& regions) {
-  return (kControlBytes + regions.total_bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  return align_up(kControlBytes + regions.total_bytes, kSlotAlignment);
 }
 
 }  // namespace
@@ -206,9 +206,8 @@ void FusedEngine::grow(const LayoutParams& need, int64_t slot_bytes) {
   const int slot_count = shared_output_slots();
   const int64_t next_slot_bytes =
       slot_count == 0 ? 0
-      : slot_bytes > slot_bytes_
-          ? (std::max(slot_bytes, 2 * slot_bytes_) + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment
-          : slot_bytes_;
+      : slot_bytes > slot_bytes_ ? align_up(std::max(slot_bytes, 2 * slot_bytes_), kSlotAlignment)
+                                 : slot_bytes_;
   const size_t bytes = static_cast<size_t>(
       next_slot_bytes > 0 ? slots_offset + slot_count * next_slot_bytes : kControlBytes + regions.total_bytes);
   const size_t rounded = (bytes + kGrowthQuantum - 1) / kGrowthQuantum * kGrowthQuantum;

@@ -29,6 +29,11 @@ constexpr int64_t kCopiesDoneOffset = kOutputSlotWordsOffset + kCacheLine;
 static_assert(kCopiesDoneOffset + kCacheLine <= kControlBytes, "control area too small");
 constexpr uint32_t kRowsInBank = 0;  // slot word: the rows are in the bank (slot s is stored as s + 1)
 
+// Bytes from a window's base to its slot `slot` (from 0), for the owner that writes it and the peers that read it.
+inline int64_t output_slot_offset(int64_t first_offset, int64_t slot_bytes, int slot) {
+  return first_offset + slot * slot_bytes;
+}
+
 // Output slots per window: TORCH_GEMM_AR_SHARED_OUTPUTS (default 0: every output private, an ordinary tensor; 2 is
 // what a loop needs that keeps its previous output while it makes the next) until set_shared_output_slots. Ranks
 // must agree (it is in the engine-mode field: their windows would differ in size).
@@ -48,7 +53,7 @@ class SharedOutputSlots {
   // A [rows, cols] tensor of `dtype` in a free slot and the slot, or {undefined, -1} (too large or none free).
   std::pair<at::Tensor, int> take(int64_t rows, int64_t cols, at::ScalarType dtype);
   // Bytes from the window's base (the same in every rank's window).
-  int64_t slot_offset(int slot) const { return state_->first_offset + slot * state_->slot_bytes; }
+  int64_t slot_offset(int slot) const { return output_slot_offset(state_->first_offset, state_->slot_bytes, slot); }
 
  private:
   struct State {
