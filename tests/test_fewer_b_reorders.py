@@ -114,10 +114,10 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                     what = f"M={m} K={k} N={n} {dtype} world {world} owner_last={owner_last}"
                     before = _C._one_product_calls()
                     out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
-                    # One shot (small fp32 calls) and the comm blocks' way multiply tile by tile.
-                    one_shot = dtype == torch.float32 and m * n * 4 * (world - 1) <= 4 << 20
+                    # The owner-last walk and one shot (small fp32 calls) multiply in one product where the geometry
+                    # asks for it; the comm blocks' way multiplies tile by tile.
                     took = _C._one_product_calls() - before
-                    assert took == int(one_product and owner_last and not one_shot), (what, took)
+                    assert took == int(one_product and owner_last), (what, took)
                     ref_sum = reference(shards, b, bias)
                     assert out.shape == shards[rank].shape[:-1] + (n,), what
                     assert_matches_sum_of_partials(out, shards, b, bias, dtype, k, f"{what} gemm_allreduce, tiles {tiles}")
@@ -193,15 +193,16 @@ def random_call(rng):
     return m, k, n, rng.choice([torch.float32, torch.bfloat16]), rng.random() < 0.3
 
 
-def one_product_stress(rank, world, seed, calls, ignore_epochs=False):
+def one_product_stress(rank, world, seed, calls, ignore_epochs=False, one_shot=False):
     """Back-to-back fused calls with new inputs and shapes; a rank runs late now and then. Returns the number of wrong
-    results and of calls multiplied in one GEMM call."""
+    results and of calls multiplied in one GEMM call. one_shot: small fp32 calls take the one-shot reduction, which
+    multiplies into the bank in one product too."""
     rng = random.Random(seed)
     wrong = 0
     before = _C._one_product_calls()
     with scoped_env(**ONE_CORE):
-        # No one shot: small fp32 calls would take it instead (tests/test_one_shot.py stresses that way).
-        previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_ignore_epochs(ignore_epochs), _C._set_one_shot(False))
+        previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_ignore_epochs(ignore_epochs),
+                    _C._set_one_shot(one_shot))
         try:
             for step in range(calls):
                 m, k, n, dtype, with_bias = random_call(rng)
@@ -215,18 +216,19 @@ def one_product_stress(rank, world, seed, calls, ignore_epochs=False):
     return wrong, _C._one_product_calls() - before
 
 
-@pytest.mark.parametrize("world,calls", [(2, 1000), (3, 300)])
-def test_one_product_back_to_back_stress(ranks, world, calls):
-    results = ranks(world).run(one_product_stress, random.randrange(1 << 30), calls, timeout_s=600)
+@pytest.mark.parametrize("world,calls,one_shot", [(2, 1000, False), (3, 300, False), (2, 400, True), (3, 150, True)])
+def test_one_product_back_to_back_stress(ranks, world, calls, one_shot):
+    results = ranks(world).run(one_product_stress, random.randrange(1 << 30), calls, False, one_shot, timeout_s=600)
     assert [wrong for wrong, _ in results] == [0] * world, f"wrong results per rank: {results}"
     # Two thirds of the calls are one-product shapes.
     assert all(one > calls // 2 for _, one in results), results
 
 
-def test_negative_control_stress_catches_stale_partials(ranks):
+@pytest.mark.parametrize("one_shot", [False, True])
+def test_negative_control_stress_catches_stale_partials(ranks, one_shot):
     """With any earlier call's flag taken as this call's (a deliberate protocol bug), a rank reduces partials its
     peer has not written yet: the same stress test must report wrong results."""
-    results = ranks(2).run(one_product_stress, random.randrange(1 << 30), 300, True, timeout_s=600)
+    results = ranks(2).run(one_product_stress, random.randrange(1 << 30), 300, True, one_shot, timeout_s=600)
     assert sum(wrong for wrong, _ in results) > 0, f"the stress test did not notice stale partials: {results}"
 
 

@@ -448,8 +448,8 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
     const int64_t one_shot_reads = call.m * call.n * j.partial_elem * (world_ - 1);
     j.one_shot = j.owner_reduces_in_compute && !j.gathered_inputs && j.op == kOpGemmAllreduce && world_ > 1 &&
                  j.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && switches.one_shot.load();
-    j.one_product = multiplies_in_one_product(config_) && j.owner_reduces_in_compute && !j.one_shot &&
-                    !j.gathered_inputs && j.op == kOpGemmAllreduce && j.chunks.count == 1;
+    j.one_product = multiplies_in_one_product(config_) && j.owner_reduces_in_compute && !j.gathered_inputs &&
+                    j.op == kOpGemmAllreduce && j.chunks.count == 1;
     // Peers copy the owners' rows from their outputs (in the owner-last walk, where the owner writes them once and
     // last); not where the output is changed after the rows are final (an epilogue, the in-place residual).
     const bool slot_output = j.owner_reduces_in_compute && !j.one_shot && j.op == kOpGemmAllreduce && world_ > 1 &&

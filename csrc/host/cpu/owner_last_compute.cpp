@@ -43,6 +43,7 @@ std::vector<int64_t> owner_last_order(const CallJob& job) {
 }  // namespace
 
 int64_t one_product_call_count() { return one_product_calls.load(std::memory_order_relaxed); }
+void count_one_product_call() { one_product_calls.fetch_add(1, std::memory_order_relaxed); }
 
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
   const bool scatter = job.op == kOpGemmReduceScatter;
@@ -71,7 +72,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
       job.gemm->compute(0, p.m, 0, p.n,
                         at::from_blob(job.region(job.rank, partial_entry_offset(w, 0, 0, p.pad_n, job.partial_elem)),
                                       {p.m, p.n}, {p.pad_n, 1}, partial_options));
-      one_product_calls.fetch_add(1, std::memory_order_relaxed);
+      count_one_product_call();
     }
     for (size_t i = 0; i < order.size(); ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
