@@ -27,6 +27,12 @@ def fresh_tuner(cache_path, budget_ms=0):
     _C._tuner_clear_memory()
 
 
+def tuning_calls(reps, candidates=3):
+    """Calls a race of `candidates` with `reps` runs each takes, the deciding call included: one untimed warm-up
+    round first, then `reps` timed rounds."""
+    return candidates * (reps + 1) + 1
+
+
 def checked_auto_call(rank, world, seed, m, k, n, dtype=torch.float32):
     shards = [shard(seed, r, m, k, dtype) for r in range(world)]
     b = weight(seed, k, n, dtype, transposed=True)
@@ -63,7 +69,7 @@ def tune_by_calls(rank, world, seed, cache_path, calls):
 @pytest.mark.parametrize("world", [2, 3])
 def test_first_calls_tune_then_every_rank_decides_alike(ranks, world, tmp_path):
     reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
-    calls = 3 * reps + 4  # fused, sequential, chunked x reps, the deciding call, then decided calls
+    calls = tuning_calls(reps) + 3  # fused, sequential, chunked: warm-up + reps, the deciding call, 3 decided calls
     results = ranks(world).run(tune_by_calls, random.randrange(1 << 20), str(tmp_path / "tune.json"), calls)
     decisions = [d for d, _, _ in results]
     assert all(len(d) == 1 for d in decisions), decisions
@@ -93,7 +99,7 @@ def use_cache(rank, world, seed, cache_path):
 
 def test_a_cached_decision_is_used_when_every_rank_has_it(ranks, tmp_path):
     path = str(tmp_path / "tune.json")
-    ranks(2).run(tune_by_calls, 11, path, 3 * 3 + 1)
+    ranks(2).run(tune_by_calls, 11, path, tuning_calls(3))
     with open(path) as f:
         (entries,) = json.load(f).values()
     results = ranks(2).run(use_cache, 12, path)
@@ -108,7 +114,7 @@ def rank_own_cache(rank, world, seed, directory, reps):
     path = os.path.join(directory, f"rank{rank}.json")
     fresh_tuner(path)
     checked_auto_call(rank, world, seed, 100, 40, 90)  # learn the bucket's key from the decision after tuning
-    for i in range(3 * reps):
+    for i in range(tuning_calls(reps) - 1):
         checked_auto_call(rank, world, seed + i, 100, 40, 90)
     (decision,) = tuning.decisions()
     with open(path) as f:
@@ -120,7 +126,7 @@ def rank_own_cache(rank, world, seed, directory, reps):
     with open(path, "w") as f:
         json.dump(data, f)
     _C._tuner_clear_memory()
-    for i in range(3 * reps + 1):
+    for i in range(tuning_calls(reps)):
         checked_auto_call(rank, world, seed + 100 + i, 100, 40, 90)
     return tuning.decisions()
 
@@ -140,7 +146,7 @@ def cache_kept_across_builds(rank, world, seed, directory, reps):
     process's entry, the other host, and of this host's other builds the three written last."""
     path = os.path.join(directory, f"rank{rank}.json")  # per rank: the edits below are not a race between ranks
     fresh_tuner(path)
-    for i in range(3 * reps + 1):
+    for i in range(tuning_calls(reps)):
         checked_auto_call(rank, world, seed + i, 100, 40, 90)
     with open(path) as f:
         data = json.load(f)
@@ -159,7 +165,7 @@ def cache_kept_across_builds(rank, world, seed, directory, reps):
     data[elsewhere] = {"m<=128 k=40 n=90 elsewhere": "chunked"}
     with open(path, "w") as f:
         json.dump(data, f)
-    for i in range(3 * reps + 1):  # a second bucket (another K): its decision is written into the file
+    for i in range(tuning_calls(reps)):  # a second bucket (another K): its decision is written into the file
         checked_auto_call(rank, world, seed + 50 + i, 100, 56, 90)
     with open(path) as f:
         return fingerprint, list(older), elsewhere, json.load(f), [d["bucket"] for d in tuning.decisions()]
@@ -186,7 +192,7 @@ def decide_while_the_cache_is_locked(rank, world, seed, directory, reps):
     longest = 0.0
     with open(path + ".lock", "w") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        for i in range(3 * reps + 1):
+        for i in range(tuning_calls(reps)):
             start = time.monotonic()
             checked_auto_call(rank, world, seed + i, 100, 40, 90)
             longest = max(longest, time.monotonic() - start)
@@ -275,7 +281,7 @@ def drift_apart(rank, world, cache_path):
     if rank == 1:
         _C._tuner_clear_memory()
     raises(lambda: checked_auto_call(rank, world, 3, 100, 40, 90), "auto` tuning step", exc=ValueError)
-    for seed in range(4, 4 + 3 * 3 + 1):
+    for seed in range(4, 4 + tuning_calls(3)):
         checked_auto_call(rank, world, seed, 100, 40, 90)
     return tuning.decisions()
 
@@ -298,7 +304,8 @@ def tune_with_deferred_clock(rank, world, seed, cache_path, calls):
 def test_a_device_clock_read_at_the_next_call_tunes_alike(ranks, tmp_path):
     """The NPU's path (each tuning call's clock read at the bucket's next call), run on the host's clock."""
     reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
-    decisions = ranks(2).run(tune_with_deferred_clock, random.randrange(1 << 20), str(tmp_path / "t.json"), 3 * reps + 2)
+    decisions = ranks(2).run(tune_with_deferred_clock, random.randrange(1 << 20), str(tmp_path / "t.json"),
+                             tuning_calls(reps) + 1)
     assert all(len(d) == 1 for d in decisions), decisions
     assert decisions[0][0]["algorithm"] == decisions[1][0]["algorithm"], decisions
     times = decisions[0][0]["candidate_us"]
@@ -340,7 +347,7 @@ def tune_with_a_late_rank(rank, world, seed, cache_path, delay_us, from_last_sta
     previous_mode = _C._set_tuner_from_last_start(from_last_start)
     try:
         reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
-        return tune_by_calls(rank, world, seed, cache_path, 3 * reps + 1)[0]
+        return tune_by_calls(rank, world, seed, cache_path, tuning_calls(reps))[0]
     finally:
         _C._set_tuner_start_delay_us(previous_delay)
         _C._set_tuner_from_last_start(previous_mode)
@@ -384,12 +391,12 @@ def race(rank, world, cache_path, budget_ms, min_reps, max_reps, slow, slow_us, 
 
 
 def check_race(results, runs):
-    """Every rank took the same calls (one per run, plus the deciding call) and the same decision, with `runs` runs
-    per candidate."""
+    """Every rank took the same calls (one per run, one warm-up call per candidate, plus the deciding call) and the
+    same decision, with `runs` runs per candidate."""
     for calls, still_tuning, decisions, messages in results:
         assert len(decisions) == 1 and decisions[0]["source"] == "measured", decisions
         assert decisions[0]["candidate_runs"] == runs, decisions
-        assert calls == sum(runs.values()) + 1 and not still_tuning, (calls, still_tuning)
+        assert calls == sum(runs.values()) + len(runs) + 1 and not still_tuning, (calls, still_tuning)
     assert results[0][2][0]["algorithm"] == results[1][2][0]["algorithm"]
     return results[0][2][0], results[0][3]
 
@@ -398,9 +405,10 @@ def check_race(results, runs):
 # (their own times, about a millisecond at K=40 N=90, differ by far less than the 2% that takes a candidate out of
 # the race, 10 ms: the lower quartile of its runs is a candidate's fastest, and a gloo all_reduce's wake-up tail,
 # up to 5-9 ms on a 2-core VM, would have to hit every one of them; with 200 ms of padding, 4 ms, a candidate left
-# after 4 runs twice in long runs), so the budget and the most runs per candidate alone end the race. 3 rounds take 3 s; with 4.5 s of
-# budget a fourth round still fits (1 s), a fifth does not.
-@pytest.mark.parametrize("budget_ms,runs", [(0, 3), (4_500, 4), (60_000, 6)], ids=["no_budget", "budget", "max_reps"])
+# after 4 runs twice in long runs), so the budget and the most runs per candidate alone end the race. The warm-up
+# round and 3 rounds take 4 s (the warm-up counts against the budget); with 5.5 s of budget a fourth round still fits
+# (1 s), a fifth does not.
+@pytest.mark.parametrize("budget_ms,runs", [(0, 3), (5_500, 4), (60_000, 6)], ids=["no_budget", "budget", "max_reps"])
 def test_candidates_that_cost_the_same_race_within_the_budget(ranks, tmp_path, budget_ms, runs):
     results = ranks(2).run(race, str(tmp_path / "t.json"), budget_ms, 3, 6, "*", 500_000, 5)
     decision, _ = check_race(results, {"fused": runs, "sequential": runs})
@@ -414,7 +422,8 @@ def test_a_clearly_slower_candidate_leaves_the_race(ranks, tmp_path):
     results = ranks(2).run(race, str(tmp_path / "t.json"), 60_000, 3, 40, "sequential", 100_000)
     for calls, still_tuning, decisions, messages in results:
         (decision,) = decisions
-        assert not still_tuning and calls == sum(decision["candidate_runs"].values()) + 1, (calls, decisions)
+        runs = decision["candidate_runs"]
+        assert not still_tuning and calls == sum(runs.values()) + len(runs) + 1, (calls, decisions)
         assert decision["candidate_runs"]["sequential"] == 4 and decision["algorithm"] != "sequential", decision
         assert any("sequential" in m and "in 4 runs (out of the race)" in m for m in messages), messages
     assert results[0][2][0]["algorithm"] == results[1][2][0]["algorithm"]

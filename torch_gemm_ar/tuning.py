@@ -78,7 +78,7 @@ def calls_to_decide() -> int:
     """The most calls on one shape bucket `auto` may spend tuning before it has decided (small calls take the
     most; in_progress() says when tuning is over)."""
     reps = max(_env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3), _env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 25))
-    return _MAX_CANDIDATES * reps + 1
+    return _MAX_CANDIDATES * (reps + 1) + 1  # + 1 run each: the untimed warm-up round
 
 
 def in_progress(group: GroupLike = None) -> bool:

@@ -263,6 +263,8 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
     bucket.samples.assign(bucket.candidates.size(), {});
     bucket.beaten.assign(bucket.candidates.size(), false);
     bucket.rounds = 0;
+    bucket.warming_up = true;
+    bucket.warm_up_seconds = 0;
     if (!st.file_loaded) {
       load_tune_cache(cache_path(), st.file);
       st.file_loaded = true;
@@ -308,7 +310,6 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       bucket.samples[bucket.order[bucket.position]].push_back(
           run_seconds(all, st.from_last_start.load(std::memory_order_relaxed)));
       if (++bucket.position == bucket.order.size()) {
-        ++bucket.rounds;
         if (race_over(bucket)) {
           const size_t winner = trusted_leader(bucket);
           TunerDecision decision{group.getGroupName(), bucket.key, algorithm_name(bucket.candidates[winner]),

@@ -102,11 +102,20 @@ size_t trusted_leader(const TuningRace& bucket) {
 
 // After a complete round: takes clear losers out of the race; true when the bucket is decided.
 bool race_over(TuningRace& bucket) {
+  if (bucket.warming_up) {
+    bucket.warming_up = false;
+    for (auto& runs : bucket.samples) {
+      for (double t : runs) bucket.warm_up_seconds += t;
+      runs.clear();
+    }
+    return false;
+  }
+  ++bucket.rounds;
   if (bucket.rounds < min_reps()) return false;
   const bool may_leave = bucket.rounds >= kRunsBeforeLeaving;
   const size_t lead = race_leader(bucket);
   size_t running = 0;
-  double spent = 0, next_round = 0;
+  double spent = bucket.warm_up_seconds, next_round = 0;
   for (size_t i = 0; i < bucket.candidates.size(); ++i) {
     for (double t : bucket.samples[i]) spent += t;
     if (may_leave && !bucket.beaten[i] && i != lead && clearly_slower(paired_ratios(bucket, i, lead))) {

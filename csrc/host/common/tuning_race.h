@@ -1,5 +1,8 @@
 // The race `auto` runs between its candidates on one shape bucket, and the decision it ends in (README, "auto").
-// Every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times;
+// First every candidate runs once untimed (a warm-up round: a candidate's first call at a new shape grows windows and
+// touches fresh pages; in bf16 at M512 K1024 N256 on an Intel Xeon with AMX those first runs cost 4-20x the steady
+// call, and with them in its 4 runs fused lost to fused/tiles, which then ran 1.10-1.16x slower, in 2 of 3 races).
+// Then every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times;
 // from its 4th run on, after each round, a candidate that is over 2% slower than the leader in three rounds of four
 // (the lower quartile of its paired ratios to the leader) leaves the race, and the rest run more rounds, while the
 // bucket's tuning has taken less than TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what is
@@ -23,6 +26,8 @@ namespace gemm_ar {
 
 struct TuningRace {
   std::vector<Algorithm> candidates;
+  bool warming_up = true;                    // the first round is the untimed warm-up round (not in `rounds`)
+  double warm_up_seconds = 0;                // what it took (counts against the budget)
   int64_t rounds = 0;                        // rounds completed (each runs every candidate still in the race once)
   std::vector<std::vector<double>> samples;  // per candidate: each run as the group saw it, s (samples[i][r]: round r)
   std::vector<bool> beaten;                  // per candidate: out of the race (even its good runs trail the leader)
@@ -38,7 +43,8 @@ size_t race_leader(const TuningRace& race);
 // The leader, except that a fused variant (another tile family, the gathered-inputs flow) replaces the rules' fused
 // only when the median of its own runs is also the lower one.
 size_t trusted_leader(const TuningRace& race);
-// After a complete round: takes clear losers out of the race; true when the bucket is decided.
+// After a complete round: ends the warm-up round (its samples dropped), or takes clear losers out of the race; true
+// when the bucket is decided.
 bool race_over(TuningRace& race);
 // The next round's order (resets `position`).
 void plan_round(TuningRace& race);
