@@ -307,8 +307,8 @@ RowChunks sequence_chunks(const CallArgs& call, int world, bool local) {
 
 }  // namespace
 
-void FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
-                              const LayoutParams& need, const std::function<int64_t(CallJob&)>& choose_flow) {
+int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
+                                 const LayoutParams& need, const std::function<int64_t(CallJob&)>& choose_flow) {
   job.op = call.op == kOpGemmAllreduceAddRmsnorm ? kOpGemmAllreduce : call.op;
   job.epoch = epoch_;
   job.bank = call_bank(epoch_);
@@ -368,6 +368,7 @@ void FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const LocalGem
     ring_peers();
     raise(e.what(), false);
   }
+  return slot_need;
 }
 
 void FusedEngine::wait_for_previous_call(const CallJob& job) {
@@ -427,7 +428,6 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
-  bool wants_slot = false;
   // The data flow: the same inputs on every rank (the agreed call, the engine switches, the plan) give the same
   // choice, except where this rank's output goes (a free slot or not), which only this rank's peers need to know.
   auto choose_flow = [&](CallJob& j) -> int64_t {
@@ -456,11 +456,10 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
                              !row_epilogue && !add_into.defined() &&
                              call.m * call.n * j.out_elem >= kMinSlotOutputBytes &&
                              shared_output_slots() > 0;
-    wants_slot = slot_output;
     return slot_output ? call.m * call.n * j.out_elem : 0;
   };
-  prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {},
-              choose_flow);
+  const bool wants_slot = prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false)
+                                                               : RowChunks{1, call.m, 0}, {}, choose_flow) > 0;
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
   at::Tensor out;

@@ -70,9 +70,9 @@ class FusedEngine {
   // Fills the job's plan (row chunks `chunks`), blocks and windows for this call, growing the windows to hold
   // `need` (need.world == 0: the layout of the plan's partial products, reduced banks and queues).
   // `choose_flow` (may be empty) runs once the plan is made: it sets the job's data flow and returns the output slot
-  // size the call wants (0: none), so that the windows grow for both at once.
-  void prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
-                   const LayoutParams& need, const std::function<int64_t(CallJob&)>& choose_flow = {});
+  // size the call wants (0: none), so that the windows grow for both at once. Returns that size.
+  int64_t prepare_job(CallJob& job, const CallArgs& call, const LocalGemm& gemm, const RowChunks& chunks,
+                      const LayoutParams& need, const std::function<int64_t(CallJob&)>& choose_flow = {});
   // Runs a planned job (compute blocks here, comm blocks on the comm threads or between tiles); raises its error.
   // Waits until every peer has started the call before this one (see execute).
   void wait_for_previous_call(const CallJob& job);
