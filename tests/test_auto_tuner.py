@@ -28,7 +28,7 @@ def fresh_tuner(cache_path, budget_ms=0):
 
 
 def tuning_calls(reps, candidates=3):
-    """Calls a race of `candidates` with `reps` runs each takes, the deciding call included: one untimed warm-up
+    """Calls a race of `candidates` with `reps` runs each takes, the deciding call included: one warm-up
     round first, then `reps` timed rounds."""
     return candidates * (reps + 1) + 1
 

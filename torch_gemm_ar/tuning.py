@@ -2,7 +2,9 @@
 before serving or before graph capture.
 
 The first calls of a group on a shape bucket (M rounded up to a power of two, K, N, dtype, bias, device, op) race the
-candidate algorithms in rounds: each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default 3); from its 4th run on, a
+candidate algorithms in rounds: after one warm-up run each (not counted: a first call at a new shape grows windows
+and touches fresh pages; its time counts against the budget), each runs TORCH_GEMM_AR_AUTOTUNE_REPS times (default
+3); from its 4th run on, a
 candidate over 2% slower than the leader in at least three of every four rounds (its paired ratios) leaves the
 race, and the rest run more rounds while the bucket's tuning stays within TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default
 2000), up to TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The leader and winner is the candidate with the lowest
@@ -78,7 +80,7 @@ def calls_to_decide() -> int:
     """The most calls on one shape bucket `auto` may spend tuning before it has decided (small calls take the
     most; in_progress() says when tuning is over)."""
     reps = max(_env_int("TORCH_GEMM_AR_AUTOTUNE_REPS", 3), _env_int("TORCH_GEMM_AR_AUTOTUNE_MAX_REPS", 25))
-    return _MAX_CANDIDATES * (reps + 1) + 1  # + 1 run each: the untimed warm-up round
+    return _MAX_CANDIDATES * (reps + 1) + 1  # + 1 run each: the warm-up round, not counted
 
 
 def in_progress(group: GroupLike = None) -> bool:

@@ -1,6 +1,6 @@
 // The race `auto` runs between its candidates on one shape bucket, and the decision it ends in (README, "auto").
-// First every candidate runs once untimed (a warm-up round: a candidate's first call at a new shape grows windows and
-// touches fresh pages; in bf16 at M512 K1024 N256 on an Intel Xeon with AMX those first runs cost 4-20x the steady
+// First every candidate runs once, not counted (a warm-up round: a candidate's first call at a new shape grows windows
+// and touches fresh pages; in bf16 at M512 K1024 N256 on an Intel Xeon with AMX those first runs cost 9-25x the steady
 // call, and with them among its runs fused lost to fused/tiles, which then ran 1.10-1.16x slower, in 5 of 6 races).
 // Then every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times;
 // from its 4th run on, after each round, a candidate that is over 2% slower than the leader in three rounds of four
@@ -26,7 +26,7 @@ namespace gemm_ar {
 
 struct TuningRace {
   std::vector<Algorithm> candidates;
-  bool warming_up = true;                    // the first round is the untimed warm-up round (not in `rounds`)
+  bool warming_up = true;                    // the first round is the warm-up round (not in `rounds`)
   double warm_up_seconds = 0;                // what it took (counts against the budget)
   int64_t rounds = 0;                        // rounds completed (each runs every candidate still in the race once)
   std::vector<std::vector<double>> samples;  // per candidate: each run as the group saw it, s (samples[i][r]: round r)

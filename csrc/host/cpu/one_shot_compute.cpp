@@ -58,6 +58,7 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
     // Every tile's partial first: peers wait for all of them. In one GEMM call where the geometry asks for it (one
     // row chunk: a's rows are the bank's rows, tile row mi at mi * base_m in both).
     if (job.one_product && p.m > 0) {
+      if (job.abort.load(std::memory_order_acquire)) return;
       job.gemm->compute(0, p.m, 0, p.n, at::from_blob(bank_entry(job.rank, 0, 0), {p.m, p.n}, {p.pad_n, 1},
                                                       partial_options));
       count_one_product_call();
