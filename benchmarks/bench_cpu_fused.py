@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from benchkit import dist_env, report  # noqa: E402
 from benchkit.measure import Settings, Shape, measure_shape  # noqa: E402
+from benchkit.rows import available_row_keys  # noqa: E402
 
 DEFAULT_SHAPES = "4096x256x2048,2048x1024x1024,1024x4096x1024"
 ROWS = ["compute_only", "compute_reused", "engine_gemm", "fused_sequential", "fused", "fused_private", "baseline"]
@@ -80,8 +81,6 @@ def main(argv=None) -> int:
     env = dist_env.start("cpu", args.threads, args.timeout_s)
     try:
         settings = Settings(seed=args.seed, input_sets=args.input_sets, warmup=args.warmup, iters=args.iters)
-        from benchkit.rows import available_row_keys
-
         available = available_row_keys("cpu", torch.float32)
         rows = [key for key in ROWS if key in available]  # fused_private only with TORCH_GEMM_AR_SHARED_OUTPUTS
         results = [measure_shape(env, Shape(m, k, n, torch.float32), rows, settings)

@@ -210,7 +210,10 @@ constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);    // one_shot_compute.cpp
 int64_t one_shot_call_count();  // calls this process reduced in one shot (tests: the path is really taken)
 int64_t one_product_call_count();  // calls this process multiplied in one GEMM call (CallJob::one_product; tests)
-void count_one_product_call();      // owner_last_compute.cpp, one_shot_compute.cpp: one more of those
+// CallJob::one_product: this rank's whole partial in one GEMM call into `partial` (rows pad_n apart, tile row mi at
+// padded row mi * base_m: one row chunk), counted in one_product_call_count. The owner-last walk (into the partial
+// region) and one shot (into the bank) both take it.
+void multiply_whole_partial(const CallJob& job, uint8_t* partial);
 // The comm side of comm block c, on a comm thread. Errors are recorded in the job (job.fail), never thrown.
 void run_comm_block(CallJob& job, int64_t c);
 // One compute block and one comm block on the caller's thread: comm work that is ready runs between tiles, the

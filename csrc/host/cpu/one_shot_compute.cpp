@@ -55,13 +55,10 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
   };
   std::vector<const uint8_t*> sources(job.world);
   try {
-    // Every tile's partial first: peers wait for all of them. In one GEMM call where the geometry asks for it (one
-    // row chunk: a's rows are the bank's rows, tile row mi at mi * base_m in both).
+    // Every tile's partial first: peers wait for all of them. In one GEMM call where the geometry asks for it.
     if (job.one_product && p.m > 0) {
       if (job.abort.load(std::memory_order_acquire)) return;
-      job.gemm->compute(0, p.m, 0, p.n, at::from_blob(bank_entry(job.rank, 0, 0), {p.m, p.n}, {p.pad_n, 1},
-                                                      partial_options));
-      count_one_product_call();
+      multiply_whole_partial(job, bank_entry(job.rank, 0, 0));
     }
     for (int64_t i = 0; i < p.tiles && !job.one_product; ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;

@@ -43,7 +43,13 @@ std::vector<int64_t> owner_last_order(const CallJob& job) {
 }  // namespace
 
 int64_t one_product_call_count() { return one_product_calls.load(std::memory_order_relaxed); }
-void count_one_product_call() { one_product_calls.fetch_add(1, std::memory_order_relaxed); }
+
+void multiply_whole_partial(const CallJob& job, uint8_t* partial) {
+  const TilePlan& p = job.plan;
+  job.gemm->compute(0, p.m, 0, p.n,
+                    at::from_blob(partial, {p.m, p.n}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype)));
+  one_product_calls.fetch_add(1, std::memory_order_relaxed);
+}
 
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
   const bool scatter = job.op == kOpGemmReduceScatter;
@@ -68,11 +74,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
     const bool late_inputs = job.gathered_inputs && engine_switches().gathered_inputs_late.load();
     if (job.gathered_inputs && !late_inputs) publish_gathered_inputs(job);
     if (job.one_product && p.m > 0) {
-      // One row chunk: a's rows are the window's rows, tile row mi at mi * base_m in both.
-      job.gemm->compute(0, p.m, 0, p.n,
-                        at::from_blob(job.region(job.rank, partial_entry_offset(w, 0, 0, p.pad_n, job.partial_elem)),
-                                      {p.m, p.n}, {p.pad_n, 1}, partial_options));
-      count_one_product_call();
+      multiply_whole_partial(job, job.region(job.rank, partial_entry_offset(w, 0, 0, p.pad_n, job.partial_elem)));
     }
     for (size_t i = 0; i < order.size(); ++i) {
       if (job.abort.load(std::memory_order_acquire)) return;
