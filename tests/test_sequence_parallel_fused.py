@@ -161,14 +161,18 @@ def random_stress_case(seed, step, world):
     return op, shape, dim, k, n, dtype, rng.random() < 0.5
 
 
-def stress(rank, world, seed, calls, comm_threads, slow_rank=None, compute_threads="1"):
+def stress(rank, world, seed, calls, comm_threads, slow_rank=None, compute_threads="1", tiles=SMALL_TILES,
+           scale_rows=1):
     """Back-to-back fused calls alternating gemm_reduce_scatter, allgather_gemm and gemm_allreduce with new inputs and
-    shapes every call; returns how many results were wrong."""
+    shapes every call (the sharded dim's size times `scale_rows`); returns how many results were wrong. tiles=None:
+    the engine's own geometry rules (the caller keeps TORCH_GEMM_AR_CPU_TILE unset)."""
     wrong = 0
-    with scoped_env(TORCH_GEMM_AR_CPU_TILE=SMALL_TILES, TORCH_GEMM_AR_COMM_THREADS=comm_threads,
-              TORCH_GEMM_AR_COMPUTE_THREADS=compute_threads):
+    tile_env = {"TORCH_GEMM_AR_CPU_TILE": tiles} if tiles else {}
+    with scoped_env(TORCH_GEMM_AR_COMM_THREADS=comm_threads, TORCH_GEMM_AR_COMPUTE_THREADS=compute_threads,
+                    **tile_env):
         for step in range(calls):
             op, shape, dim, k, n, dtype, with_bias = random_stress_case(seed, step, world)
+            shape[dim] *= scale_rows
             s = seed * 7 + step
             if rank == slow_rank and step % 3 == 0:
                 import time
@@ -214,9 +218,9 @@ def test_stress_with_several_compute_blocks(ranks):
     assert wrong == [0, 0], f"wrong results per rank: {wrong}"
 
 
-def stress_ignoring_epochs(rank, world, seed, calls, comm_threads):
+def stress_ignoring_epochs(rank, world, seed, calls, comm_threads, **stress_args):
     with ignore_epochs_for_testing():
-        return stress(rank, world, seed, calls, comm_threads, slow_rank=1)
+        return stress(rank, world, seed, calls, comm_threads, slow_rank=1, **stress_args)
 
 
 @pytest.mark.parametrize("comm_threads", ["0", "1"])

@@ -36,8 +36,18 @@ auto geometry_of(GeometryRule rule) {
 // `binding` names the caller in the error.
 gemm_ar::cpu::EngineConfig config_of_call(const char* binding, const std::string& op, int64_t m, int64_t k, int64_t n,
                                           const at::Tensor& like, int world) {
-  TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm",
-                    binding, ": op must be 'gemm_allreduce' or 'add_rmsnorm'; got '", op, "'");
+  TORCH_CHECK_VALUE(op == "gemm_allreduce" || op == "add_rmsnorm" || op == "gemm_reduce_scatter" ||
+                        op == "allgather_gemm",
+                    binding, ": op must be 'gemm_allreduce', 'add_rmsnorm', 'gemm_reduce_scatter' or 'allgather_gemm'; "
+                    "got '", op, "'");
+  TORCH_CHECK_VALUE(world > 0, binding, ": world must be positive; got ", world);
+  if (op == "gemm_reduce_scatter" || op == "allgather_gemm") {
+    // A 2-D call whose whole M (allgather_gemm: gathered) is m: every rank's chunk holds m / world rows.
+    TORCH_CHECK_VALUE(m % world == 0, binding, ": m must be a multiple of world for '", op, "'; got m=", m);
+    const bool gather = op == "allgather_gemm";
+    return gemm_ar::cpu::call_config(gather ? gemm_ar::kOpAllgatherGemm : gemm_ar::kOpGemmReduceScatter,
+                                     gather ? m / world : m, k, n, like.scalar_type(), world, 0, m / world);
+  }
   const int64_t kind = op == "add_rmsnorm" ? gemm_ar::kOpGemmAllreduceAddRmsnorm : gemm_ar::kOpGemmAllreduce;
   return gemm_ar::cpu::call_config(kind, m, k, n, like.scalar_type(), world);
 }
@@ -108,9 +118,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "CPU fused engine: which calls on one-core ranks take the geometries with fewer tile rows (gemm_allreduce: "
         "one tile row per rank, or for short calls with a long K one tile row in column panels; add+RMSNorm: one tile "
-        "row per rank): 1 (the default) those whose products "
-        "reorder B per call (bf16/fp16 computed natively) and gemm_allreduce calls with K > 2M from M = 512, 0 none, "
-        "2 every call (benchmarks, tests); returns the old value");
+        "row per rank; gemm_reduce_scatter and allgather_gemm: one tile row per rank's chunk): 1 (the default) "
+        "those whose products reorder B per call (bf16/fp16 computed natively) and gemm_allreduce calls with K > 2M "
+        "from M = 512, 0 none, 2 every call (benchmarks, tests); returns the old value");
   m.def("_is_long_k_call", &gemm_ar::cpu::is_long_k_call, pybind11::arg("m"), pybind11::arg("k"),
         "CPU fused engine: whether a gemm_allreduce of [M, K] x [K, N] takes the fewer-product geometries in every "
         "dtype (tests)");
@@ -126,9 +136,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           const auto c = config_of_call("_call_geometry", op, m, k, n, like, world);
           return pybind11::make_tuple(c.base_m, c.base_n, c.sub_m);
         },
-        "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce' or "
-        "'add_rmsnorm') of [M, K] x [K, N] in the dtype of `like` takes on `world` local ranks, under this process's "
-        "settings and switches (tests)");
+        "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce', "
+        "'add_rmsnorm', or a 2-D 'gemm_reduce_scatter' or 'allgather_gemm' whose whole M is m) of [M, K] x [K, N] in "
+        "the dtype of `like` takes on `world` local ranks, under this process's settings and switches (tests)");
   m.def("_call_multiplies_in_one_product",
         [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           return gemm_ar::cpu::multiplies_in_one_product(

@@ -1,5 +1,6 @@
 // allgather_gemm's parts of a fused call (cpu/fused_call.h): the shard publication, the comm blocks' copy plan,
-// and the compute side that multiplies the local rows first and each peer's rows as they arrive.
+// and the compute side that multiplies the local rows first and each peer's rows as they arrive (or, with
+// CallJob::one_product, all rows at once where every peer's are in by then).
 #include <ATen/Parallel.h>
 #include <gemm_ar/protocol.hpp>
 
@@ -50,6 +51,32 @@ void run_gather_compute(CallJob& job, const std::function<bool()>& progress) {
   }
   const std::string call_name = "call " + std::to_string(job.epoch);
   const Doorbell bell = doorbell(job.windows[job.rank], kMainDoorbell);
+  if (job.one_product && progress && p.m > 0) {
+    // Where every peer's rows are in once this rank's are published and the ready copies made (ranks that arrive
+    // together), one product of all rows: a GEMM that reorders all of B per call then reorders it once, not once per
+    // rank's tile row. Otherwise tile by tile below, this rank's rows first.
+    bool all_in = false;
+    try {
+      while (progress()) {
+      }
+      all_in = true;
+      for (int64_t mi = 0; mi < p.m_tiles && all_in; ++mi) {
+        all_in = chunked_tile_rows(p, c, mi) == 0 || job.rows_arrived[mi].load(std::memory_order_acquire) != 0;
+      }
+      if (all_in && !job.abort.load(std::memory_order_acquire)) {
+        job.gemm->compute(0, p.m, 0, p.n,
+                          at::from_blob(job.out, {p.m, p.n}, at::TensorOptions().dtype(job.out_dtype)));
+        count_one_product_call();
+        progress();
+      }
+    } catch (const LocalAbort&) {
+      return;
+    } catch (const std::exception& e) {
+      job.fail(e.what(), false);
+      return;
+    }
+    if (all_in) return;
+  }
   auto compute_block = [&](int64_t b) {
     try {
       for (size_t i = b; i < order.size(); i += job.compute_blocks) {

@@ -17,13 +17,16 @@ namespace gemm_ar::cpu {
 // settings (engine_config) with the op's own tile geometry where the engine switches allow it. Where the call's
 // products reorder B per call (reorders_b_per_product): add+RMSNorm tile_row_per_rank_geometry, gemm_allreduce
 // tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; the same for a long-K
-// gemm_allreduce in any dtype (is_long_k_call); otherwise add+RMSNorm row_epilogue_geometry, gemm_allreduce and
+// gemm_allreduce in any dtype (is_long_k_call); gemm_reduce_scatter and allgather_gemm tile_row_per_rank_geometry
+// (tile by tile, one tile row per rank's chunk); otherwise add+RMSNorm row_epilogue_geometry, gemm_allreduce and
 // gemm_reduce_scatter wide_row_geometry.
 // `family` (CallArgs::fused_family): 0 as above; for gemm_allreduce, 1 forces the default tiles (wide_row_geometry)
 // and 2 the geometries with few products (row or column panels), what `auto` measured faster on this CPU; 3 the
 // gathered-inputs flow (cpu/gathered_inputs.h) on tile_row_per_rank_geometry's tiles.
+// `chunk_rows`: for the sequence-parallel ops, the rows of one rank's chunk (row_chunks.hpp; M / world of a 2-D
+// gemm_reduce_scatter, the shard's rows of a 2-D allgather_gemm).
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
-                         int64_t family = 0);
+                         int64_t family = 0, int64_t chunk_rows = 0);
 
 // For `auto`: the forced family (FusedTiles or FusedFewProducts) whose configuration differs from the rules' for this
 // gemm_allreduce call, where the output is big enough for its tiles to matter (from 64K elements); Auto otherwise.

@@ -162,6 +162,8 @@ struct CallJob {
   // publishes the peers' tiles and reduces its own from the window (owner_last_compute.cpp), or, in one shot, into
   // its bank before publishing every tile (one_shot_compute.cpp). Tile by tile, a product of column panels reads
   // and packs all of a once per panel (M512 K7168 N512 fp32: 1.08x one GEMM on an Intel Xeon).
+  // allgather_gemm: where every peer's rows are in by the time this rank's are published, all rows in one GEMM call
+  // (run_gather_compute).
   bool one_product = false;
   // Set with owner_reduces_in_compute where the configuration asks for it (EngineConfig::gathered_inputs) and the
   // call is a plain gemm_allreduce whose inputs fit the partial region: every rank publishes its a and b instead of
@@ -210,6 +212,7 @@ constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);    // one_shot_compute.cpp
 int64_t one_shot_call_count();  // calls this process reduced in one shot (tests: the path is really taken)
 int64_t one_product_call_count();  // calls this process multiplied in one GEMM call (CallJob::one_product; tests)
+void count_one_product_call();
 // CallJob::one_product: this rank's whole partial in one GEMM call into `partial` (rows pad_n apart, tile row mi at
 // padded row mi * base_m: one row chunk), counted in one_product_call_count. The owner-last walk (into the partial
 // region) and one shot (into the bank) both take it.

@@ -43,12 +43,13 @@ std::vector<int64_t> owner_last_order(const CallJob& job) {
 }  // namespace
 
 int64_t one_product_call_count() { return one_product_calls.load(std::memory_order_relaxed); }
+void count_one_product_call() { one_product_calls.fetch_add(1, std::memory_order_relaxed); }
 
 void multiply_whole_partial(const CallJob& job, uint8_t* partial) {
   const TilePlan& p = job.plan;
   job.gemm->compute(0, p.m, 0, p.n,
                     at::from_blob(partial, {p.m, p.n}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype)));
-  one_product_calls.fetch_add(1, std::memory_order_relaxed);
+  count_one_product_call();
 }
 
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
