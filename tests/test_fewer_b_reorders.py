@@ -65,26 +65,34 @@ def test_the_rules(one_core_env):
     assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == (128, 256, 32)
 
 
+def each_switch_mode():
+    """(dtype, like, mode, takes) for every dtype and mode of the switch, with the switch set to that mode: `takes`
+    says whether the rules give the dtype the fewer-product geometries (long-K gemm_allreduce calls aside). The
+    caller restores the switch."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        like = torch.empty(0, dtype=dtype)
+        native = _C._reorders_b_per_product(like)
+        for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
+            _C._set_fewer_b_reorders(mode)
+            yield dtype, like, mode, takes
+
+
 def test_which_calls_take_them(one_core_env):
     previous = _C._set_fewer_b_reorders(NATIVE_HALF)
     try:
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            like = torch.empty(0, dtype=dtype)
-            native = _C._reorders_b_per_product(like)
-            for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
-                _C._set_fewer_b_reorders(mode)
-                for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
-                                 (128, _C._tile_row_per_rank_geometry)):
-                    # A long K (over 2M) takes them in every dtype, gemm_allreduce only.
-                    long_k = mode == NATIVE_HALF and k == 8192
-                    want = fewer(2048, 1024, 2) if takes or long_k else _C._wide_row_geometry(2048, 1024, 2)
-                    assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
-                    want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
-                    assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
-                    one = _C._call_multiplies_in_one_product("gemm_allreduce", 2048, k, 1024, like, 2)
-                    assert one == ((takes or long_k) and k != 128), (dtype, mode, k)
-                    one = _C._call_multiplies_in_one_product("add_rmsnorm", 2048, k, 1024, like, 2)
-                    assert one == (takes and k != 128), (dtype, mode, k)
+        for dtype, like, mode, takes in each_switch_mode():
+            for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
+                             (128, _C._tile_row_per_rank_geometry)):
+                # A long K (over 2M) takes them in every dtype, gemm_allreduce only.
+                long_k = mode == NATIVE_HALF and k == 8192
+                want = fewer(2048, 1024, 2) if takes or long_k else _C._wide_row_geometry(2048, 1024, 2)
+                assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
+                want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
+                assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
+                one = _C._call_multiplies_in_one_product("gemm_allreduce", 2048, k, 1024, like, 2)
+                assert one == ((takes or long_k) and k != 128), (dtype, mode, k)
+                one = _C._call_multiplies_in_one_product("add_rmsnorm", 2048, k, 1024, like, 2)
+                assert one == (takes and k != 128), (dtype, mode, k)
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
         assert not _C._reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):

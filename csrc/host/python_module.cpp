@@ -141,11 +141,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the dtype of `like` takes on `world` local ranks, under this process's settings and switches (tests)");
   m.def("_call_multiplies_in_one_product",
         [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
-          return gemm_ar::cpu::multiplies_in_one_product(
-              config_of_call("_call_multiplies_in_one_product", op, m, k, n, like, world));
+          const auto config = config_of_call("_call_multiplies_in_one_product", op, m, k, n, like, world);
+          return op == "allgather_gemm" ? gemm_ar::cpu::gathers_in_one_product(config)
+                                        : gemm_ar::cpu::multiplies_in_one_product(config);
         },
         "CPU fused engine: whether such a call multiplies the rank's whole partial in one GEMM call where the owner "
-        "reduces in the compute block (tests)");
+        "reduces in the compute block (allgather_gemm: all rows in one GEMM call where every shard is in; tests)");
   m.def("_prefers_one_product", &gemm_ar::cpu::prefers_one_product, pybind11::arg("m"), pybind11::arg("k"),
         "CPU fused engine: whether the geometries for products that reorder B per call multiply [M, K] x [K, N] in "
         "one GEMM call rather than tile by tile (tests)");

@@ -65,12 +65,12 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
                                                       : column_panel_geometry(config, m, n, world));
   }
   if ((op == kOpGemmReduceScatter || op == kOpAllgatherGemm) && fewer_b_reorders) {
-    // One tile row per rank's chunk: `world` products a call instead of one per 256-row tile, each reordering all of
+    // One tile row per rank's chunk: a product per chunk instead of one per 256-row tile, each reordering all of
     // B (bf16 on an Intel Xeon with AMX, 2 ranks: GEMM+RS 2.2x -> 1.5x the GEMM alone at M4096 K256 N2048, AG+GEMM
     // 2.5x -> 1.4x). allgather_gemm multiplies all rows in one product where every rank's are in (CallJob::
     // one_product; 1.4x -> 1.25x there); gemm_reduce_scatter's window keeps a padded tile row per chunk.
     EngineConfig per_rank = tile_row_per_rank_geometry(config, std::max<int64_t>(chunk_rows, 1) * world, n, world);
-    per_rank.one_product = op == kOpAllgatherGemm;
+    per_rank.one_product = per_rank.one_product && op == kOpAllgatherGemm;  // not where the geometry kept `config`
     return per_rank;
   }
   if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
@@ -83,6 +83,11 @@ bool multiplies_in_one_product(const EngineConfig& config) {
   const EngineSwitches& switches = engine_switches();
   return config.one_product && config.comm_inline && config.compute_blocks == 1 && switches.owner_last.load() &&
          switches.one_product.load();
+}
+
+bool gathers_in_one_product(const EngineConfig& config) {
+  return config.one_product && config.comm_inline && config.compute_blocks == 1 &&
+         engine_switches().one_product.load();
 }
 
 void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,

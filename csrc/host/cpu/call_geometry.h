@@ -57,6 +57,10 @@ bool prefers_one_product(int64_t m, int64_t k);
 // (CallJob::one_product).
 bool multiplies_in_one_product(const EngineConfig& config);
 
+// Whether an allgather_gemm call of `config` multiplies all rows in one GEMM call where every peer's shard is in
+// (EngineConfig::one_product on one compute block with the comm block inline, under the one_product switch).
+bool gathers_in_one_product(const EngineConfig& config);
+
 // B's panels packed once for every tile row of `plan` (cpu/packed_b_panels.h) where the engine packs them: `gemm`
 // then multiplies through `panels`, which must outlive its calls.
 void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,

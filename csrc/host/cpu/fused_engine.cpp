@@ -543,8 +543,7 @@ std::tuple<at::Tensor, at::Tensor> FusedEngine::run_allgather(const CallArgs& ca
   // 1.14x -> 1.09x the GEMM alone).
   std::optional<PackedBPanels> panels;  // outlives the call's products
   use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
-  job.one_product = config_.one_product && config_.comm_inline && config_.compute_blocks == 1 &&
-                    engine_switches().one_product.load();
+  job.one_product = gathers_in_one_product(config_);
   plan_work(job);  // sizes rows_arrived, which publish_shard sets for the local rows
   publish_shard(job, call.a2d);
   execute(job);
