@@ -79,15 +79,14 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
   return config;
 }
 
-bool multiplies_in_one_product(const EngineConfig& config) {
-  const EngineSwitches& switches = engine_switches();
-  return config.one_product && config.comm_inline && config.compute_blocks == 1 && switches.owner_last.load() &&
-         switches.one_product.load();
-}
-
 bool gathers_in_one_product(const EngineConfig& config) {
   return config.one_product && config.comm_inline && config.compute_blocks == 1 &&
          engine_switches().one_product.load();
+}
+
+bool multiplies_in_one_product(const EngineConfig& config) {
+  // The same, in the owner-last walk (where the owner reduces in the compute block).
+  return gathers_in_one_product(config) && engine_switches().owner_last.load();
 }
 
 void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,

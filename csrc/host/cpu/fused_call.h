@@ -212,7 +212,7 @@ constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);    // one_shot_compute.cpp
 int64_t one_shot_call_count();  // calls this process reduced in one shot (tests: the path is really taken)
 int64_t one_product_call_count();  // calls this process multiplied in one GEMM call (CallJob::one_product; tests)
-void count_one_product_call();
+void count_one_product_call();    // one more such call (allgather_gemm's one product counts too)
 // CallJob::one_product: this rank's whole partial in one GEMM call into `partial` (rows pad_n apart, tile row mi at
 // padded row mi * base_m: one row chunk), counted in one_product_call_count. The owner-last walk (into the partial
 // region) and one shot (into the bank) both take it.

@@ -60,8 +60,9 @@ RowChunks sequence_chunks(const CallArgs& call, int world, bool local) {
 // The engine's configuration of `call` (call_geometry.h), with the rows of a sequence-parallel call's chunks.
 EngineConfig config_of(const CallArgs& call, int world, int64_t family) {
   // A call this rank rejected (bad arguments) still agrees, to tell its peers: its shape may be incomplete.
+  const int64_t dims = static_cast<int64_t>(call.out_shape.size());
   const bool sequence_parallel = (call.op == kOpGemmReduceScatter || call.op == kOpAllgatherGemm) &&
-                                 call.shard_dim >= 0 && call.shard_dim + 1 < static_cast<int64_t>(call.out_shape.size());
+                                 call.shard_dim >= 0 && call.shard_dim + 1 < dims;
   const int64_t chunk_rows = sequence_parallel ? sequence_chunks(call, world, call.op == kOpAllgatherGemm).rows : 0;
   return call_config(call.op, call.m, call.k, call.n, call.dtype, world, family, chunk_rows);
 }
