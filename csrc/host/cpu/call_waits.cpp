@@ -32,11 +32,8 @@ std::string wait_bound(const CallJob& job) {
 }
 
 std::string undelivered_tile(const CallJob& job, int64_t t) {
-  std::vector<int> missing;
-  for (int r = 0; r < job.world; ++r)
-    if (!tile_ready(job, r, t)) missing.push_back(r);
-  return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not deliver tile " + std::to_string(t) + " of call " +
-         std::to_string(job.epoch) + wait_bound(job);
+  return late_ranks(job.world, -1, [&](int r) { return !tile_ready(job, r, t); }) + " did not deliver tile " +
+         std::to_string(t) + " of call " + std::to_string(job.epoch) + wait_bound(job);
 }
 
 }  // namespace gemm_ar::cpu

@@ -67,6 +67,16 @@ inline uint32_t* window_word(uint8_t* p) { return reinterpret_cast<uint32_t*>(p)
 // "0, 2, 3"
 std::string rank_list(const std::vector<int>& ranks);
 
+// "gemm_allreduce: rank(s) 1, 3": how a timed-out wait's message begins, naming the ranks r (other than `except`;
+// -1: none) for which late(r) still holds.
+template <class Late>
+std::string late_ranks(int world, int except, Late late) {
+  std::vector<int> ranks;
+  for (int r = 0; r < world; ++r)
+    if (r != except && late(r)) ranks.push_back(r);
+  return "gemm_allreduce: rank(s) " + rank_list(ranks);
+}
+
 // Throws when a peer died or abandoned the call (checked while waiting).
 void watch_peers(const CallJob& job, const std::string& call_name);
 

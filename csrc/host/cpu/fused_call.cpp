@@ -66,11 +66,9 @@ bool poll_signatures(const std::vector<uint8_t*>& windows, const WindowSet& wind
 
 std::string missing_ranks(const std::vector<char>& arrived, uint32_t epoch, std::chrono::milliseconds timeout,
                           int rank) {
-  std::vector<int> missing;
-  for (size_t r = 0; r < arrived.size(); ++r)
-    if (!arrived[r]) missing.push_back(static_cast<int>(r));
   std::ostringstream os;
-  os << "gemm_allreduce: rank(s) " << rank_list(missing) << " did not arrive at call " << epoch << " within "
+  os << late_ranks(static_cast<int>(arrived.size()), -1, [&](int r) { return !arrived[r]; })
+     << " did not arrive at call " << epoch << " within "
      << timeout.count() / 1000.0 << " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " << rank << "]";
   return os.str();
 }
@@ -263,10 +261,8 @@ class CommBlock {
         },
         no_progress, [&] { watch(); },
         [&] {
-          std::vector<int> missing;
-          for (int r = 0; r < world_; ++r)
-            if (!done(r)) missing.push_back(r);
-          return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not finish copying this rank's shard in " +
+          return late_ranks(world_, -1, [&](int r) { return !done(r); }) +
+                 " did not finish copying this rank's shard in " +
                  call_name_ + " within " + std::to_string(job_.timeout.count() / 1000.0) +
                  " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me_) + "]";
         },

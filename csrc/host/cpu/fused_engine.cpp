@@ -392,10 +392,7 @@ void FusedEngine::wait_for_previous_call(const CallJob& job) {
       },
       no_progress, [&] { windows_->check_peers_alive(("before call " + std::to_string(epoch_)).c_str()); },
       [&] {
-        std::vector<int> missing;
-        for (int r = 0; r < world_; ++r)
-          if (r != rank_ && !started(r)) missing.push_back(r);
-        return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not start call " +
+        return late_ranks(world_, rank_, [&](int r) { return !started(r); }) + " did not start call " +
                std::to_string(epoch_ - 1u) + " (so may still read this rank's data of an earlier call)" + where();
       },
       doorbell(windows_->base(rank_), kMainDoorbell), wait_timeout(), nullptr);

@@ -77,10 +77,9 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
                  [&] { return progress ? progress() : false; },
                  [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
                  [&] {
-                   std::vector<int> missing;
-                   for (int r = 0; r < job.world; ++r)
-                     if (r != job.rank && !started_call(job.windows[r], job.epoch)) missing.push_back(r);
-                   return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not arrive at call " +
+                   return late_ranks(job.world, job.rank,
+                                     [&](int r) { return !started_call(job.windows[r], job.epoch); }) +
+                          " did not arrive at call " +
                           std::to_string(job.epoch) + wait_bound(job);
                  },
                  doorbell(job.windows[job.rank], 0), job.timeout, &job.abort);
@@ -110,10 +109,8 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
           [&] { return progress ? progress() : false; },
           [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
           [&] {
-            std::vector<int> missing;
-            for (int r = 0; r < job.world; ++r)
-              if (r != job.rank && !published(r, t)) missing.push_back(r);
-            return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not deliver their partial of tile " +
+            return late_ranks(job.world, job.rank, [&](int r) { return !published(r, t); }) +
+                   " did not deliver their partial of tile " +
                    std::to_string(t) + " of call " + std::to_string(job.epoch) + " (one-shot reduction)" +
                    wait_bound(job);
           },

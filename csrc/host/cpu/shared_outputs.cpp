@@ -107,10 +107,8 @@ void wait_for_peer_copies(const CallJob& job) {
       },
       no_progress, [&] { watch_peers(job, call_name); },
       [&] {
-        std::vector<int> missing;
-        for (int r = 0; r < job.world; ++r)
-          if (r != job.rank && !copied(r)) missing.push_back(r);
-        return "gemm_allreduce: rank(s) " + rank_list(missing) + " did not copy this rank's output rows of " +
+        return late_ranks(job.world, job.rank, [&](int r) { return !copied(r); }) +
+               " did not copy this rank's output rows of " +
                call_name + wait_bound(job);
       },
       doorbell(job.windows[job.rank], kMainDoorbell), job.timeout, nullptr);
