@@ -1,5 +1,5 @@
 """A Llama-style decoder block (attention + SwiGLU MLP) with tensor parallelism over CPU ranks: unfused TP vs the same
-model converted by torch_gemm_ar.nn.replace_row_parallel (or replace_sequence_parallel).
+model converted by torch_gemm_ar.nn.replace_row_parallel (with replace_column_parallel, or replace_sequence_parallel).
 
     torchrun --nproc-per-node 2 examples/tp_transformer.py                 # all three TP styles
     torchrun --nproc-per-node 2 examples/tp_transformer.py --style plain --algorithm chunked
@@ -9,7 +9,9 @@ Three ways of writing the unfused TP model, each converted in place:
 - dtensor: torch.distributed.tensor.parallel.parallelize_module with ColwiseParallel for q/k/v/gate/up and
   RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model).
 - plain: Megatron-style layers written by hand (ColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
-  all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]).
+  all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]), and
+  replace_column_parallel(model, patterns=[... q/k/v/gate/up ...]): the column-parallel layers' backward all-reduce
+  of the input gradient becomes one gemm_allreduce with the GEMM that produces it.
 - sp: DTensor with sequence parallelism (torch's Llama recipe): SequenceParallel on both norms, ColwiseParallel(
   input_layouts=Shard(1)) for q/k/v/gate/up (all-gather of the sequence, then the GEMM) and RowwiseParallel(
   output_layouts=Shard(1)) for o_proj/down_proj (the GEMM, then a reduce-scatter); the block's input and output are
@@ -202,6 +204,7 @@ class UnfusedRowParallelLinear(nn.Module):
 
 
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+COLUMN_PARALLEL_PATTERNS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj", "*.up_proj"]
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 ROW_PARALLEL_PATTERNS = ["*.o_proj", "*.down_proj"]
 
@@ -308,6 +311,10 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
         patterns = None if style == "dtensor" else ROW_PARALLEL_PATTERNS
         replaced = torch_gemm_ar.nn.replace_row_parallel(converted, group=group, patterns=patterns,
                                                          algorithm=args.algorithm)
+        if style == "plain":
+            replaced += torch_gemm_ar.nn.replace_column_parallel(converted, group=group,
+                                                                 patterns=COLUMN_PARALLEL_PATTERNS,
+                                                                 algorithm=args.algorithm)
 
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same activations on every rank (replicated)
     world, rank = dist.get_world_size(group), dist.get_rank(group)

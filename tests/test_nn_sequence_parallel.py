@@ -71,8 +71,8 @@ def test_sequence_parallel_mlp_matches_full(ranks, world, dtype):
 def constructor_errors(rank, world):
     with pytest.raises(NotImplementedError, match="gather_output=True"):
         ColumnParallelLinear(4, 2 * world, gather_output=True)
-    with pytest.raises(NotImplementedError, match="sequence_parallel=True"):
-        ColumnParallelLinear(4, 2 * world, sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"\[\*, in_features=4\]"):
+        ColumnParallelLinear(4, 2 * world, sequence_parallel=False)(torch.randn(3, 5))
     if world > 1:
         with pytest.raises(ValueError, match=f"out_features={2 * world + 1} is not divisible"):
             ColumnParallelLinear(4, 2 * world + 1)

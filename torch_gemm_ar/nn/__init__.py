@@ -2,10 +2,13 @@
 
 - RowParallelLinear: the row-parallel linear layer (Megatron-LM / vLLM conventions), GEMM and AllReduce fused
   (GEMM and ReduceScatter with sequence_parallel=True).
-- ColumnParallelLinear: the column-parallel layer with sequence parallelism, AllGather and GEMM fused.
+- ColumnParallelLinear: the column-parallel layer; with sequence parallelism AllGather and GEMM fused, without it
+  the input gradient's AllReduce fused with its GEMM in backward.
 - replace_row_parallel(model, group=, patterns=): converts an existing model's row-parallel layers in place, both
   DTensor ones (torch.distributed.tensor.parallel.RowwiseParallel, or transformers' tp_plan "rowwise" styles) and
   plain ones selected by name; returns a ReplaceReport (names replaced, and what was skipped and why).
+- replace_column_parallel(model, patterns=, group=): converts a plain model's column-parallel layers (Megatron-LM's,
+  gather_output=False) to ColumnParallelLinear(sequence_parallel=False), so training fuses their backward all-reduce.
 - replace_sequence_parallel(model): converts a DTensor plan's sequence-parallel layers in place
   (ColwiseParallel(input_layouts=Shard(d)) -> allgather_gemm, RowwiseParallel(output_layouts=Shard(d)) ->
   gemm_reduce_scatter).
@@ -16,8 +19,9 @@ from .column_parallel_linear import ColumnParallelLinear
 from .dtensor_column_parallel import DTensorColumnParallelLinear
 from .dtensor_row_parallel import DTensorRowParallelLinear
 from .replace import ReplaceReport, replace_row_parallel
+from .replace_column_parallel import replace_column_parallel
 from .replace_sequence_parallel import replace_sequence_parallel
 from .row_parallel_linear import RowParallelLinear
 
 __all__ = ["ColumnParallelLinear", "DTensorColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport",
-           "RowParallelLinear", "replace_row_parallel", "replace_sequence_parallel"]
+           "RowParallelLinear", "replace_column_parallel", "replace_row_parallel", "replace_sequence_parallel"]

@@ -246,8 +246,10 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return bool(name) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _plain_problems(module: nn.Module) -> List[str]:
-    """Why a plain module cannot be a row-parallel linear layer (weight [out, in/world], optional bias [out])."""
+def _plain_problems(module: nn.Module, shard: str = "[out, in/world]", bias_role: str = "the full bias of the layer"
+                    ) -> List[str]:
+    """Why a plain module cannot be a tensor-parallel linear layer: weight `shard` (row-parallel: [out, in/world]),
+    optional bias of the weight's first dimension (`bias_role`)."""
     problems = []
     hooks = [kind for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
              if getattr(module, kind, None)]
@@ -265,7 +267,7 @@ def _plain_problems(module: nn.Module) -> List[str]:
         problems.append(f"it is a {type(module).__name__} without a weight parameter: not a linear layer")
         return problems
     if weight.dim() != 2 or not weight.is_floating_point():
-        problems.append(f"its weight is {weight.dim()}-D {weight.dtype}; expected a 2-D floating [out, in/world] shard")
+        problems.append(f"its weight is {weight.dim()}-D {weight.dtype}; expected a 2-D floating {shard} shard")
         return problems
     bias = getattr(module, "bias", None)
     if bias is not None:
@@ -273,7 +275,7 @@ def _plain_problems(module: nn.Module) -> List[str]:
             problems.append("its bias is not a parameter of the module")
         elif tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype:
             problems.append(f"its bias is {tuple(bias.shape)} {bias.dtype}; expected [{weight.shape[0]}] "
-                            f"{weight.dtype}, the full bias of the layer")
+                            f"{weight.dtype}, {bias_role}")
     return problems
 
 
@@ -362,7 +364,7 @@ def _probe_all(plain: List[_Candidate], info: GroupInfo) -> None:
                 "extra computation)")
 
 
-def _raise_if_problems(candidates: List[_Candidate]) -> None:
+def _raise_if_problems(candidates: List[_Candidate], who: str = "replace_row_parallel") -> None:
     lines = [f"  {c.names[0]!r} ({type(c.module).__name__}): {p}" for c in candidates for p in c.problems]
     if lines:
-        raise ValueError("replace_row_parallel: cannot replace\n" + "\n".join(lines))
+        raise ValueError(f"{who}: cannot replace\n" + "\n".join(lines))

@@ -1,0 +1,166 @@
+"""ColumnParallelLinear(sequence_parallel=False) on real ranks against the full nn.Linear in float64 (the input
+gradient all-reduced in backward by gemm_allreduce), and replace_column_parallel on the plain Megatron-style block
+of examples/tp_transformer.py: the converted block trains as the unfused one, and layers that are not column-parallel
+are refused on every rank with the reason."""
+import copy
+import os
+import random
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
+
+import tp_transformer as tp  # noqa: E402
+import torch_gemm_ar  # noqa: E402
+from expect import raises  # noqa: E402
+from inputs import assert_matches  # noqa: E402
+from test_nn_row_parallel_linear import LEAD_SHAPES, check_close, full_linear  # noqa: E402
+from torch_gemm_ar.nn import ColumnParallelLinear, replace_column_parallel  # noqa: E402
+
+
+def forward_backward_vs_full(rank, world, seed, dtype, algorithm):
+    rows_per_rank, in_features = 7, 37  # neither a multiple of any tile size
+    out_features = rows_per_rank * world
+    rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+    for case, lead in enumerate(LEAD_SHAPES):
+        bias = case % 2 == 0
+        full = full_linear(seed + case, in_features, out_features, bias)
+        layer = ColumnParallelLinear.from_linear(copy.deepcopy(full).to(dtype), sequence_parallel=False,
+                                                 algorithm=algorithm)
+        g = torch.Generator().manual_seed(seed + 1000 + case)  # the same on every rank: the input is replicated
+        x_full = torch.randn(*lead, in_features, generator=g, dtype=torch.float64)
+        upstream = torch.randn(*lead, out_features, generator=g, dtype=torch.float64)
+
+        x = x_full.to(dtype, copy=True).requires_grad_()
+        out = layer(x)
+        (out * upstream[..., rows].to(dtype)).sum().backward()
+        x_ref = x_full.clone().requires_grad_()
+        ref = full(x_ref)
+        (ref * upstream).sum().backward()
+
+        what = f"{algorithm} {dtype} lead={lead} bias={bias} rank={rank}"
+        assert_matches(out, ref.detach()[..., rows], dtype, in_features, 1, what + " output")
+        check_close(x.grad, x_ref.grad, dtype, out_features, what + " grad x")
+        if world > 1:
+            # The check above can fail: this rank's own part of the gradient, without the all-reduce, does not pass.
+            local = upstream[..., rows] @ full.weight.detach()[rows]
+            with pytest.raises(AssertionError):
+                check_close(local, x_ref.grad, torch.float64, out_features, what + " local part")
+        terms = max(1, x_full[..., 0].numel())
+        check_close(layer.weight.grad, full.weight.grad[rows], dtype, terms, what + " grad weight")
+        assert layer.weight.grad.stride() == layer.weight.stride(), what + ": the weight's gradient has other strides"
+        if bias:
+            check_close(layer.bias.grad, full.bias.grad[rows], dtype, terms, what + " grad bias")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_forward_backward_match_full_linear(ranks, world, dtype):
+    algorithm = random.choice(["sequential", "fused", "auto"])
+    ranks(world).run(forward_backward_vs_full, random.randrange(1 << 30), dtype, algorithm)
+
+
+def frozen_input_runs_no_collective(rank, world, seed):
+    """An input that needs no gradient (the first layer of a model): backward computes the weight's gradient only
+    and calls no gemm_allreduce (a rank that did would wait for peers that do not)."""
+    from torch_gemm_ar.nn import reduced_input_grad
+
+    def no_call(*args, **kwargs):
+        raise AssertionError("backward called gemm_allreduce for an input that needs no gradient")
+
+    full = full_linear(seed, 9, 4 * world, bias=True).float()
+    layer = ColumnParallelLinear.from_linear(full, sequence_parallel=False)
+    x = torch.randn(2, 3, 9, generator=torch.Generator().manual_seed(seed))
+    saved, reduced_input_grad.gemm_allreduce = reduced_input_grad.gemm_allreduce, no_call
+    try:
+        layer(x).square().sum().backward()
+    finally:
+        reduced_input_grad.gemm_allreduce = saved
+    out = layer(x).detach()
+    torch.testing.assert_close(layer.weight.grad, (2 * out).reshape(-1, 4).t() @ x.reshape(-1, 9))
+    torch.testing.assert_close(layer.bias.grad, (2 * out).reshape(-1, 4).sum(0))
+
+
+def test_input_without_grad_runs_no_collective(ranks):
+    ranks(2).run(frozen_input_runs_no_collective, random.randrange(1 << 30))
+
+
+def convert_plain_block(rank, world, seed):
+    """The plain block converted (row- and column-parallel layers) computes and trains as the unfused one; the
+    converted layers hold the very Parameter objects of the original ones."""
+    cfg = tp.BlockConfig(hidden=24, heads=world * 2, ffn=10 * world)
+    unfused = tp.tensor_parallel_plain(tp.make_block(cfg, seed), dist.group.WORLD)
+    converted = copy.deepcopy(unfused)
+    before = {name: p for name, p in converted.named_parameters()}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (unfused, converted)]
+    replaced = replace_column_parallel(converted, patterns=tp.COLUMN_PARALLEL_PATTERNS, algorithm="fused")
+    assert sorted(replaced) == sorted(tp.COLUMN_PARALLEL), replaced
+    replaced += torch_gemm_ar.nn.replace_row_parallel(converted, patterns=tp.ROW_PARALLEL_PATTERNS, algorithm="fused")
+    assert isinstance(converted.mlp.up_proj, ColumnParallelLinear) and not converted.mlp.up_proj.sequence_parallel
+    assert dict(converted.named_parameters()) == before, "the converted layers must adopt the same Parameters"
+    assert replace_column_parallel(converted, patterns=tp.COLUMN_PARALLEL_PATTERNS) == [], "converted twice"
+
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(3):
+        x = torch.randn(2, 5, cfg.hidden, generator=g)
+        target = torch.randn(2, 5, cfg.hidden, generator=g)
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        for model, opt, xi in zip((unfused, converted), opts, xs):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(xi), target).backward()
+            opt.step()
+        torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-4, atol=1e-5, msg=f"step {step}: input gradient")
+    trained = dict(converted.named_parameters())
+    for name, p in unfused.named_parameters():
+        torch.testing.assert_close(trained[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after 3 steps: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_converted_plain_block_trains_as_unfused(ranks, world):
+    ranks(world).run(convert_plain_block, random.randrange(1 << 30))
+
+
+class Holder(nn.Module):
+    def __init__(self, **children):
+        super().__init__()
+        for name, child in children.items():
+            setattr(self, name, child)
+
+
+def converter_misuse(rank, world, seed):
+    torch.manual_seed(seed + rank)
+    block = tp.tensor_parallel_plain(tp.make_block(tp.BlockConfig(hidden=12, heads=world, ffn=3 * world), seed),
+                                     dist.group.WORLD)
+    # A bare nn.Linear shard: its input gradient is this rank's part; the model would reduce it elsewhere.
+    bare = Holder(q_proj=nn.Linear(12, 4))
+    raises(lambda: replace_column_parallel(bare, patterns=["q_proj"]), "'q_proj'", "this rank's part",
+           "ColumnParallelLinear(sequence_parallel=False)", exc=ValueError)
+    assert type(bare.q_proj) is nn.Linear, "a failed call must leave the model untouched"
+    # A row-parallel layer reduces its output: not the local product.
+    raises(lambda: replace_column_parallel(block, patterns=["*.o_proj"]), "'self_attn.o_proj'",
+           "not this rank's x @ weight.T", exc=ValueError)
+    # One bad layer among good ones: nothing replaced.
+    raises(lambda: replace_column_parallel(block, patterns=["*.q_proj", "*.down_proj"]), "'mlp.down_proj'",
+           exc=ValueError)
+    assert type(block.self_attn.q_proj) is tp.ColumnParallelLinear, "nothing replaced after a failure"
+    raises(lambda: replace_column_parallel(block, patterns=["input_layernorm"]), "expected a 2-D floating "
+           "[out/world, in] shard", exc=ValueError)
+    # Shards that disagree between ranks: reported on every rank before anything is probed.
+    uneven = Holder(p=nn.Linear(6 + (rank == 1), 4))
+    raises(lambda: replace_column_parallel(uneven, patterns=["p"]), "ranks disagree on its shapes", exc=ValueError)
+    # Patterns and arguments.
+    raises(lambda: replace_column_parallel(block, patterns=["*.c_attn"]), "match no module", exc=ValueError)
+    raises(lambda: replace_column_parallel(block, patterns=[]), "non-empty", exc=ValueError)
+    raises(lambda: replace_column_parallel(block, patterns=["*.q_proj"], algorithm="fastest"),
+           "algorithm must be one of", exc=ValueError)
+    # The group still works, and the right layers still convert.
+    assert replace_column_parallel(block, patterns=["*.q_proj"]) == ["self_attn.q_proj"]
+
+
+def test_converter_misuse_raises_on_every_rank(ranks):
+    ranks(2).run(converter_misuse, random.randrange(1 << 30))

@@ -1,0 +1,167 @@
+"""replace_column_parallel: swap the column-parallel layers of a plain tensor-parallel model for ColumnParallelLinear
+(sequence_parallel=False), whose backward fuses the input gradient's all-reduce with its GEMM.
+
+A plain (non-DTensor) column-parallel layer selected by a name pattern: a module holding this rank's `[out/world, in]`
+weight shard (and optionally its `[out/world]` bias shard) whose forward is the local `x @ weight.T + bias` on the
+replicated input and whose backward all-reduces the input gradient over `group` -- Megatron-LM's ColumnParallelLinear
+with gather_output=False (copy_to_tensor_model_parallel_region, then the GEMM). It becomes a ColumnParallelLinear that
+adopts the same Parameter objects, so optimizers built before, gradient hooks and state_dicts keep working. Each
+matched module is probed once, on all ranks together, forward and backward with random values, and anything else is
+an error on every rank, with the reason (a bare nn.Linear shard whose input gradient the model reduces elsewhere, a
+layer that gathers its output, another group, extra computation).
+"""
+import logging
+from typing import Dict, List, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .._ops import GroupLike
+from ._groups import GroupInfo, resolve_group
+from .column_parallel_linear import ColumnParallelLinear
+from .dtensor_row_parallel import is_dtensor
+from .replace import (
+    PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _share_problems,
+)
+from .row_parallel_linear import check_algorithm
+
+WHO = "replace_column_parallel"
+logger = logging.getLogger("torch_gemm_ar.nn")
+
+
+def replace_column_parallel(
+    model: nn.Module,
+    *,
+    patterns: Union[str, Sequence[str]],
+    group: GroupLike = None,
+    algorithm: str = "auto",
+) -> ReplaceReport:
+    """Replace the plain column-parallel layers of `model` that `patterns` name (fnmatch on the qualified module
+    name, e.g. "*.q_proj", "layers.*.mlp.up_proj") in place; returns the names replaced (a ReplaceReport). A pattern
+    that matches nothing is an error. `group`: the group whose input-gradient all-reduce the layers run (None: the
+    default group). Call it on every rank of the group with the same model and arguments (the layers are probed
+    collectively). Layers converted before are left alone and not listed again. DTensor layers (ColwiseParallel)
+    are not taken: their backward's all-reduce belongs to DTensor."""
+    check_algorithm(algorithm, WHO)
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns) if patterns is not None else []
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"{WHO}: patterns must be non-empty strings naming the column-parallel layers, e.g. "
+                         f"['*.q_proj', '*.up_proj']; got {patterns!r}")
+    candidates = _select(model, patterns)
+    if not candidates:
+        return _reported(ReplaceReport([], converter=WHO, ops="gemm_allreduce in backward"))
+    info = resolve_group(group, WHO)
+    for c in candidates:
+        if any(is_dtensor(p) for p in c.module.parameters()):
+            c.problems.append("it holds DTensor parameters (ColwiseParallel): DTensor runs its backward's all-reduce, "
+                              "which this converter cannot take over; only plain layers are converted")
+        else:
+            c.problems += _plain_problems(c.module, "[out/world, in]", "the bias shard of the layer")
+    # Local findings may differ between ranks; share them before any probe so all ranks raise together.
+    _share_problems(candidates, info)
+    _raise_if_problems(candidates, WHO)
+    _probe_all(candidates, info)
+    _raise_if_problems(candidates, WHO)
+
+    replaced: List[str] = []
+    for c in candidates:
+        new = ColumnParallelLinear._around(c.module.weight, c.module.bias, info, algorithm, sequence_parallel=False)
+        for name in c.names:
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), leaf, new)
+            replaced.append(name)
+    return _reported(ReplaceReport(replaced, converter=WHO, ops="gemm_allreduce in backward"))
+
+
+def _reported(report: ReplaceReport) -> ReplaceReport:
+    logger.info("%s", report)
+    return report
+
+
+def _select(model: nn.Module, patterns: List[str]) -> List[_Candidate]:
+    names_of: Dict[int, List[str]] = {}
+    modules: Dict[int, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(module), []).append(name)
+        modules[id(module)] = module
+    unmatched = [p for p in patterns if not any(_matches(n, [p]) for names in names_of.values() for n in names)]
+    if unmatched:
+        raise ValueError(f"{WHO}: pattern(s) {unmatched} match no module of the model")
+    return [_Candidate(names_of[i], m, dtensor=False) for i, m in modules.items()
+            if any(_matches(n, patterns) for n in names_of[i]) and not isinstance(m, ColumnParallelLinear)]
+
+
+def _probe(module: nn.Module, info: GroupInfo) -> str:
+    """What `module` does with a random replicated input and a random per-rank output gradient: "column" (local
+    forward, all-reduced input gradient), "local-grad" (local forward, this rank's input gradient only),
+    "not-local" (its forward is not the local product) or "other: ...". Its own generators keep the global RNG
+    state untouched; only the input's gradient is computed (no parameter's .grad is touched)."""
+    weight, bias = module.weight, module.bias
+    options = {"device": weight.device, "dtype": weight.dtype}
+    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(PROBE_SEED)).to(**options)
+    upstream = torch.randn(PROBE_ROWS, weight.shape[0],
+                           generator=torch.Generator().manual_seed(PROBE_SEED + 1 + info.rank)).to(**options)
+    x.requires_grad_()
+    with torch.enable_grad():
+        out = module(x)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (PROBE_ROWS, weight.shape[0]):
+        described = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"other: it returns {described}, not one [{PROBE_ROWS}, {weight.shape[0]}] tensor (this rank's columns)"
+    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 5e-2
+
+    def close(got: torch.Tensor, reference: torch.Tensor) -> bool:
+        return bool((got.float() - reference).abs().max() <= tolerance * (reference.abs().max() + 1.0))
+
+    with torch.no_grad():
+        bias32 = torch.zeros(weight.shape[0], device=weight.device) if bias is None else bias.float()
+        local_out = F.linear(x.float(), weight.float()) + bias32
+    # Collective in most layers: the backward runs on every rank, so no rank may return before it.
+    (grad_x,) = torch.autograd.grad(out, [x], upstream, allow_unused=True)
+    with torch.no_grad():
+        local_grad = upstream.float() @ weight.float()
+        reduced_grad = local_grad.clone()
+        dist.all_reduce(reduced_grad, group=info.group)
+    if not close(out.detach(), local_out):
+        return "not-local"
+    if grad_x is None:
+        return "other: its output does not depend on its input through autograd"
+    if close(grad_x, reduced_grad):
+        return "column"
+    if close(grad_x, local_grad):
+        return "local-grad"
+    return "other: its input gradient is neither all_reduce(grad @ weight) over the group nor this rank's part of it"
+
+
+def _probe_all(candidates: List[_Candidate], info: GroupInfo) -> None:
+    local = [_probe(c.module, info) for c in candidates]
+    gathered = [None] * info.world
+    dist.all_gather_object(gathered, local, group=info.group)
+    group_text = f"group {info.name!r} (size {info.world})"
+    for index, c in enumerate(candidates):
+        verdicts = [entries[index] for entries in gathered]
+        if len(set(verdicts)) > 1:
+            c.problems.append("ranks disagree on what it computes (" +
+                              ", ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts)) +
+                              f"): not a column-parallel layer over {group_text} -- is the group right?")
+            continue
+        verdict = verdicts[0]
+        if verdict == "local-grad":
+            c.problems.append(
+                "its backward leaves the input gradient as this rank's part (grad @ weight), not its all_reduce: the "
+                "model reduces it elsewhere (a bare nn.Linear shard), and an all_reduce written outside the module "
+                "cannot be removed from here. Make the layer own it (Megatron-LM's copy_to_tensor_model_parallel_region "
+                "inside the layer), or put torch_gemm_ar.nn.ColumnParallelLinear(sequence_parallel=False) in its place "
+                "and delete that all_reduce")
+        elif verdict == "not-local":
+            c.problems.append(
+                "its output on a replicated random input is not this rank's x @ weight.T (+ bias): not a column-parallel "
+                "layer with gather_output=False (it gathers or reduces its output, or computes more)")
+        elif verdict.startswith("other: "):
+            c.problems.append(verdict.partition(": ")[2] + f"; not a column-parallel linear layer over {group_text}")
+
+
+__all__ = ["replace_column_parallel"]
