@@ -7,7 +7,8 @@ model converted by torch_gemm_ar.nn.replace_row_parallel (with replace_column_pa
 
 Three ways of writing the unfused TP model, each converted in place:
 - dtensor: torch.distributed.tensor.parallel.parallelize_module with ColwiseParallel for q/k/v/gate/up and
-  RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model).
+  RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model) and replace_column_parallel(model)
+  (the column-parallel layers' backward all-reduce of the input gradient becomes a gemm_allreduce).
 - plain: Megatron-style layers written by hand (ColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
   all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]), and
   replace_column_parallel(model, patterns=[... q/k/v/gate/up ...]): the column-parallel layers' backward all-reduce
@@ -311,10 +312,10 @@ def compare_style(style: str, args, cfg: BlockConfig, dtype, group, mesh) -> dic
         patterns = None if style == "dtensor" else ROW_PARALLEL_PATTERNS
         replaced = torch_gemm_ar.nn.replace_row_parallel(converted, group=group, patterns=patterns,
                                                          algorithm=args.algorithm)
-        if style == "plain":
-            replaced += torch_gemm_ar.nn.replace_column_parallel(converted, group=group,
-                                                                 patterns=COLUMN_PARALLEL_PATTERNS,
-                                                                 algorithm=args.algorithm)
+        # The column-parallel layers: their backward all-reduce of the input gradient becomes a gemm_allreduce.
+        column_patterns = None if style == "dtensor" else COLUMN_PARALLEL_PATTERNS
+        replaced += torch_gemm_ar.nn.replace_column_parallel(converted, group=group, patterns=column_patterns,
+                                                             algorithm=args.algorithm)
 
     generator = torch.Generator().manual_seed(args.seed + 1)  # the same activations on every rank (replicated)
     world, rank = dist.get_world_size(group), dist.get_rank(group)

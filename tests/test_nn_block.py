@@ -1,6 +1,6 @@
-"""replace_row_parallel on the Llama-style decoder block of examples/tp_transformer.py, in its TP styles (DTensor
-RowwiseParallel, Megatron-style layers selected by pattern, and -- replace_sequence_parallel -- DTensor with
-sequence parallelism, where each rank holds a chunk of the sequence), on 2 and 3 ranks: forward and backward equal the
+"""replace_row_parallel and replace_column_parallel on the Llama-style decoder block of examples/tp_transformer.py, in
+its TP styles (DTensor RowwiseParallel / ColwiseParallel, Megatron-style layers selected by pattern, and --
+replace_sequence_parallel -- DTensor with sequence parallelism, where each rank holds a chunk of the sequence), on 2 and 3 ranks: forward and backward equal the
 unfused TP model and the single-device block in float64, training steps give the same weights, and the converted
 model keeps its Parameter objects, names and state_dict."""
 import os
@@ -16,7 +16,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 import tp_transformer as tp  # noqa: E402
 import torch_gemm_ar  # noqa: E402
-from torch_gemm_ar.nn import DTensorColumnParallelLinear, DTensorRowParallelLinear, RowParallelLinear  # noqa: E402
+from torch_gemm_ar.nn import (  # noqa: E402
+    ColumnParallelLinear, DTensorColumnParallelLinear, DTensorRowParallelLinear, RowParallelLinear,
+)
 
 # hidden 60 = 6 heads of 10, ffn 90: per-rank widths 30/20 and 45/30, no tile multiple anywhere.
 CONFIG = dict(hidden=60, heads=6, ffn=90)
@@ -37,7 +39,10 @@ def convert(style: str, model, algorithm: str):
     if style == "sp":
         return torch_gemm_ar.nn.replace_sequence_parallel(model, algorithm=algorithm)
     patterns = None if style == "dtensor" else tp.ROW_PARALLEL_PATTERNS
-    return torch_gemm_ar.nn.replace_row_parallel(model, patterns=patterns, algorithm=algorithm)
+    replaced = torch_gemm_ar.nn.replace_row_parallel(model, patterns=patterns, algorithm=algorithm)
+    # The column-parallel layers too: their backward all-reduce of the input gradient becomes a gemm_allreduce.
+    patterns = None if style == "dtensor" else tp.COLUMN_PARALLEL_PATTERNS
+    return replaced + torch_gemm_ar.nn.replace_column_parallel(model, patterns=patterns, algorithm=algorithm)
 
 
 def seq_len(style: str, world: int) -> int:
@@ -73,12 +78,11 @@ def block_equivalence(rank, world, seed, style, bias, algorithm):
     state_keys_before = list(converted.state_dict())
 
     replaced = convert(style, converted, algorithm)
-    rows = sorted(tp.ROW_PARALLEL)
-    assert sorted(replaced) == (sorted(tp.ROW_PARALLEL + tp.COLUMN_PARALLEL) if style == "sp" else rows), replaced
+    assert sorted(replaced) == sorted(tp.ROW_PARALLEL + tp.COLUMN_PARALLEL), replaced
     expected_type = {"dtensor": DTensorRowParallelLinear, "plain": RowParallelLinear, "sp": DTensorRowParallelLinear}
     assert all(isinstance(converted.get_submodule(n), expected_type[style]) for n in tp.ROW_PARALLEL)
-    if style == "sp":
-        assert all(isinstance(converted.get_submodule(n), DTensorColumnParallelLinear) for n in tp.COLUMN_PARALLEL)
+    column_type = ColumnParallelLinear if style == "plain" else DTensorColumnParallelLinear
+    assert all(isinstance(converted.get_submodule(n), column_type) for n in tp.COLUMN_PARALLEL)
     # The same Parameter objects under the same names: optimizers and checkpoints are unaffected.
     params_after = dict(converted.named_parameters())
     assert params_after.keys() == params_before.keys()

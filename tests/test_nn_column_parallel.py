@@ -1,7 +1,8 @@
 """ColumnParallelLinear(sequence_parallel=False) on real ranks against the full nn.Linear in float64 (the input
 gradient all-reduced in backward by gemm_allreduce), and replace_column_parallel on the plain Megatron-style block
 of examples/tp_transformer.py: the converted block trains as the unfused one, and layers that are not column-parallel
-are refused on every rank with the reason."""
+are refused on every rank with the reason. (The DTensor ColwiseParallel path, and both paths against the float64
+block: tests/test_nn_block.py.)"""
 import copy
 import os
 import random
@@ -158,6 +159,17 @@ def converter_misuse(rank, world, seed):
     raises(lambda: replace_column_parallel(block, patterns=[]), "non-empty", exc=ValueError)
     raises(lambda: replace_column_parallel(block, patterns=["*.q_proj"], algorithm="fastest"),
            "algorithm must be one of", exc=ValueError)
+    raises(lambda: replace_column_parallel(block), "found no nn.Linear parallelized with ColwiseParallel",
+           "patterns=[...]", exc=ValueError)
+    # DTensor: a sequence-parallel ColwiseParallel (input Shard(1)) is replace_sequence_parallel's.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sp = tp.tensor_parallel_sequence(tp.make_block(tp.BlockConfig(hidden=12, heads=world, ffn=3 * world), seed),
+                                     init_device_mesh("cpu", (world,)))
+    raises(lambda: replace_column_parallel(sp, patterns=["*.q_proj"]), "'self_attn.q_proj'",
+           "replace_sequence_parallel converts", exc=ValueError)
+    raises(lambda: replace_column_parallel(sp), "found no nn.Linear parallelized with ColwiseParallel",
+           exc=ValueError)
     # The group still works, and the right layers still convert.
     assert replace_column_parallel(block, patterns=["*.q_proj"]) == ["self_attn.q_proj"]
 

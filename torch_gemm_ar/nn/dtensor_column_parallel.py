@@ -1,5 +1,8 @@
-"""Taking over an nn.Linear that torch.distributed.tensor.parallel.ColwiseParallel(input_layouts=Shard(d))
-parallelized: sequence parallelism's all-gather of the sequence followed by the column-parallel GEMM.
+"""Taking over an nn.Linear that torch.distributed.tensor.parallel.ColwiseParallel parallelized:
+- input_layouts=Shard(d): sequence parallelism's all-gather of the sequence followed by the column-parallel GEMM
+  (allgather_gemm; replace_sequence_parallel);
+- input_layouts=Replicate() (the default): a local GEMM whose backward all-reduces the input gradient (DTensor's
+  Partial -> Replicate), fused with the GEMM that produces it (gemm_allreduce; replace_column_parallel).
 
 ColwiseParallel installs the same two hooks as RowwiseParallel (read by read_style_hooks): the pre-hook turns the
 input into a DTensor with `input_layouts` and redistributes it to Replicate (the all-gather), the hook turns the
@@ -11,15 +14,17 @@ import torch
 from torch import nn
 
 from .._ops import allgather_gemm
+from .reduced_input_grad import linear_with_reduced_input_grad
 from .dtensor_row_parallel import (
     RowwiseLayouts, adopt_parallelized_linear, is_dtensor, parallelized_linear_repr, sequence_shard_dim,
 )
 
 
 def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
-                              group_name: Optional[str] = None) -> List[str]:
-    """Why `module` cannot be replaced by a DTensorColumnParallelLinear (empty list: it can)."""
-    from torch.distributed.tensor import Shard
+                              group_name: Optional[str] = None, *, replicated_input: bool = False) -> List[str]:
+    """Why `module` cannot be replaced by a DTensorColumnParallelLinear (empty list: it can): with its input sharded
+    on a sequence dim, or with `replicated_input` its input Replicate."""
+    from torch.distributed.tensor import Replicate, Shard
 
     if not isinstance(module, nn.Linear):
         kind = type(module).__name__
@@ -33,7 +38,11 @@ def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayout
     problems = []
     if other_hooks:
         problems.append("it has other hooks that a replacement would drop: " + ", ".join(other_hooks))
-    if sequence_shard_dim(layouts.input_layouts) is None:
+    if replicated_input and tuple(layouts.input_layouts) != (Replicate(),):
+        problems.append(f"its input_layouts is {layouts.input_layouts}, not Replicate(): "
+                        + ("sequence parallelism, which replace_sequence_parallel converts"
+                           if sequence_shard_dim(layouts.input_layouts) is not None else "no input-gradient all-reduce"))
+    if not replicated_input and sequence_shard_dim(layouts.input_layouts) is None:
         problems.append(f"its input_layouts is {layouts.input_layouts}, not Shard(d) on a sequence (row) dim: no "
                         "all-gather to fuse")
     if tuple(layouts.output_layouts) != (Shard(-1),):
@@ -53,31 +62,52 @@ def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayout
 
 
 class DTensorColumnParallelLinear(nn.Module):
-    """Stands in for an nn.Linear parallelized with ColwiseParallel(input_layouts=Shard(d)): the same inputs
-    (this rank's sequence shard, plain or DTensor), outputs (the whole sequence, this rank's output columns) and
-    Parameter objects (weight, bias: Shard(0) DTensors). The all-gather along d and the local GEMM run as one
-    allgather_gemm on the mesh's group; backward reduce-scatters the input gradient, as DTensor's does.
+    """Stands in for an nn.Linear parallelized with ColwiseParallel: the same inputs (plain or DTensor), outputs
+    (this rank's output columns) and Parameter objects (weight, bias: Shard(0) DTensors).
+    - input_layouts=Shard(d): the input is this rank's sequence shard; the all-gather along d and the local GEMM run
+      as one allgather_gemm on the mesh's group; backward reduce-scatters the input gradient, as DTensor's does.
+    - input_layouts=Replicate(): the local GEMM; backward all-reduces the input gradient, as DTensor's does, in one
+      gemm_allreduce with its GEMM (every rank must need the input's gradient alike).
     """
 
     def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
         super().__init__()
         adopt_parallelized_linear(self, linear, layouts, algorithm)
-        self.gather_dim = sequence_shard_dim(layouts.input_layouts)
+        self.gather_dim = sequence_shard_dim(layouts.input_layouts)  # None: a replicated input
 
     def _local_shard(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's sequence shard: a plain input is taken as input_layouts says (as ColwiseParallel's pre-hook
-        does); a DTensor input is resharded to Shard(d) first if it is laid out otherwise."""
-        from torch.distributed.tensor import DTensor, Shard
+        """This rank's sequence shard (or the replicated input): a plain input is taken as input_layouts says (as
+        ColwiseParallel's pre-hook does); a DTensor input is redistributed to Shard(d) (Replicate) first if it is
+        laid out otherwise."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
         if isinstance(x, DTensor):
+            if self.gather_dim is None:
+                if tuple(x.placements) != (Replicate(),):
+                    x = x.redistribute(self.device_mesh, (Replicate(),))
+                return x.to_local()
             dim = self.gather_dim + x.dim() if self.gather_dim < 0 else self.gather_dim
             if not (len(x.placements) == 1 and x.placements[0].is_shard(dim)):
                 x = x.redistribute(self.device_mesh, (Shard(dim),))
             return x.to_local()
         return x
 
+    def _output(self, out: torch.Tensor):
+        if self.use_local_output:
+            return out
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(out, self.device_mesh, self.output_layouts, run_check=False)
+
     def forward(self, x: torch.Tensor):
         local = self._local_shard(x)
+        if self.gather_dim is None:
+            weight = self.weight.to_local()  # [out/world, in]; its gradient comes back as a Shard(0) DTensor
+            if local.dim() == 0 or local.shape[-1] != weight.shape[1]:
+                raise ValueError(f"DTensorColumnParallelLinear: the input must be [*, {weight.shape[1]}]; got "
+                                 f"{tuple(local.shape)}")
+            bias = None if self.bias is None else self.bias.to_local()
+            return self._output(linear_with_reduced_input_grad(local, weight, bias, self.group_name, self.algorithm))
         if local.dim() not in (2, 3):
             raise ValueError(f"DTensorColumnParallelLinear: the input must be 2-D or 3-D; got {tuple(local.shape)}")
         dim = self.gather_dim + local.dim() if self.gather_dim < 0 else self.gather_dim
@@ -87,11 +117,7 @@ class DTensorColumnParallelLinear(nn.Module):
                              f"{weight.shape[1]}; input shape {tuple(local.shape)}")
         bias = None if self.bias is None else self.bias.to_local()
         out = allgather_gemm(local, weight.t(), self.group_name, gather_dim=dim, bias=bias, algorithm=self.algorithm)
-        if self.use_local_output:
-            return out
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(out, self.device_mesh, self.output_layouts, run_check=False)
+        return self._output(out)
 
     def extra_repr(self) -> str:
         return parallelized_linear_repr(self, with_output_layouts=False)

@@ -146,7 +146,8 @@ def _reported(report: ReplaceReport) -> ReplaceReport:
 # Why a module parallelized with another style is not a GEMM followed by an all_reduce (style class names of
 # torch.distributed.tensor.parallel and transformers.distributed.tensor_parallel).
 _STYLE_REASONS = {
-    "ColwiseParallel": "column-parallel: its GEMM is followed by no reduction",
+    "ColwiseParallel": "column-parallel: its GEMM is followed by no reduction (torch's ColwiseParallel on a replicated "
+                       "input: replace_column_parallel fuses its backward all-reduce)",
     "PackedColwiseParallel": "column-parallel (packed weights): its GEMM is followed by no reduction",
     "PackedRowwiseParallel": "packed row-parallel parameters without a forward of their own to fuse",
     "SequenceParallel": "a sequence-parallel module (a norm or dropout): no GEMM to fuse",

@@ -1,17 +1,21 @@
-"""replace_column_parallel: swap the column-parallel layers of a plain tensor-parallel model for ColumnParallelLinear
-(sequence_parallel=False), whose backward fuses the input gradient's all-reduce with its GEMM.
+"""replace_column_parallel: swap the column-parallel layers of a tensor-parallel model for ones whose backward fuses
+the input gradient's all-reduce with its GEMM (gemm_allreduce), for training.
 
-A plain (non-DTensor) column-parallel layer selected by a name pattern: a module holding this rank's `[out/world, in]`
+(a) an nn.Linear parallelized by torch.distributed.tensor.parallel.ColwiseParallel with a replicated input (the
+    default input_layouts=Replicate(), output Shard(-1)): becomes a DTensorColumnParallelLinear (same Parameter
+    objects, inputs and outputs). Found automatically (patterns=None) or by pattern; the group is the mesh's.
+(b) a plain (non-DTensor) column-parallel layer selected by a name pattern: a module holding this rank's `[out/world, in]`
 weight shard (and optionally its `[out/world]` bias shard) whose forward is the local `x @ weight.T + bias` on the
 replicated input and whose backward all-reduces the input gradient over `group` -- Megatron-LM's ColumnParallelLinear
 with gather_output=False (copy_to_tensor_model_parallel_region, then the GEMM). It becomes a ColumnParallelLinear that
 adopts the same Parameter objects, so optimizers built before, gradient hooks and state_dicts keep working. Each
 matched module is probed once, on all ranks together, forward and backward with random values, and anything else is
 an error on every rank, with the reason (a bare nn.Linear shard whose input gradient the model reduces elsewhere, a
-layer that gathers its output, another group, extra computation).
+layer that gathers its output, another group, extra computation); by pattern only.
 """
 import logging
-from typing import Dict, List, Sequence, Union
+import sys
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -21,7 +25,8 @@ from torch import nn
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
 from .column_parallel_linear import ColumnParallelLinear
-from .dtensor_row_parallel import is_dtensor
+from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_sequence_problems
+from .dtensor_row_parallel import is_dtensor, read_style_hooks
 from .replace import (
     PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _share_problems,
 )
@@ -34,42 +39,54 @@ logger = logging.getLogger("torch_gemm_ar.nn")
 def replace_column_parallel(
     model: nn.Module,
     *,
-    patterns: Union[str, Sequence[str]],
+    patterns: Union[None, str, Sequence[str]] = None,
     group: GroupLike = None,
     algorithm: str = "auto",
 ) -> ReplaceReport:
-    """Replace the plain column-parallel layers of `model` that `patterns` name (fnmatch on the qualified module
-    name, e.g. "*.q_proj", "layers.*.mlp.up_proj") in place; returns the names replaced (a ReplaceReport). A pattern
-    that matches nothing is an error. `group`: the group whose input-gradient all-reduce the layers run (None: the
-    default group). Call it on every rank of the group with the same model and arguments (the layers are probed
-    collectively). Layers converted before are left alone and not listed again. DTensor layers (ColwiseParallel)
-    are not taken: their backward's all-reduce belongs to DTensor."""
+    """Replace the column-parallel layers of `model` in place; returns the names replaced (a ReplaceReport).
+
+    patterns=None: every nn.Linear parallelized with ColwiseParallel on a replicated input (DTensor). With patterns
+    (fnmatch on the qualified module name, e.g. "*.q_proj", "layers.*.mlp.up_proj"): exactly the modules they match,
+    DTensor or plain; a pattern that matches nothing is an error. `group`: for plain layers the group whose
+    input-gradient all-reduce they run (None: the default group); for DTensor layers it may be left None (the
+    mesh's group is used) and otherwise must be that group. Call it on every rank of the group with the same model
+    and arguments (plain layers are probed collectively). Layers converted before are left alone and not listed
+    again."""
     check_algorithm(algorithm, WHO)
     if isinstance(patterns, str):
         patterns = [patterns]
-    patterns = list(patterns) if patterns is not None else []
-    if not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise ValueError(f"{WHO}: patterns must be non-empty strings naming the column-parallel layers, e.g. "
-                         f"['*.q_proj', '*.up_proj']; got {patterns!r}")
+    if patterns is not None:
+        patterns = list(patterns)
+        if not patterns or not all(isinstance(p, str) and p for p in patterns):
+            raise ValueError(f"{WHO}: patterns must be non-empty strings naming the column-parallel layers, e.g. "
+                             f"['*.q_proj', '*.up_proj']; got {patterns!r}")
     candidates = _select(model, patterns)
     if not candidates:
         return _reported(ReplaceReport([], converter=WHO, ops="gemm_allreduce in backward"))
-    info = resolve_group(group, WHO)
+    plain = [c for c in candidates if not c.dtensor]
+    info = resolve_group(group, WHO) if plain or group is not None else None
     for c in candidates:
-        if any(is_dtensor(p) for p in c.module.parameters()):
-            c.problems.append("it holds DTensor parameters (ColwiseParallel): DTensor runs its backward's all-reduce, "
-                              "which this converter cannot take over; only plain layers are converted")
+        if c.dtensor:
+            c.layouts, other_hooks, _ = read_style_hooks(c.module, "ColwiseParallel")
+            c.problems += colwise_sequence_problems(c.module, c.layouts, other_hooks,
+                                                    None if group is None else info.name, replicated_input=True)
         else:
             c.problems += _plain_problems(c.module, "[out/world, in]", "the bias shard of the layer")
-    # Local findings may differ between ranks; share them before any probe so all ranks raise together.
-    _share_problems(candidates, info)
+    if plain:
+        # Local findings may differ between ranks; share them before any probe so all ranks raise together.
+        _share_problems(candidates, info)
     _raise_if_problems(candidates, WHO)
-    _probe_all(candidates, info)
-    _raise_if_problems(candidates, WHO)
+    if plain:
+        _probe_all(plain, info)
+        _raise_if_problems(candidates, WHO)
 
     replaced: List[str] = []
     for c in candidates:
-        new = ColumnParallelLinear._around(c.module.weight, c.module.bias, info, algorithm, sequence_parallel=False)
+        if c.dtensor:
+            new = DTensorColumnParallelLinear(c.module, c.layouts, algorithm=algorithm)
+        else:
+            new = ColumnParallelLinear._around(c.module.weight, c.module.bias, info, algorithm,
+                                               sequence_parallel=False)
         for name in c.names:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
@@ -82,17 +99,41 @@ def _reported(report: ReplaceReport) -> ReplaceReport:
     return report
 
 
-def _select(model: nn.Module, patterns: List[str]) -> List[_Candidate]:
+def _colwise_replicated(module: nn.Module) -> bool:
+    """Whether ColwiseParallel's hooks are on `module` with a replicated input."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # nothing can be parallelized with DTensor before it is imported
+    from torch.distributed.tensor import Replicate
+
+    layouts, _, _ = read_style_hooks(module, "ColwiseParallel")
+    return layouts is not None and tuple(layouts.input_layouts) == (Replicate(),)
+
+
+def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]:
     names_of: Dict[int, List[str]] = {}
     modules: Dict[int, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(module), []).append(name)
         modules[id(module)] = module
+    converted = (ColumnParallelLinear, DTensorColumnParallelLinear)
+    if patterns is None:
+        found = [i for i, m in modules.items() if not isinstance(m, converted) and _colwise_replicated(m)]
+        if not found and not any(isinstance(m, converted) for m in modules.values()):
+            raise ValueError(f"{WHO}: found no nn.Linear parallelized with ColwiseParallel on a replicated input "
+                             "(DTensor); for a plain tensor-parallel model pass patterns=[...] naming its "
+                             "column-parallel layers, e.g. ['*.q_proj', '*.k_proj', '*.v_proj', '*.gate_proj', "
+                             "'*.up_proj']")
+        return [_Candidate(names_of[i], modules[i], dtensor=True) for i in found]
     unmatched = [p for p in patterns if not any(_matches(n, [p]) for names in names_of.values() for n in names)]
     if unmatched:
         raise ValueError(f"{WHO}: pattern(s) {unmatched} match no module of the model")
-    return [_Candidate(names_of[i], m, dtensor=False) for i, m in modules.items()
-            if any(_matches(n, patterns) for n in names_of[i]) and not isinstance(m, ColumnParallelLinear)]
+    candidates = []
+    for i, module in modules.items():
+        if not any(_matches(n, patterns) for n in names_of[i]) or isinstance(module, converted):
+            continue
+        dtensor = any(is_dtensor(p) for p in module.parameters()) or read_style_hooks(module, "ColwiseParallel")[2]
+        candidates.append(_Candidate(names_of[i], module, dtensor=dtensor))
+    return candidates
 
 
 def _probe(module: nn.Module, info: GroupInfo) -> str:
