@@ -9,7 +9,7 @@ Three ways of writing the unfused TP model, each converted in place:
 - dtensor: torch.distributed.tensor.parallel.parallelize_module with ColwiseParallel for q/k/v/gate/up and
   RowwiseParallel for o_proj/down_proj; converted by replace_row_parallel(model) and replace_column_parallel(model)
   (the column-parallel layers' backward all-reduce of the input gradient becomes a gemm_allreduce).
-- plain: Megatron-style layers written by hand (ColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
+- plain: Megatron-style layers written by hand (UnfusedColumnParallelLinear, and UnfusedRowParallelLinear = matmul, then
   all_reduce, then bias); converted by replace_row_parallel(model, patterns=["*.o_proj", "*.down_proj"]), and
   replace_column_parallel(model, patterns=[... q/k/v/gate/up ...]): the column-parallel layers' backward all-reduce
   of the input gradient becomes one gemm_allreduce with the GEMM that produces it.
@@ -172,7 +172,7 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-class ColumnParallelLinear(nn.Module):
+class UnfusedColumnParallelLinear(nn.Module):
     """weight [out/world, in], bias [out/world]: this rank's slice of the output features."""
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup):
@@ -216,7 +216,7 @@ def tensor_parallel_plain(block: DecoderBlock, group: dist.ProcessGroup) -> Deco
     for name in COLUMN_PARALLEL + ROW_PARALLEL:
         parent_name, _, leaf = name.rpartition(".")
         parent = block.get_submodule(parent_name)
-        layer = ColumnParallelLinear if name in COLUMN_PARALLEL else UnfusedRowParallelLinear
+        layer = UnfusedColumnParallelLinear if name in COLUMN_PARALLEL else UnfusedRowParallelLinear
         setattr(parent, leaf, layer(getattr(parent, leaf), group))
     return block
 

@@ -1,8 +1,8 @@
-"""replace_row_parallel and replace_column_parallel on the Llama-style decoder block of examples/tp_transformer.py, in
-its TP styles (DTensor RowwiseParallel / ColwiseParallel, Megatron-style layers selected by pattern, and --
-replace_sequence_parallel -- DTensor with sequence parallelism, where each rank holds a chunk of the sequence), on 2 and 3 ranks: forward and backward equal the
-unfused TP model and the single-device block in float64, training steps give the same weights, and the converted
-model keeps its Parameter objects, names and state_dict."""
+"""replace_row_parallel and replace_column_parallel on the Llama-style decoder block of examples/tp_transformer.py,
+in its TP styles (DTensor RowwiseParallel / ColwiseParallel, Megatron-style layers selected by pattern, and --
+replace_sequence_parallel -- DTensor with sequence parallelism, where each rank holds a chunk of the sequence), on 2
+and 3 ranks: forward and backward equal the unfused TP model and the single-device block in float64, training steps
+give the same weights, and the converted model keeps its Parameter objects, names and state_dict."""
 import os
 import random
 import sys

@@ -51,7 +51,7 @@ def forward_backward_vs_full(rank, world, seed, dtype, algorithm):
             # The check above can fail: this rank's own part of the gradient, without the all-reduce, does not pass.
             local = upstream[..., rows] @ full.weight.detach()[rows]
             with pytest.raises(AssertionError):
-                check_close(local, x_ref.grad, torch.float64, out_features, what + " local part")
+                check_close(local.to(dtype), x_ref.grad, dtype, out_features, what + " local part")
         terms = max(1, x_full[..., 0].numel())
         check_close(layer.weight.grad, full.weight.grad[rows], dtype, terms, what + " grad weight")
         assert layer.weight.grad.stride() == layer.weight.stride(), what + ": the weight's gradient has other strides"
@@ -59,11 +59,40 @@ def forward_backward_vs_full(rank, world, seed, dtype, algorithm):
             check_close(layer.bias.grad, full.bias.grad[rows], dtype, terms, what + " grad bias")
 
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_backward_match_full_linear(ranks, world, dtype):
-    algorithm = random.choice(["sequential", "fused", "auto"])
+    # Every algorithm over the six cases, fixed per case so that a failure reproduces with its algorithm.
+    algorithm = ["sequential", "chunked", "fused", "auto"][(3 * (world - 2) + DTYPES.index(dtype)) % 4]
     ranks(world).run(forward_backward_vs_full, random.randrange(1 << 30), dtype, algorithm)
+
+
+def under_autocast(rank, world, seed):
+    """Mixed precision: fp32 parameters, the GEMMs in bf16 under torch.autocast; gradients come back in fp32 and
+    match the float64 layer within bf16's tolerance."""
+    rows = slice(rank * 6, (rank + 1) * 6)
+    full = full_linear(seed, 29, 6 * world, bias=True)
+    layer = ColumnParallelLinear.from_linear(copy.deepcopy(full).float(), sequence_parallel=False, algorithm="fused")
+    g = torch.Generator().manual_seed(seed + 1)
+    x_full = torch.randn(3, 5, 29, generator=g, dtype=torch.float64)
+    upstream = torch.randn(3, 5, 6 * world, generator=g, dtype=torch.float64)
+    x = x_full.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16, out.dtype
+    (out.float() * upstream[..., rows].float()).sum().backward()
+    x_ref = x_full.clone().requires_grad_()
+    (full(x_ref) * upstream).sum().backward()
+    assert x.grad.dtype == layer.weight.grad.dtype == torch.float32
+    check_close(x.grad, x_ref.grad, torch.bfloat16, 6 * world, "autocast grad x")
+    check_close(layer.weight.grad, full.weight.grad[rows], torch.bfloat16, 15, "autocast grad weight")
+
+
+def test_autocast(ranks):
+    ranks(2).run(under_autocast, random.randrange(1 << 30))
 
 
 def frozen_input_runs_no_collective(rank, world, seed):
@@ -133,12 +162,27 @@ class Holder(nn.Module):
             setattr(self, name, child)
 
 
+class FailsOnOneRank(nn.Module):
+    """A column-parallel-looking layer whose forward raises on rank 1 only (or whose output is detached)."""
+
+    def __init__(self, rank, detach=False):
+        super().__init__()
+        self.rank, self.detach = rank, detach
+        self.weight = nn.Parameter(torch.ones(4, 12))
+
+    def forward(self, x):
+        if self.detach:
+            return F.linear(x, self.weight).detach()
+        if self.rank == 1:
+            raise RuntimeError("boom")
+        return F.linear(x, self.weight)
+
+
 def converter_misuse(rank, world, seed):
-    torch.manual_seed(seed + rank)
     block = tp.tensor_parallel_plain(tp.make_block(tp.BlockConfig(hidden=12, heads=world, ffn=3 * world), seed),
                                      dist.group.WORLD)
     # A bare nn.Linear shard: its input gradient is this rank's part; the model would reduce it elsewhere.
-    bare = Holder(q_proj=nn.Linear(12, 4))
+    bare = Holder(q_proj=nn.Linear(12, 4))  # the module's own initialisation: it differs per rank, as shards do
     raises(lambda: replace_column_parallel(bare, patterns=["q_proj"]), "'q_proj'", "this rank's part",
            "ColumnParallelLinear(sequence_parallel=False)", exc=ValueError)
     assert type(bare.q_proj) is nn.Linear, "a failed call must leave the model untouched"
@@ -148,9 +192,14 @@ def converter_misuse(rank, world, seed):
     # One bad layer among good ones: nothing replaced.
     raises(lambda: replace_column_parallel(block, patterns=["*.q_proj", "*.down_proj"]), "'mlp.down_proj'",
            exc=ValueError)
-    assert type(block.self_attn.q_proj) is tp.ColumnParallelLinear, "nothing replaced after a failure"
+    assert type(block.self_attn.q_proj) is tp.UnfusedColumnParallelLinear, "nothing replaced after a failure"
     raises(lambda: replace_column_parallel(block, patterns=["input_layernorm"]), "expected a 2-D floating "
            "[out/world, in] shard", exc=ValueError)
+    # A forward that raises on one rank: every rank reports it, and none waits in the probe's backward.
+    raises(lambda: replace_column_parallel(Holder(p=FailsOnOneRank(rank)), patterns=["p"]),
+           "its forward raised RuntimeError: boom (on rank 1)", exc=ValueError)
+    raises(lambda: replace_column_parallel(Holder(p=FailsOnOneRank(rank, detach=True)), patterns=["p"]),
+           "does not depend on its input", exc=ValueError)
     # Shards that disagree between ranks: reported on every rank before anything is probed.
     uneven = Holder(p=nn.Linear(6 + (rank == 1), 4))
     raises(lambda: replace_column_parallel(uneven, patterns=["p"]), "ranks disagree on its shapes", exc=ValueError)
@@ -159,7 +208,7 @@ def converter_misuse(rank, world, seed):
     raises(lambda: replace_column_parallel(block, patterns=[]), "non-empty", exc=ValueError)
     raises(lambda: replace_column_parallel(block, patterns=["*.q_proj"], algorithm="fastest"),
            "algorithm must be one of", exc=ValueError)
-    raises(lambda: replace_column_parallel(block), "found no nn.Linear parallelized with ColwiseParallel",
+    raises(lambda: replace_column_parallel(block), "found no module parallelized with torch's ColwiseParallel",
            "patterns=[...]", exc=ValueError)
     # DTensor: a sequence-parallel ColwiseParallel (input Shard(1)) is replace_sequence_parallel's.
     from torch.distributed.device_mesh import init_device_mesh
@@ -168,11 +217,68 @@ def converter_misuse(rank, world, seed):
                                      init_device_mesh("cpu", (world,)))
     raises(lambda: replace_column_parallel(sp, patterns=["*.q_proj"]), "'self_attn.q_proj'",
            "replace_sequence_parallel converts", exc=ValueError)
-    raises(lambda: replace_column_parallel(sp), "found no nn.Linear parallelized with ColwiseParallel",
-           exc=ValueError)
+    # Found without patterns, they are reported as left alone, with that reason.
+    report = replace_column_parallel(sp)
+    assert report == [] and sorted(name for name, _ in report.skipped) == sorted(tp.COLUMN_PARALLEL), report.skipped
+    assert all("replace_sequence_parallel converts" in reason for _, reason in report.skipped), report.skipped
     # The group still works, and the right layers still convert.
     assert replace_column_parallel(block, patterns=["*.q_proj"]) == ["self_attn.q_proj"]
 
 
-def test_converter_misuse_raises_on_every_rank(ranks):
-    ranks(2).run(converter_misuse, random.randrange(1 << 30))
+@pytest.mark.parametrize("world", [2, 3])
+def test_converter_misuse_raises_on_every_rank(ranks, world):
+    ranks(world).run(converter_misuse, random.randrange(1 << 30))
+
+
+def dtensor_plan(rank, world, seed, algorithm):
+    """torch's ColwiseParallel layers found without patterns: a plain input, a DTensor input with a DTensor output
+    (use_local_output=False), and a gathered-output layer left alone and reported; forward and backward equal the
+    unconverted model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def model():
+        g = torch.Generator().manual_seed(seed)  # the same full weights on every rank, sharded by the plan
+        m = Holder(q=nn.Linear(13, 5 * world), k=nn.Linear(13, 3 * world, bias=False), head=nn.Linear(13, 4 * world),
+                   o=nn.Linear(6 * world, 13))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(use_local_output=False),
+                "head": ColwiseParallel(output_layouts=Replicate()), "o": RowwiseParallel()}
+        return parallelize_module(m, mesh, plan)
+
+    unfused, converted = model(), model()
+    report = replace_column_parallel(converted, algorithm=algorithm)
+    assert sorted(report) == ["k", "q"], report
+    assert [name for name, _ in report.skipped] == ["head"] and "Shard(-1)" in report.skipped[0][1], report.skipped
+    assert replace_column_parallel(converted) == [], "converted twice"
+
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(2, 3, 13, generator=g)  # replicated
+    up_q = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(seed + 2 + rank))  # per rank: its columns
+    up_k = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(seed + 20 + rank))
+    results = []
+    for m in (unfused, converted):
+        xq, xk = x.clone().requires_grad_(), x.clone().requires_grad_()
+        q = m.q(xq)
+        k = m.k(DTensor.from_local(xk, mesh, [Replicate()], run_check=False))
+        assert isinstance(k, DTensor) and not isinstance(q, DTensor)
+        ((q * up_q).sum() + (k.to_local() * up_k).sum()).backward()
+        results.append((q.detach(), k.to_local().detach(), xq.grad, xk.grad,
+                        {n: tp.local_tensor(p.grad) for n, p in m.named_parameters() if p.grad is not None}))
+    (q0, k0, gq0, gk0, p0), (q1, k1, gq1, gk1, p1) = results
+    for what, got, want in (("q", q1, q0), ("k", k1, k0), ("x grad via q", gq1, gq0), ("x grad via k", gk1, gk0)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} rank {rank}: {m}")
+    assert p1.keys() == p0.keys() == {"q.weight", "q.bias", "k.weight"}, p1.keys()
+    for name in p0:
+        torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert isinstance(converted.q.weight.grad, DTensor), "the weight's gradient must stay a Shard(0) DTensor"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_colwise_layers(ranks, world):
+    ranks(world).run(dtensor_plan, random.randrange(1 << 30), ["fused", "sequential"][world - 2])

@@ -1,6 +1,6 @@
 """torch.compile(fullgraph=True) over a converted decoder block (both TP styles): one graph holding both fused
-row-parallel ops (and in plain style a backward graph with the column-parallel layers' fused input-gradient
-all-reduces), and forward and backward equal to the unfused eager model.
+row-parallel ops and a backward graph with the column-parallel layers' fused input-gradient all-reduces, and forward
+and backward equal to the unfused eager model.
 
 The backend is aot_eager: it traces the whole block, forward and backward, through the op's fake kernel and autograd
 formula, which is what fullgraph=True is about. Inductor's lowering of the op is tested in
@@ -28,8 +28,9 @@ def compiled_block(rank, world, seed, style, algorithm):
     unfused, converted = tensor_parallel(style, full, world), tensor_parallel(style, full, world)
     patterns = None if style == "dtensor" else tp.ROW_PARALLEL_PATTERNS
     torch_gemm_ar.nn.replace_row_parallel(converted, patterns=patterns, algorithm=algorithm)
-    if style == "plain":  # and the column-parallel layers, whose backward all-reduce becomes a gemm_allreduce
-        torch_gemm_ar.nn.replace_column_parallel(converted, patterns=tp.COLUMN_PARALLEL_PATTERNS, algorithm=algorithm)
+    # And the column-parallel layers, whose backward all-reduce of the input gradient becomes a gemm_allreduce.
+    patterns = None if style == "dtensor" else tp.COLUMN_PARALLEL_PATTERNS
+    torch_gemm_ar.nn.replace_column_parallel(converted, patterns=patterns, algorithm=algorithm)
 
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -68,9 +69,9 @@ def compiled_block(rank, world, seed, style, algorithm):
 
     fused_calls = [sum("gemm_allreduce" in str(node.target) for node in gm.graph.nodes) for gm in graphs]
     assert fused_calls == [2], f"gemm_allreduce calls per compiled graph: {fused_calls} (expected one graph, 2 calls)"
-    # plain: the five column-parallel layers' input gradients, each all-reduced by one gemm_allreduce in backward
+    # The five column-parallel layers' input gradients, each all-reduced by one gemm_allreduce in backward.
     backward_calls = [sum("gemm_allreduce" in str(node.target) for node in gm.graph.nodes) for gm in backward_graphs]
-    assert backward_calls == [5 if style == "plain" else 0], f"gemm_allreduce calls per backward graph: {backward_calls}"
+    assert backward_calls == [5], f"gemm_allreduce calls per backward graph: {backward_calls}"
 
 
 @pytest.mark.parametrize("style,algorithm", [("plain", "fused"), ("dtensor", "chunked")])

@@ -48,9 +48,8 @@ def layouts_round_trip(rank, world, seed, case):
     report = torch_gemm_ar.nn.replace_row_parallel(converted, algorithm="chunked")
     assert report == ["1"]
     if "0" in plan:  # the column-parallel layer is reported as left alone, with its reason
-        assert report.skipped == [("0", "ColwiseParallel: column-parallel: its GEMM is followed by no reduction "
-                                   "(torch's ColwiseParallel on a replicated input: replace_column_parallel fuses its "
-                                   "backward all-reduce)")]
+        assert report.skipped == [("0", "ColwiseParallel: column-parallel: its GEMM is followed by no reduction (its "
+                                   "backward all-reduce of the input gradient: replace_column_parallel fuses it)")]
     else:
         assert report.skipped == [], report.skipped
     assert isinstance(converted[1], DTensorRowParallelLinear)

@@ -14,21 +14,23 @@ import torch
 from torch import nn
 
 from .._ops import allgather_gemm
-from .reduced_input_grad import linear_with_reduced_input_grad
 from .dtensor_row_parallel import (
     RowwiseLayouts, adopt_parallelized_linear, is_dtensor, parallelized_linear_repr, sequence_shard_dim,
 )
+from .reduced_input_grad import linear_with_reduced_input_grad
 
 
-def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
-                              group_name: Optional[str] = None, *, replicated_input: bool = False) -> List[str]:
+def colwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],
+                     group_name: Optional[str] = None, *, replicated_input: bool = False) -> List[str]:
     """Why `module` cannot be replaced by a DTensorColumnParallelLinear (empty list: it can): with its input sharded
-    on a sequence dim, or with `replicated_input` its input Replicate."""
+    on a sequence dim (an all-gather to fuse), or with `replicated_input` its input Replicate (a backward all-reduce
+    to fuse)."""
     from torch.distributed.tensor import Replicate, Shard
 
+    fused = "a GEMM whose backward all-reduces" if replicated_input else "an all-gather + GEMM"
     if not isinstance(module, nn.Linear):
         kind = type(module).__name__
-        return [f"it is a {kind}, not an nn.Linear (ColwiseParallel on {kind} is not an all-gather + GEMM)"]
+        return [f"it is a {kind}, not an nn.Linear (ColwiseParallel on {kind} is not {fused})"]
     weight, bias = module.weight, module.bias
     if not is_dtensor(weight) or weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
         placements = tuple(weight.placements) if is_dtensor(weight) else "a plain tensor"
@@ -39,15 +41,15 @@ def colwise_sequence_problems(module: nn.Module, layouts: Optional[RowwiseLayout
     if other_hooks:
         problems.append("it has other hooks that a replacement would drop: " + ", ".join(other_hooks))
     if replicated_input and tuple(layouts.input_layouts) != (Replicate(),):
-        problems.append(f"its input_layouts is {layouts.input_layouts}, not Replicate(): "
-                        + ("sequence parallelism, which replace_sequence_parallel converts"
-                           if sequence_shard_dim(layouts.input_layouts) is not None else "no input-gradient all-reduce"))
+        what = ("sequence parallelism, which replace_sequence_parallel converts"
+                if sequence_shard_dim(layouts.input_layouts) is not None else "no input-gradient all-reduce")
+        problems.append(f"its input_layouts is {layouts.input_layouts}, not Replicate(): {what}")
     if not replicated_input and sequence_shard_dim(layouts.input_layouts) is None:
         problems.append(f"its input_layouts is {layouts.input_layouts}, not Shard(d) on a sequence (row) dim: no "
                         "all-gather to fuse")
     if tuple(layouts.output_layouts) != (Shard(-1),):
         problems.append(f"its output_layouts is {layouts.output_layouts}; only the column shard Shard(-1) is fused "
-                        "(a gathered output is a second all-gather)")
+                        "(a gathered output is an all-gather after the GEMM)")
     if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Shard(0),)):
         problems.append("its bias is not a Shard(0) DTensor")
     world = layouts.mesh.size()
@@ -72,8 +74,13 @@ class DTensorColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, layouts: RowwiseLayouts, *, algorithm: str = "auto"):
         super().__init__()
+        from torch.distributed.tensor import Replicate
+
         adopt_parallelized_linear(self, linear, layouts, algorithm)
         self.gather_dim = sequence_shard_dim(layouts.input_layouts)  # None: a replicated input
+        if self.gather_dim is None and tuple(layouts.input_layouts) != (Replicate(),):
+            raise ValueError(f"DTensorColumnParallelLinear: input_layouts={layouts.input_layouts}; expected "
+                             "(Replicate(),) or (Shard(d),) on a sequence (row) dim")
 
     def _local_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's sequence shard (or the replicated input): a plain input is taken as input_layouts says (as

@@ -17,9 +17,19 @@ from .._ops import gemm_allreduce
 class _LinearWithReducedInputGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group_name: str, algorithm: str):
-        ctx.save_for_backward(x, weight)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # What autocast makes of F.linear, done by hand so that backward multiplies the same dtype: the incoming
+            # gradient has it, and gemm_allreduce takes one dtype (autograd casts the returned gradients back).
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        # Only what backward uses: x for the weight's gradient, the weight for the input's.
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         ctx.group_name, ctx.algorithm, ctx.has_bias = group_name, algorithm, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.x_shape = x.shape
+        with torch.autocast(device, enabled=False):
+            return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -28,7 +38,7 @@ class _LinearWithReducedInputGrad(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         # Every rank of the group must need the input's gradient alike (SPMD): the all-reduce is collective.
         if ctx.needs_input_grad[0]:
-            grad_x = gemm_allreduce(grad2d, weight, ctx.group_name, algorithm=ctx.algorithm).reshape(x.shape)
+            grad_x = gemm_allreduce(grad2d, weight, ctx.group_name, algorithm=ctx.algorithm).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # [out/world, in] like the weight itself, so AccumulateGrad adopts it without a copy.
             grad_weight = grad2d.t().matmul(x.reshape(-1, x.shape[-1]))

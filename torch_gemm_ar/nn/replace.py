@@ -36,7 +36,8 @@ from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
 from .dtensor_column_parallel import DTensorColumnParallelLinear
 from .dtensor_row_parallel import (
-    DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_transformers_style, rowwise_problems,
+    DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_style_hooks, read_transformers_style,
+    rowwise_problems, sequence_shard_dim,
 )
 from .row_parallel_linear import RowParallelLinear, check_algorithm
 
@@ -46,8 +47,9 @@ logger = logging.getLogger("torch_gemm_ar.nn")
 
 
 class ReplaceReport(list):
-    """What replace_row_parallel did: the list of the names it replaced (compares equal to a plain list) and
-    `skipped`, the (name, reason) of every other tensor-parallel module it saw. `str(report)` explains both."""
+    """What a converter (replace_row_parallel, replace_column_parallel, replace_sequence_parallel) did: the list of
+    the names it replaced (compares equal to a plain list) and `skipped`, the (name, reason) of every other
+    tensor-parallel module it saw. `str(report)` explains both."""
 
     def __init__(self, replaced: Iterable[str] = (), skipped: Iterable = (), *,
                  converter: str = "replace_row_parallel", ops: str = "gemm_allreduce"):
@@ -146,8 +148,7 @@ def _reported(report: ReplaceReport) -> ReplaceReport:
 # Why a module parallelized with another style is not a GEMM followed by an all_reduce (style class names of
 # torch.distributed.tensor.parallel and transformers.distributed.tensor_parallel).
 _STYLE_REASONS = {
-    "ColwiseParallel": "column-parallel: its GEMM is followed by no reduction (torch's ColwiseParallel on a replicated "
-                       "input: replace_column_parallel fuses its backward all-reduce)",
+    "ColwiseParallel": "column-parallel: its GEMM is followed by no reduction",
     "PackedColwiseParallel": "column-parallel (packed weights): its GEMM is followed by no reduction",
     "PackedRowwiseParallel": "packed row-parallel parameters without a forward of their own to fuse",
     "SequenceParallel": "a sequence-parallel module (a norm or dropout): no GEMM to fuse",
@@ -181,6 +182,20 @@ def _style_of(module: nn.Module) -> Optional[str]:
     return None
 
 
+def _torch_colwise_pointer(module: nn.Module) -> str:
+    """Which converter fuses a collective of torch's ColwiseParallel on `module`, by its layouts ("" if none)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    layouts = read_style_hooks(module, "ColwiseParallel")[0]
+    if layouts is None or tuple(layouts.output_layouts) != (Shard(-1),):
+        return ""
+    if sequence_shard_dim(layouts.input_layouts) is not None:
+        return " (its all-gather of the sequence before the GEMM: replace_sequence_parallel fuses it)"
+    if tuple(layouts.input_layouts) == (Replicate(),):
+        return " (its backward all-reduce of the input gradient: replace_column_parallel fuses it)"
+    return ""
+
+
 def _skipped(model: nn.Module, taken) -> List:
     """(name, reason) of every tensor-parallel module that is not a row-parallel candidate."""
     if "torch.distributed.tensor" not in sys.modules:
@@ -196,6 +211,8 @@ def _skipped(model: nn.Module, taken) -> List:
             found = read_transformers_style(module)
             if style == "ColwiseParallel" and found is not None and found[0].output_layouts.is_replicate():
                 reason = "column-parallel with a gathered output: an all-gather follows its GEMM, not an all_reduce"
+            if style == "ColwiseParallel" and found is None:
+                reason += _torch_colwise_pointer(module)
             if style == "EmbeddingParallel" and found is not None:
                 reason = ("a vocabulary-parallel embedding: its all_reduce follows a lookup, not a GEMM"
                           if found[0].shard_dim == 0 else "a hidden-parallel embedding: an all-gather, no GEMM")

@@ -4,18 +4,18 @@ the input gradient's all-reduce with its GEMM (gemm_allreduce), for training.
 (a) an nn.Linear parallelized by torch.distributed.tensor.parallel.ColwiseParallel with a replicated input (the
     default input_layouts=Replicate(), output Shard(-1)): becomes a DTensorColumnParallelLinear (same Parameter
     objects, inputs and outputs). Found automatically (patterns=None) or by pattern; the group is the mesh's.
-(b) a plain (non-DTensor) column-parallel layer selected by a name pattern: a module holding this rank's `[out/world, in]`
-weight shard (and optionally its `[out/world]` bias shard) whose forward is the local `x @ weight.T + bias` on the
-replicated input and whose backward all-reduces the input gradient over `group` -- Megatron-LM's ColumnParallelLinear
-with gather_output=False (copy_to_tensor_model_parallel_region, then the GEMM). It becomes a ColumnParallelLinear that
-adopts the same Parameter objects, so optimizers built before, gradient hooks and state_dicts keep working. Each
-matched module is probed once, on all ranks together, forward and backward with random values, and anything else is
-an error on every rank, with the reason (a bare nn.Linear shard whose input gradient the model reduces elsewhere, a
-layer that gathers its output, another group, extra computation); by pattern only.
+(b) a plain (non-DTensor) column-parallel layer selected by a name pattern: a module holding this rank's
+    `[out/world, in]` weight shard (and optionally its `[out/world]` bias shard) whose forward returns one tensor, the
+    local `x @ weight.T + bias` on the replicated input, and whose backward all-reduces the input gradient over
+    `group` -- the Megatron-style layer (copy_to_tensor_model_parallel_region, then the GEMM, gather_output=False).
+    It becomes a ColumnParallelLinear that adopts the same Parameter objects, so optimizers built before, gradient
+    hooks and state_dicts keep working. Each matched module is probed once, on all ranks together, forward and
+    backward with random values, and anything else is an error on every rank, with the reason (a bare nn.Linear shard
+    whose input gradient the model reduces elsewhere, a layer that gathers its output or returns (output, bias)
+    pairs, another group, extra computation).
 """
-import logging
 import sys
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,16 @@ from torch import nn
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
 from .column_parallel_linear import ColumnParallelLinear
-from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_sequence_problems
+from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems
 from .dtensor_row_parallel import is_dtensor, read_style_hooks
 from .replace import (
-    PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _share_problems,
+    PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _reported,
+    _share_problems,
 )
 from .row_parallel_linear import check_algorithm
 
 WHO = "replace_column_parallel"
-logger = logging.getLogger("torch_gemm_ar.nn")
+OPS = "gemm_allreduce in backward"
 
 
 def replace_column_parallel(
@@ -43,35 +44,41 @@ def replace_column_parallel(
     group: GroupLike = None,
     algorithm: str = "auto",
 ) -> ReplaceReport:
-    """Replace the column-parallel layers of `model` in place; returns the names replaced (a ReplaceReport).
+    """Replace the column-parallel layers of `model` in place; returns the names replaced (a ReplaceReport, with
+    `skipped`: what was left alone and why; also logged on the "torch_gemm_ar.nn" logger).
 
-    patterns=None: every nn.Linear parallelized with ColwiseParallel on a replicated input (DTensor). With patterns
-    (fnmatch on the qualified module name, e.g. "*.q_proj", "layers.*.mlp.up_proj"): exactly the modules they match,
-    DTensor or plain; a pattern that matches nothing is an error. `group`: for plain layers the group whose
-    input-gradient all-reduce they run (None: the default group); for DTensor layers it may be left None (the
-    mesh's group is used) and otherwise must be that group. Call it on every rank of the group with the same model
-    and arguments (plain layers are probed collectively). Layers converted before are left alone and not listed
-    again."""
+    patterns=None: every nn.Linear parallelized with torch's ColwiseParallel on a replicated input (DTensor); other
+    ColwiseParallel modules (a gathered output, sequence parallelism, an nn.Embedding) are left alone and listed in
+    `skipped`. With patterns (fnmatch on the qualified module name, e.g. "*.q_proj", "layers.*.mlp.up_proj"):
+    exactly the modules they match, DTensor or plain, and any of them that cannot be converted is an error; a
+    pattern that matches nothing is an error. `group`: for plain layers the group whose input-gradient all-reduce
+    they run (None: the default group); for DTensor layers it may be left None (the mesh's group is used) and
+    otherwise must be that group. Call it on every rank of the group with the same model and arguments (plain
+    layers are probed collectively). Layers converted before are left alone and not listed again."""
     check_algorithm(algorithm, WHO)
     if isinstance(patterns, str):
         patterns = [patterns]
     if patterns is not None:
+        if not isinstance(patterns, (list, tuple)) or not patterns or \
+                not all(isinstance(p, str) and p for p in patterns):
+            raise ValueError(f"{WHO}: patterns must be a non-empty list of non-empty strings naming the "
+                             f"column-parallel layers, e.g. ['*.q_proj', '*.up_proj']; got {patterns!r}")
         patterns = list(patterns)
-        if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise ValueError(f"{WHO}: patterns must be non-empty strings naming the column-parallel layers, e.g. "
-                             f"['*.q_proj', '*.up_proj']; got {patterns!r}")
     candidates = _select(model, patterns)
-    if not candidates:
-        return _reported(ReplaceReport([], converter=WHO, ops="gemm_allreduce in backward"))
     plain = [c for c in candidates if not c.dtensor]
     info = resolve_group(group, WHO) if plain or group is not None else None
     for c in candidates:
         if c.dtensor:
             c.layouts, other_hooks, _ = read_style_hooks(c.module, "ColwiseParallel")
-            c.problems += colwise_sequence_problems(c.module, c.layouts, other_hooks,
-                                                    None if group is None else info.name, replicated_input=True)
+            c.problems += colwise_problems(c.module, c.layouts, other_hooks, None if group is None else info.name,
+                                           replicated_input=True)
         else:
             c.problems += _plain_problems(c.module, "[out/world, in]", "the bias shard of the layer")
+    skipped: List[Tuple[str, str]] = []
+    if patterns is None:
+        # Found by their style, not named: the ones that cannot be converted are reported, not errors.
+        skipped = [(c.names[0], "ColwiseParallel: " + "; ".join(c.problems)) for c in candidates if c.problems]
+        candidates = [c for c in candidates if not c.problems]
     if plain:
         # Local findings may differ between ranks; share them before any probe so all ranks raise together.
         _share_problems(candidates, info)
@@ -85,28 +92,20 @@ def replace_column_parallel(
         if c.dtensor:
             new = DTensorColumnParallelLinear(c.module, c.layouts, algorithm=algorithm)
         else:
-            new = ColumnParallelLinear._around(c.module.weight, c.module.bias, info, algorithm,
+            new = ColumnParallelLinear._around(c.module.weight, getattr(c.module, "bias", None), info, algorithm,
                                                sequence_parallel=False)
         for name in c.names:
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
             replaced.append(name)
-    return _reported(ReplaceReport(replaced, converter=WHO, ops="gemm_allreduce in backward"))
+    return _reported(ReplaceReport(replaced, skipped, converter=WHO, ops=OPS))
 
 
-def _reported(report: ReplaceReport) -> ReplaceReport:
-    logger.info("%s", report)
-    return report
-
-
-def _colwise_replicated(module: nn.Module) -> bool:
-    """Whether ColwiseParallel's hooks are on `module` with a replicated input."""
+def _has_colwise_hooks(module: nn.Module) -> bool:
+    """Whether torch's ColwiseParallel hooks are on `module` (any layouts)."""
     if "torch.distributed.tensor" not in sys.modules:
         return False  # nothing can be parallelized with DTensor before it is imported
-    from torch.distributed.tensor import Replicate
-
-    layouts, _, _ = read_style_hooks(module, "ColwiseParallel")
-    return layouts is not None and tuple(layouts.input_layouts) == (Replicate(),)
+    return read_style_hooks(module, "ColwiseParallel")[0] is not None
 
 
 def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]:
@@ -117,12 +116,12 @@ def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]
         modules[id(module)] = module
     converted = (ColumnParallelLinear, DTensorColumnParallelLinear)
     if patterns is None:
-        found = [i for i, m in modules.items() if not isinstance(m, converted) and _colwise_replicated(m)]
+        found = [i for i, m in modules.items() if not isinstance(m, converted) and _has_colwise_hooks(m)]
         if not found and not any(isinstance(m, converted) for m in modules.values()):
-            raise ValueError(f"{WHO}: found no nn.Linear parallelized with ColwiseParallel on a replicated input "
-                             "(DTensor); for a plain tensor-parallel model pass patterns=[...] naming its "
-                             "column-parallel layers, e.g. ['*.q_proj', '*.k_proj', '*.v_proj', '*.gate_proj', "
-                             "'*.up_proj']")
+            raise ValueError(f"{WHO}: found no module parallelized with torch's ColwiseParallel (DTensor hooks); for a "
+                             "plain tensor-parallel model pass patterns=[...] naming its column-parallel layers, e.g. "
+                             "['*.q_proj', '*.k_proj', '*.v_proj', '*.gate_proj', '*.up_proj'] (transformers' tp_plan "
+                             "\"colwise\" styles are not read)")
         return [_Candidate(names_of[i], modules[i], dtensor=True) for i in found]
     unmatched = [p for p in patterns if not any(_matches(n, [p]) for names in names_of.values() for n in names)]
     if unmatched:
@@ -136,33 +135,43 @@ def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]
     return candidates
 
 
-def _probe(module: nn.Module, info: GroupInfo) -> str:
-    """What `module` does with a random replicated input and a random per-rank output gradient: "column" (local
-    forward, all-reduced input gradient), "local-grad" (local forward, this rank's input gradient only),
-    "not-local" (its forward is not the local product) or "other: ...". Its own generators keep the global RNG
-    state untouched; only the input's gradient is computed (no parameter's .grad is touched)."""
-    weight, bias = module.weight, module.bias
-    options = {"device": weight.device, "dtype": weight.dtype}
-    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(PROBE_SEED)).to(**options)
-    upstream = torch.randn(PROBE_ROWS, weight.shape[0],
-                           generator=torch.Generator().manual_seed(PROBE_SEED + 1 + info.rank)).to(**options)
-    x.requires_grad_()
-    with torch.enable_grad():
-        out = module(x)
+def _probe_forward(module: nn.Module, info: GroupInfo):
+    """(x, out, status) of `module` on a random input, the same on every rank (a column-parallel layer's input is
+    replicated): status "ok", or "other: ..." when the forward raised or returned something else."""
+    weight = module.weight
+    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(PROBE_SEED))
+    x = x.to(device=weight.device, dtype=weight.dtype).requires_grad_()
+    try:
+        with torch.enable_grad():
+            out = module(x)
+    except Exception as e:  # reported on every rank below, instead of leaving the others in a collective
+        return x, None, f"other: its forward raised {type(e).__name__}: {e}"
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (PROBE_ROWS, weight.shape[0]):
         described = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return f"other: it returns {described}, not one [{PROBE_ROWS}, {weight.shape[0]}] tensor (this rank's columns)"
+        return x, None, (f"other: it returns {described}, not one [{PROBE_ROWS}, {weight.shape[0]}] tensor (this "
+                         "rank's columns)")
+    if not out.requires_grad:
+        return x, None, "other: its output does not depend on its input through autograd"
+    return x, out, "ok"
+
+
+def _probe_backward(module: nn.Module, x: torch.Tensor, out: torch.Tensor, info: GroupInfo) -> str:
+    """What the module's backward gives x for a random per-rank output gradient: "column" (all-reduced over the
+    group), "local-grad" (this rank's part only), "not-local" (its forward was not the local product) or
+    "other: ...". Collective in most layers: every rank runs it, and only for modules whose forward passed on all."""
+    weight, bias = module.weight, getattr(module, "bias", None)
+    generator = torch.Generator().manual_seed(PROBE_SEED + 1 + info.rank)  # a different gradient on every rank
+    upstream = torch.randn(PROBE_ROWS, weight.shape[0], generator=generator)
+    upstream = upstream.to(device=weight.device, dtype=weight.dtype)
     tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 5e-2
 
     def close(got: torch.Tensor, reference: torch.Tensor) -> bool:
         return bool((got.float() - reference).abs().max() <= tolerance * (reference.abs().max() + 1.0))
 
+    (grad_x,) = torch.autograd.grad(out, [x], upstream, allow_unused=True)
     with torch.no_grad():
         bias32 = torch.zeros(weight.shape[0], device=weight.device) if bias is None else bias.float()
         local_out = F.linear(x.float(), weight.float()) + bias32
-    # Collective in most layers: the backward runs on every rank, so no rank may return before it.
-    (grad_x,) = torch.autograd.grad(out, [x], upstream, allow_unused=True)
-    with torch.no_grad():
         local_grad = upstream.float() @ weight.float()
         reduced_grad = local_grad.clone()
         dist.all_reduce(reduced_grad, group=info.group)
@@ -178,7 +187,29 @@ def _probe(module: nn.Module, info: GroupInfo) -> str:
 
 
 def _probe_all(candidates: List[_Candidate], info: GroupInfo) -> None:
-    local = [_probe(c.module, info) for c in candidates]
+    """Probes every candidate on all ranks: forwards first, their statuses shared, then the backwards (collective)
+    only where every rank's forward passed, so that a module that fails on one rank leaves no rank waiting. The
+    parameters need no gradient meanwhile: the probe computes x's gradient only and touches nothing else (no .grad,
+    no gradient written elsewhere by a custom backward)."""
+    params = [p for c in candidates for p in c.module.parameters()]
+    needed = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        forwards = [_probe_forward(c.module, info) for c in candidates]
+        statuses = [None] * info.world
+        dist.all_gather_object(statuses, [status for _, _, status in forwards], group=info.group)
+        local = []
+        for index, (c, (x, out, _)) in enumerate(zip(candidates, forwards)):
+            failed = [(r, entries[index]) for r, entries in enumerate(statuses) if entries[index] != "ok"]
+            if failed:
+                rank, status = failed[0]
+                local.append(status + ("" if len(failed) == info.world else f" (on rank {rank})"))
+            else:
+                local.append(_probe_backward(c.module, x, out, info))
+    finally:
+        for p, was in zip(params, needed):
+            p.requires_grad_(was)
     gathered = [None] * info.world
     dist.all_gather_object(gathered, local, group=info.group)
     group_text = f"group {info.name!r} (size {info.world})"
@@ -194,13 +225,14 @@ def _probe_all(candidates: List[_Candidate], info: GroupInfo) -> None:
             c.problems.append(
                 "its backward leaves the input gradient as this rank's part (grad @ weight), not its all_reduce: the "
                 "model reduces it elsewhere (a bare nn.Linear shard), and an all_reduce written outside the module "
-                "cannot be removed from here. Make the layer own it (Megatron-LM's copy_to_tensor_model_parallel_region "
-                "inside the layer), or put torch_gemm_ar.nn.ColumnParallelLinear(sequence_parallel=False) in its place "
-                "and delete that all_reduce")
+                "cannot be removed from here. Make the layer own it (Megatron-LM's "
+                "copy_to_tensor_model_parallel_region inside the layer), or put "
+                "torch_gemm_ar.nn.ColumnParallelLinear(sequence_parallel=False) in its place and delete that "
+                "all_reduce")
         elif verdict == "not-local":
             c.problems.append(
-                "its output on a replicated random input is not this rank's x @ weight.T (+ bias): not a column-parallel "
-                "layer with gather_output=False (it gathers or reduces its output, or computes more)")
+                "its output on a replicated random input is not this rank's x @ weight.T (+ bias): not a "
+                "column-parallel layer with gather_output=False (it gathers or reduces its output, or computes more)")
         elif verdict.startswith("other: "):
             c.problems.append(verdict.partition(": ")[2] + f"; not a column-parallel linear layer over {group_text}")
 

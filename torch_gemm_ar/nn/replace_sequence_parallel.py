@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 
 from torch import nn
 
-from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_sequence_problems
+from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems
 from .dtensor_row_parallel import DTensorRowParallelLinear, read_style_hooks, rowwise_problems, sequence_shard_dim
 from .replace import ReplaceReport, _reported, _style_of
 from .row_parallel_linear import check_algorithm
@@ -105,7 +105,7 @@ def replace_sequence_parallel(model: nn.Module, *, patterns: Optional[Sequence[s
         if kind == "row":
             found_problems = rowwise_problems(module, layouts, others, None, reduce_scatter=True)
         else:
-            found_problems = colwise_sequence_problems(module, layouts, others)
+            found_problems = colwise_problems(module, layouts, others)
         problems += [f"  {names_of[i][0]!r} ({type(module).__name__}): {p}" for p in found_problems]
     if problems:
         raise ValueError("replace_sequence_parallel: cannot replace\n" + "\n".join(problems))
