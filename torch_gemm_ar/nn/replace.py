@@ -25,7 +25,7 @@ import fnmatch
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -223,12 +223,19 @@ def _skipped(model: nn.Module, taken) -> List:
     return skipped
 
 
-def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candidate]:
+def modules_by_id(model: nn.Module) -> Tuple[Dict[int, List[str]], Dict[int, nn.Module]]:
+    """Every module of `model` once, by id: every name it is reachable under (a shared module has several), and the
+    module."""
     names_of: Dict[int, List[str]] = {}
     modules: Dict[int, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         names_of.setdefault(id(module), []).append(name)
         modules[id(module)] = module
+    return names_of, modules
+
+
+def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candidate]:
+    names_of, modules = modules_by_id(model)
     converted = (RowParallelLinear, DTensorRowParallelLinear, DTensorColumnParallelLinear)
 
     if patterns is None:

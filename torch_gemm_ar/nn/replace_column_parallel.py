@@ -15,7 +15,7 @@ the input gradient's all-reduce with its GEMM (gemm_allreduce), for training.
     pairs, another group, extra computation).
 """
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_proble
 from .dtensor_row_parallel import is_dtensor, read_style_hooks
 from .replace import (
     PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _reported,
-    _share_problems,
+    _share_problems, modules_by_id,
 )
 from .row_parallel_linear import check_algorithm
 
@@ -109,11 +109,7 @@ def _has_colwise_hooks(module: nn.Module) -> bool:
 
 
 def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]:
-    names_of: Dict[int, List[str]] = {}
-    modules: Dict[int, nn.Module] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names_of.setdefault(id(module), []).append(name)
-        modules[id(module)] = module
+    names_of, modules = modules_by_id(model)
     converted = (ColumnParallelLinear, DTensorColumnParallelLinear)
     if patterns is None:
         found = [i for i, m in modules.items() if not isinstance(m, converted) and _has_colwise_hooks(m)]

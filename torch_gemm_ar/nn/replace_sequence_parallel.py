@@ -10,13 +10,13 @@ returned (plain local tensors or DTensors, use_local_output honoured).
 """
 import fnmatch
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
 from torch import nn
 
 from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems
 from .dtensor_row_parallel import DTensorRowParallelLinear, read_style_hooks, rowwise_problems, sequence_shard_dim
-from .replace import ReplaceReport, _reported, _style_of
+from .replace import ReplaceReport, _reported, _style_of, modules_by_id
 from .row_parallel_linear import check_algorithm
 
 _CONVERTED = (DTensorRowParallelLinear, DTensorColumnParallelLinear)
@@ -71,11 +71,7 @@ def replace_sequence_parallel(model: nn.Module, *, patterns: Optional[Sequence[s
     if "torch.distributed.tensor" not in sys.modules:
         raise ValueError("replace_sequence_parallel: torch.distributed.tensor is not imported, so no module of the "
                          "model can be parallelized with DTensor")
-    names_of: Dict[int, List[str]] = {}
-    modules: Dict[int, nn.Module] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names_of.setdefault(id(module), []).append(name)
-        modules[id(module)] = module
+    names_of, modules = modules_by_id(model)
 
     def selected(i: int) -> bool:
         return patterns is None or any(fnmatch.fnmatchcase(n, p) for n in names_of[i] for p in patterns)
