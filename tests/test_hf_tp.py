@@ -1,5 +1,5 @@
-"""Hugging Face transformers tensor parallelism (tp_plan="auto") without model changes: replace_row_parallel on a
-tiny Llama loaded on real ranks, the torch.compile rewrite on the same model, and the README's command line of
+"""Hugging Face transformers tensor parallelism (tp_plan="auto") without model changes: replace_row_parallel (and
+replace_column_parallel, for training) on a tiny Llama loaded on real ranks, the torch.compile rewrite on the same model, and the README's command line of
 examples/hf_llama_tp.py. Skipped, with the reason, where transformers is not installed (the test extra has it)."""
 import os
 import random
@@ -66,6 +66,19 @@ def _close(got, want, exact, what, tol=2e-5):
     assert (got.double() - want.double()).abs().max().item() <= tol * scale, f"{what}: differs from unconverted TP"
 
 
+def _backward_gives_the_same_grads(converted, got, unconverted, want, seed, what):
+    """Backward of both models' logits with one random upstream gradient: every parameter's gradient (its local
+    shard for DTensors) equal."""
+    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed))
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    params = dict(unconverted.named_parameters())
+    for name, p in converted.named_parameters():
+        g, w = p.grad, params[name].grad
+        g, w = (g.to_local(), w.to_local()) if hasattr(g, "to_local") else (g, w)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: grad of {name}: {m}")
+
+
 def hf_eager_conversion(rank, world, path, seed):
     from transformers import AutoModelForCausalLM
 
@@ -89,14 +102,7 @@ def hf_eager_conversion(rank, world, path, seed):
         model.zero_grad(set_to_none=True)
     got, want = converted(ids).logits, unconverted(ids).logits
     _close(got.detach(), want.detach(), exact_model(ids).logits.detach(), f"rank {rank} with grad")
-    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(seed + 2))
-    (got * upstream).sum().backward()
-    (want * upstream).sum().backward()
-    params = dict(unconverted.named_parameters())
-    for name, p in converted.named_parameters():
-        g, w = p.grad, params[name].grad
-        g, w = (g.to_local(), w.to_local()) if hasattr(g, "to_local") else (g, w)
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"grad of {name}: {m}")
+    _backward_gives_the_same_grads(converted, got, unconverted, want, seed + 2, "row-parallel")
     # The issue's report: naming the layers by pattern works too.
     by_name = _load(path)
     assert torch_gemm_ar.nn.replace_row_parallel(by_name, patterns=["*.o_proj", "*.down_proj"]) == expected
@@ -117,7 +123,31 @@ def hf_eager_conversion(rank, world, path, seed):
         _close(split(ids).logits, split_unconverted(ids).logits, exact_model(ids).logits, "rowwise_split_input")
     got, want = split(ids).logits, split_unconverted(ids).logits  # with grad: transformers' DTensor path
     _close(got.detach(), want.detach(), exact_model(ids).logits.detach(), "rowwise_split_input with grad")
+    hf_column_conversion(rank, path, seed, exact_model, unconverted)
     return True
+
+
+def hf_column_conversion(rank, path, seed, exact_model, unconverted):
+    """replace_column_parallel on the same model: transformers' "colwise" layers found without patterns (their
+    backward all-reduce of the input gradient fused), "colwise_rep" (lm_head, a gathered output) left alone with the
+    reason; logits without and with grad, and every gradient, equal the unconverted model's."""
+    trained = _load(path)
+    torch_gemm_ar.nn.replace_row_parallel(trained)
+    report = torch_gemm_ar.nn.replace_column_parallel(trained)
+    expected = [f"model.layers.{i}.{leaf}" for i in range(LAYERS) for leaf in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")]
+    assert sorted(report) == sorted(expected), report
+    assert isinstance(trained.model.layers[0].mlp.up_proj, torch_gemm_ar.nn.DTensorColumnParallelLinear)
+    skipped = dict(report.skipped)
+    assert list(skipped) == ["lm_head"] and "Shard(-1)" in skipped["lm_head"], skipped
+    ids = _ids(seed + 4)
+    with torch.no_grad():  # transformers' local inference path
+        _close(trained(ids).logits, unconverted(ids).logits, exact_model(ids).logits, f"rank {rank} columns no_grad")
+    for model in (trained, unconverted):
+        model.zero_grad(set_to_none=True)
+    got, want = trained(ids).logits, unconverted(ids).logits
+    _close(got.detach(), want.detach(), exact_model(ids).logits.detach(), f"rank {rank} columns with grad")
+    _backward_gives_the_same_grads(trained, got, unconverted, want, seed + 5, "columns")
 
 
 @pytest.mark.parametrize("world", [2, 3])

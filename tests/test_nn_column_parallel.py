@@ -208,7 +208,7 @@ def converter_misuse(rank, world, seed):
     raises(lambda: replace_column_parallel(block, patterns=[]), "non-empty", exc=ValueError)
     raises(lambda: replace_column_parallel(block, patterns=["*.q_proj"], algorithm="fastest"),
            "algorithm must be one of", exc=ValueError)
-    raises(lambda: replace_column_parallel(block), "found no module parallelized with torch's ColwiseParallel",
+    raises(lambda: replace_column_parallel(block), "found no module parallelized with ColwiseParallel",
            "patterns=[...]", exc=ValueError)
     # DTensor: a sequence-parallel ColwiseParallel (input Shard(1)) is replace_sequence_parallel's.
     from torch.distributed.device_mesh import init_device_mesh

@@ -8,16 +8,28 @@ ColwiseParallel installs the same two hooks as RowwiseParallel (read by read_sty
 input into a DTensor with `input_layouts` and redistributes it to Replicate (the all-gather), the hook turns the
 Shard(-1) output into `output_layouts` and, with use_local_output, its local tensor. weight and bias are Shard(0).
 """
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .._ops import allgather_gemm
 from .dtensor_row_parallel import (
-    RowwiseLayouts, adopt_parallelized_linear, is_dtensor, parallelized_linear_repr, sequence_shard_dim,
+    RowwiseLayouts, adopt_parallelized_linear, is_dtensor, parallelized_linear_repr, read_style_hooks,
+    sequence_shard_dim, transformers_layouts,
 )
 from .reduced_input_grad import linear_with_reduced_input_grad
+
+
+def read_colwise_style(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], List[str], bool]:
+    """(layouts, other_hooks, found) of a column-parallel style on `module`: torch's ColwiseParallel hooks, or
+    transformers' ColwiseParallel forward (tp_plan "colwise", "colwise_rep", ...); `found` says whether either is
+    there, `other_hooks` what a replacement would drop."""
+    layouts, others, found = read_style_hooks(module, "ColwiseParallel")
+    if not found:
+        layouts = transformers_layouts(module, others, "ColwiseParallel")
+        found = layouts is not None
+    return layouts, others, found
 
 
 def colwise_problems(module: nn.Module, layouts: Optional[RowwiseLayouts], other_hooks: List[str],

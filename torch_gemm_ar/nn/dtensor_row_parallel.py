@@ -75,12 +75,13 @@ def read_transformers_style(module: nn.Module) -> Optional[Tuple[Any, Any]]:
     return style, mesh
 
 
-def _transformers_rowwise(module: nn.Module, others: List[str]) -> Optional[RowwiseLayouts]:
-    """The layouts of transformers' RowwiseParallel on `module`, if that is its style; a forward that was wrapped
-    again on top of transformers' own (the replacement would drop it) goes into `others`."""
+def transformers_layouts(module: nn.Module, others: List[str], style_name: str) -> Optional[RowwiseLayouts]:
+    """The layouts of transformers' `style_name` (RowwiseParallel or ColwiseParallel) on `module`, if that is its
+    style; a forward that was wrapped again on top of transformers' own (the replacement would drop it) goes into
+    `others`."""
     found = read_transformers_style(module)
     tp = sys.modules.get("transformers.distributed.tensor_parallel")
-    if found is None or not isinstance(found[0], tp.RowwiseParallel):
+    if found is None or not isinstance(found[0], getattr(tp, style_name)):
         return None
     style, mesh = found
     original = dict(zip(module.forward.__code__.co_freevars, module.forward.__closure__))["original_forward"]
@@ -127,7 +128,7 @@ def read_rowwise_hooks(module: nn.Module) -> Tuple[Optional[RowwiseLayouts], Lis
     (they would be lost by a replacement)."""
     layouts, others, found = read_style_hooks(module, "RowwiseParallel")
     if not found:
-        layouts = _transformers_rowwise(module, others)
+        layouts = transformers_layouts(module, others, "RowwiseParallel")
     return layouts, others
 
 

@@ -34,9 +34,9 @@ from torch import nn
 
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
-from .dtensor_column_parallel import DTensorColumnParallelLinear
+from .dtensor_column_parallel import DTensorColumnParallelLinear, read_colwise_style
 from .dtensor_row_parallel import (
-    DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_style_hooks, read_transformers_style,
+    DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_transformers_style,
     rowwise_problems, sequence_shard_dim,
 )
 from .row_parallel_linear import RowParallelLinear, check_algorithm
@@ -182,15 +182,17 @@ def _style_of(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _torch_colwise_pointer(module: nn.Module) -> str:
-    """Which converter fuses a collective of torch's ColwiseParallel on `module`, by its layouts ("" if none)."""
+def _colwise_pointer(module: nn.Module) -> str:
+    """Which converter fuses a collective of the ColwiseParallel on `module` (torch's or transformers'), by its
+    layouts ("" if none)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    layouts = read_style_hooks(module, "ColwiseParallel")[0]
+    layouts = read_colwise_style(module)[0]
     if layouts is None or tuple(layouts.output_layouts) != (Shard(-1),):
         return ""
-    if sequence_shard_dim(layouts.input_layouts) is not None:
-        return " (its all-gather of the sequence before the GEMM: replace_sequence_parallel fuses it)"
+    if sequence_shard_dim(layouts.input_layouts) is not None:  # replace_sequence_parallel reads torch's hooks only
+        return "" if read_transformers_style(module) is not None else (
+            " (its all-gather of the sequence before the GEMM: replace_sequence_parallel fuses it)")
     if tuple(layouts.input_layouts) == (Replicate(),):
         return " (its backward all-reduce of the input gradient: replace_column_parallel fuses it)"
     return ""
@@ -211,8 +213,8 @@ def _skipped(model: nn.Module, taken) -> List:
             found = read_transformers_style(module)
             if style == "ColwiseParallel" and found is not None and found[0].output_layouts.is_replicate():
                 reason = "column-parallel with a gathered output: an all-gather follows its GEMM, not an all_reduce"
-            if style == "ColwiseParallel" and found is None:
-                reason += _torch_colwise_pointer(module)
+            if style == "ColwiseParallel":
+                reason += _colwise_pointer(module)
             if style == "EmbeddingParallel" and found is not None:
                 reason = ("a vocabulary-parallel embedding: its all_reduce follows a lookup, not a GEMM"
                           if found[0].shard_dim == 0 else "a hidden-parallel embedding: an all-gather, no GEMM")

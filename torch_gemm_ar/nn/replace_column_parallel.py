@@ -25,8 +25,8 @@ from torch import nn
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
 from .column_parallel_linear import ColumnParallelLinear
-from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems
-from .dtensor_row_parallel import is_dtensor, read_style_hooks
+from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems, read_colwise_style
+from .dtensor_row_parallel import is_dtensor
 from .replace import (
     PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _reported,
     _share_problems, modules_by_id,
@@ -69,7 +69,7 @@ def replace_column_parallel(
     info = resolve_group(group, WHO) if plain or group is not None else None
     for c in candidates:
         if c.dtensor:
-            c.layouts, other_hooks, _ = read_style_hooks(c.module, "ColwiseParallel")
+            c.layouts, other_hooks, _ = read_colwise_style(c.module)
             c.problems += colwise_problems(c.module, c.layouts, other_hooks, None if group is None else info.name,
                                            replicated_input=True)
         else:
@@ -101,23 +101,23 @@ def replace_column_parallel(
     return _reported(ReplaceReport(replaced, skipped, converter=WHO, ops=OPS))
 
 
-def _has_colwise_hooks(module: nn.Module) -> bool:
-    """Whether torch's ColwiseParallel hooks are on `module` (any layouts)."""
+def _has_colwise_style(module: nn.Module) -> bool:
+    """Whether torch's or transformers' ColwiseParallel is on `module` (any layouts)."""
     if "torch.distributed.tensor" not in sys.modules:
         return False  # nothing can be parallelized with DTensor before it is imported
-    return read_style_hooks(module, "ColwiseParallel")[0] is not None
+    return read_colwise_style(module)[0] is not None
 
 
 def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]:
     names_of, modules = modules_by_id(model)
     converted = (ColumnParallelLinear, DTensorColumnParallelLinear)
     if patterns is None:
-        found = [i for i, m in modules.items() if not isinstance(m, converted) and _has_colwise_hooks(m)]
+        found = [i for i, m in modules.items() if not isinstance(m, converted) and _has_colwise_style(m)]
         if not found and not any(isinstance(m, converted) for m in modules.values()):
-            raise ValueError(f"{WHO}: found no module parallelized with torch's ColwiseParallel (DTensor hooks); for a "
-                             "plain tensor-parallel model pass patterns=[...] naming its column-parallel layers, e.g. "
-                             "['*.q_proj', '*.k_proj', '*.v_proj', '*.gate_proj', '*.up_proj'] (transformers' tp_plan "
-                             "\"colwise\" styles are not read)")
+            raise ValueError(f"{WHO}: found no module parallelized with ColwiseParallel (torch's DTensor hooks or "
+                             "transformers' tp_plan \"colwise\" styles); for a plain tensor-parallel model pass "
+                             "patterns=[...] naming its column-parallel layers, e.g. ['*.q_proj', '*.k_proj', "
+                             "'*.v_proj', '*.gate_proj', '*.up_proj']")
         return [_Candidate(names_of[i], modules[i], dtensor=True) for i in found]
     unmatched = [p for p in patterns if not any(_matches(n, [p]) for names in names_of.values() for n in names)]
     if unmatched:
@@ -126,7 +126,7 @@ def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]
     for i, module in modules.items():
         if not any(_matches(n, patterns) for n in names_of[i]) or isinstance(module, converted):
             continue
-        dtensor = any(is_dtensor(p) for p in module.parameters()) or read_style_hooks(module, "ColwiseParallel")[2]
+        dtensor = any(is_dtensor(p) for p in module.parameters()) or read_colwise_style(module)[2]
         candidates.append(_Candidate(names_of[i], module, dtensor=dtensor))
     return candidates
 
