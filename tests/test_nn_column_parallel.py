@@ -252,7 +252,11 @@ def dtensor_plan(rank, world, seed, algorithm):
         return parallelize_module(m, mesh, plan)
 
     unfused, converted = model(), model()
-    report = replace_column_parallel(converted, algorithm=algorithm)
+    # group= for DTensor layers must be the mesh's: another group of the same ranks is refused by name.
+    other = dist.new_group(list(range(world)))
+    raises(lambda: replace_column_parallel(converted, patterns=["q"], group=other), "'q'", "wrong group",
+           exc=ValueError)
+    report = replace_column_parallel(converted, group=mesh.get_group(), algorithm=algorithm)
     assert sorted(report) == ["k", "q"], report
     assert [name for name, _ in report.skipped] == ["head"] and "Shard(-1)" in report.skipped[0][1], report.skipped
     assert replace_column_parallel(converted) == [], "converted twice"
@@ -277,6 +281,7 @@ def dtensor_plan(rank, world, seed, algorithm):
     for name in p0:
         torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     assert isinstance(converted.q.weight.grad, DTensor), "the weight's gradient must stay a Shard(0) DTensor"
+    dist.destroy_process_group(other)
 
 
 @pytest.mark.parametrize("world", [2, 3])
