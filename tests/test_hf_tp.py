@@ -1,6 +1,7 @@
 """Hugging Face transformers tensor parallelism (tp_plan="auto") without model changes: replace_row_parallel (and
-replace_column_parallel, for training) on a tiny Llama loaded on real ranks, the torch.compile rewrite on the same model, and the README's command line of
-examples/hf_llama_tp.py. Skipped, with the reason, where transformers is not installed (the test extra has it)."""
+replace_column_parallel, for training) on a tiny Llama loaded on real ranks, the torch.compile rewrite on the same
+model, and the README's command line of examples/hf_llama_tp.py. Skipped, with the reason, where transformers is not
+installed (the test extra has it)."""
 import os
 import random
 import re

@@ -1,9 +1,10 @@
 """replace_column_parallel: swap the column-parallel layers of a tensor-parallel model for ones whose backward fuses
 the input gradient's all-reduce with its GEMM (gemm_allreduce), for training.
 
-(a) an nn.Linear parallelized by torch.distributed.tensor.parallel.ColwiseParallel with a replicated input (the
-    default input_layouts=Replicate(), output Shard(-1)): becomes a DTensorColumnParallelLinear (same Parameter
-    objects, inputs and outputs). Found automatically (patterns=None) or by pattern; the group is the mesh's.
+(a) an nn.Linear parallelized by torch.distributed.tensor.parallel.ColwiseParallel (or transformers' tp_plan
+    "colwise") with a replicated input (the default input_layouts=Replicate(), output Shard(-1)): becomes a
+    DTensorColumnParallelLinear (same Parameter objects, inputs and outputs). Found automatically (patterns=None) or
+    by pattern; the group is the mesh's.
 (b) a plain (non-DTensor) column-parallel layer selected by a name pattern: a module holding this rank's
     `[out/world, in]` weight shard (and optionally its `[out/world]` bias shard) whose forward returns one tensor, the
     local `x @ weight.T + bias` on the replicated input, and whose backward all-reduces the input gradient over
@@ -47,7 +48,8 @@ def replace_column_parallel(
     """Replace the column-parallel layers of `model` in place; returns the names replaced (a ReplaceReport, with
     `skipped`: what was left alone and why; also logged on the "torch_gemm_ar.nn" logger).
 
-    patterns=None: every nn.Linear parallelized with torch's ColwiseParallel on a replicated input (DTensor); other
+    patterns=None: every nn.Linear parallelized with torch's ColwiseParallel or transformers' tp_plan "colwise" on a
+    replicated input (DTensor); other
     ColwiseParallel modules (a gathered output, sequence parallelism, an nn.Embedding) are left alone and listed in
     `skipped`. With patterns (fnmatch on the qualified module name, e.g. "*.q_proj", "layers.*.mlp.up_proj"):
     exactly the modules they match, DTensor or plain, and any of them that cannot be converted is an error; a
