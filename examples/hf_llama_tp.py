@@ -8,8 +8,10 @@ A small Llama config is made here and saved with random weights to a temporary d
 then every rank loads it with `AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")` over gloo. The script
 prints each variant's largest logit difference from the unconverted TP model and from a float64 single-process
 reference, and the median time per forward (variants interleaved round-robin; with Inductor, the same model compiled
-without the rewrite as well), and exits non-zero when a difference is beyond the tolerance. Needs
-`pip install transformers accelerate` (the project's test extra has them).
+without the rewrite as well), and exits non-zero when a difference is beyond the tolerance. Then training: the
+unconverted model against one converted by replace_row_parallel and replace_column_parallel (the column-parallel
+layers' backward all-reduce fused too), one SGD step each on the same batch (their weights compared), and the
+median time per train step. Needs `pip install transformers accelerate` (the project's test extra has them).
 """
 import argparse
 import math
@@ -67,6 +69,37 @@ def load_tp(path: str, dtype):
     return model.eval()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def train_steps(path: str, dtype, ids, args):
+    """Unconverted TP against the model converted for training (rows and columns): one SGD step each on the same
+    batch, then interleaved timed steps. Returns (the column converter's report, the largest weight difference after
+    the first step, the per-iteration times [unconverted, converted])."""
+    import torch_gemm_ar
+
+    models = [load_tp(path, dtype).train(), load_tp(path, dtype).train()]
+    # Built before the conversion: the converted layers adopt the same Parameter objects.
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in models]
+    torch_gemm_ar.nn.replace_row_parallel(models[1], algorithm=args.algorithm)
+    columns = torch_gemm_ar.nn.replace_column_parallel(models[1], algorithm=args.algorithm)
+
+    def step(model, optimizer):
+        optimizer.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    for model, optimizer in zip(models, optimizers):
+        step(model, optimizer)
+    converted = dict(models[1].named_parameters())
+    diff = max((_local(p).double() - _local(converted[n]).double()).abs().max().item()
+               for n, p in models[0].named_parameters())
+    times = interleaved_times([lambda m=m, o=o: step(m, o) for m, o in zip(models, optimizers)], args.warmup,
+                              args.iters, None)
+    return columns, diff, times
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
@@ -114,6 +147,7 @@ def main(argv=None) -> int:
             logits[name] = variants[name](ids).logits
             rewrites = torch_gemm_ar.compile.report()
             times = interleaved_times([lambda m=m: m(ids) for m in variants.values()], args.warmup, args.iters, None)
+        columns, weight_diff, step_times = train_steps(path, dtype, ids, args)
     finally:
         dist.barrier()
         if rank == 0:
@@ -128,6 +162,8 @@ def main(argv=None) -> int:
         vs_ref = (out.double() - reference).abs().max().item()
         failed |= vs_tp > tolerance
         rows.append((name, vs_tp, vs_ref, iteration_s))
+    weight_tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # one SGD step of lr 1e-3 on both
+    failed |= weight_diff > weight_tolerance
     if rank == 0:
         print(f"\nLlama, {args.layers} layers, hidden {args.hidden}, ffn {args.intermediate}, heads {args.heads}/"
               f"{args.kv_heads} kv, vocab {args.vocab}; {args.batch}x{args.seq} tokens, {args.dtype}; {world} ranks "
@@ -142,7 +178,13 @@ def main(argv=None) -> int:
                   f"{speedup_text(rows[0][3], iteration_s)}")
         print(f"(median of {args.iters} forwards per variant, interleaved; speedup over unconverted TP per iteration; "
               f"tolerance vs TP {tolerance:.3g}: "
-              f"{'MISMATCH' if failed else 'OK'})")
+              f"{'MISMATCH' if any(r[1] > tolerance for r in rows) else 'OK'})")
+        print(f"\ntraining (forward + backward + SGD), converted by replace_row_parallel and {columns}")
+        print(f"max |weight difference| after one step: {weight_diff:.3g} (tolerance {weight_tolerance:.3g}): "
+              f"{'MISMATCH' if weight_diff > weight_tolerance else 'OK'}")
+        print(f"{'train step':<{width}}{'unconverted':>15}{'converted':>13}  speedup (95% interval)")
+        print(f"{'ms/step':<{width}}{statistics.median(step_times[0]) * 1e3:>15.2f}"
+              f"{statistics.median(step_times[1]) * 1e3:>13.2f}  {speedup_text(step_times[0], step_times[1])}")
     dist.destroy_process_group()
     return 1 if failed else 0
 

@@ -198,3 +198,7 @@ def test_readme_example_command_runs(tmp_path):
     assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     assert "converted (eager)" in done.stdout and "compiled + rewrite (eager)" in done.stdout, done.stdout
     assert "gemm_allreduce_add_rmsnorm x2" in done.stdout and "CPU:" in done.stdout, done.stdout
+    # Training: the column-parallel layers converted too, the weights after one step checked, the step timed.
+    assert "replace_column_parallel: replaced 5 module(s)" in done.stdout, done.stdout
+    assert re.search(r"max \|weight difference\| after one step: \S+ \(tolerance \S+\): OK", done.stdout), done.stdout
+    assert re.search(r"ms/step +\d", done.stdout), done.stdout
