@@ -133,7 +133,7 @@ def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]
     return candidates
 
 
-def _probe_forward(module: nn.Module, info: GroupInfo):
+def _probe_forward(module: nn.Module):
     """(x, out, status) of `module` on a random input, the same on every rank (a column-parallel layer's input is
     replicated): status "ok", or "other: ..." when the forward raised or returned something else."""
     weight = module.weight
@@ -194,7 +194,7 @@ def _probe_all(candidates: List[_Candidate], info: GroupInfo) -> None:
     for p in params:
         p.requires_grad_(False)
     try:
-        forwards = [_probe_forward(c.module, info) for c in candidates]
+        forwards = [_probe_forward(c.module) for c in candidates]
         statuses = [None] * info.world
         dist.all_gather_object(statuses, [status for _, _, status in forwards], group=info.group)
         local = []
