@@ -168,3 +168,59 @@ def shared_and_repeated(rank, world, seed):
 
 def test_shared_module_and_repeated_call(ranks):
     ranks(2).run(shared_and_repeated, random.randrange(1 << 30))
+
+
+class RaisesOnOneRank(ReducesOver):
+    """A row-parallel layer whose forward raises on one rank only, before its all_reduce: its peers would wait in
+    that all_reduce for the group's whole timeout."""
+
+    def __init__(self, in_local, out_features, group, failing_rank):
+        super().__init__(in_local, out_features, group)
+        self.failing_rank = failing_rank
+
+    def forward(self, x):
+        if dist.get_rank(self.group) == self.failing_rank:
+            raise RuntimeError("boom")
+        return super().forward(x)
+
+
+def probe_of_a_forward_that_raises_on_one_rank(rank, world, failing):
+    """Every rank raises within the probe bound, naming the module; the group's own timeout (30 minutes, gloo's
+    default) is restored after a probe that passed."""
+    def timeout_of(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    import datetime
+    import time
+    from scoped_env import scoped_env
+
+    sub = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(minutes=30))
+    good = Holder(p=ReducesOver(2, 3, sub))
+    assert torch_gemm_ar.nn.replace_row_parallel(good, patterns="p", group=sub) == ["p"]
+    assert timeout_of(sub) == datetime.timedelta(minutes=30)
+
+    model = Holder(p=RaisesOnOneRank(2, 3, sub, failing))
+    start = time.monotonic()
+    with scoped_env(TORCH_GEMM_AR_PROBE_TIMEOUT_S="3"):
+        if rank == failing:
+            raises(lambda: torch_gemm_ar.nn.replace_row_parallel(model, patterns="p", group=sub),
+                   "cannot replace 'p' (RaisesOnOneRank)", "raised RuntimeError: boom on rank", "at most 3 s",
+                   exc=ValueError)
+        else:
+            raises(lambda: torch_gemm_ar.nn.replace_row_parallel(model, patterns="p", group=sub),
+                   f"probing 'p' (RaisesOnOneRank) on rank {rank}", "waited past 3 s",
+                   "another rank's forward of it probably raised", exc=RuntimeError)
+    elapsed = time.monotonic() - start
+    assert isinstance(model.p, RaisesOnOneRank)  # a failed conversion leaves the model untouched
+    dist.barrier()  # the default group: the failing rank waits here until its peers have given up
+    dist.destroy_process_group(sub)
+    return elapsed
+
+
+@pytest.mark.parametrize("world,failing", [(2, 1), (3, 0)])
+def test_probe_of_a_forward_that_raises_on_one_rank_is_bounded(ranks, world, failing):
+    elapsed = ranks(world).run(probe_of_a_forward_that_raises_on_one_rank, failing)
+    waiting = [t for r, t in enumerate(elapsed) if r != failing]
+    # Without the bound the waiting ranks would sit in the all_reduce for 30 minutes (the pool's 120 s bound fails
+    # the test first).
+    assert all(t < 60 for t in waiting), elapsed

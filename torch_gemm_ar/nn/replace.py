@@ -34,6 +34,7 @@ from torch import nn
 
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
+from ._probe_timeout import bounded_group_timeout, is_collective_failure
 from .dtensor_column_parallel import DTensorColumnParallelLinear, read_colwise_style
 from .dtensor_row_parallel import (
     DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_transformers_style,
@@ -360,8 +361,34 @@ def _probe(module: nn.Module, info: GroupInfo) -> str:
     return "other"
 
 
+def _probe_bounded(c: _Candidate, info: GroupInfo) -> str:
+    """_probe with its collectives bounded (_probe_timeout.py). A forward that raises on this rank raises here at
+    once; a collective that fails or times out on this rank (a peer's forward raised, or the layer reduces over a
+    group some rank does not call) raises naming the module too. Either way every rank raises; the group is then
+    unusable, as after any collective that one rank abandoned."""
+    with bounded_group_timeout(info.group) as bound_s:
+        try:
+            return _probe(c.module, info)
+        except Exception as exc:
+            if not is_collective_failure(exc):
+                raise _forward_raised(c, info, exc, bound_s) from exc
+            bound = "its group's timeout" if bound_s is None else f"{bound_s:g} s"
+            raise RuntimeError(
+                f"replace_row_parallel: probing {c.names[0]!r} ({type(c.module).__name__}) on rank {info.rank}: a "
+                f"collective failed or waited past {bound} (TORCH_GEMM_AR_PROBE_TIMEOUT_S): another rank's forward "
+                f"of it probably raised (see that rank's error); {type(exc).__name__}: {exc}") from exc
+
+
+def _forward_raised(c: _Candidate, info: GroupInfo, exc: Exception, bound_s) -> ValueError:
+    return ValueError(
+        f"replace_row_parallel: cannot replace {c.names[0]!r} ({type(c.module).__name__}): its forward raised "
+        f"{type(exc).__name__}: {exc} on rank {info.rank} while being probed with a random "
+        f"[{PROBE_ROWS}, {c.module.weight.shape[1]}] input; ranks whose forward did not raise wait at most "
+        f"{'their group timeout' if bound_s is None else f'{bound_s:g} s'} in its collectives, then raise too")
+
+
 def _probe_all(plain: List[_Candidate], info: GroupInfo) -> None:
-    local = [_probe(c.module, info) for c in plain]
+    local = [_probe_bounded(c, info) for c in plain]
     gathered = [None] * info.world
     dist.all_gather_object(gathered, local, group=info.group)
     for index, c in enumerate(plain):

@@ -1,0 +1,71 @@
+"""A bound on the collectives inside a converter's probe of a module.
+
+A row-parallel layer's forward runs its own all_reduce. When that forward raises on one rank only (before or after
+its collective), the other ranks wait in a collective their peer never joins, for the group's whole timeout (30
+minutes by default for gloo). During a probe the group's timeout is therefore lowered to
+TORCH_GEMM_AR_PROBE_TIMEOUT_S (default 120 s; never raised above the group's own), so the waiting ranks raise
+too. Only gloo groups can have their timeout changed through torch.distributed (`_set_pg_timeout`); other backends
+keep their own bound, and their probes are bounded by it.
+"""
+import contextlib
+import datetime
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_PROBE_TIMEOUT_S = 120.0
+
+
+def probe_timeout_s() -> float:
+    raw = os.environ.get("TORCH_GEMM_AR_PROBE_TIMEOUT_S", "")
+    if not raw:
+        return DEFAULT_PROBE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TORCH_GEMM_AR_PROBE_TIMEOUT_S must be a number of seconds; got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"TORCH_GEMM_AR_PROBE_TIMEOUT_S must be positive; got {raw!r}")
+    return value
+
+
+def _gloo_backend(group: dist.ProcessGroup):
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # no CPU backend in this group (an NCCL- or HCCL-only group)
+        return None
+    return backend if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+@contextlib.contextmanager
+def bounded_group_timeout(group: dist.ProcessGroup) -> Iterator[Optional[float]]:
+    """Lowers `group`'s timeout to the probe bound inside the block and restores it after. Yields the bound in
+    seconds that applies (None: the group's backend keeps its own)."""
+    backend = _gloo_backend(group)
+    if backend is None:
+        yield None
+        return
+    previous = backend.options._timeout
+    bound = datetime.timedelta(seconds=probe_timeout_s())
+    if previous <= bound:
+        yield previous.total_seconds()
+        return
+    dist.distributed_c10d._set_pg_timeout(bound, group)
+    try:
+        yield bound.total_seconds()
+    finally:
+        dist.distributed_c10d._set_pg_timeout(previous, group)
+
+
+# What gloo's transport raises (as a plain RuntimeError in torch 2.13) when a peer never answers or has left.
+_GLOO_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed on this rank (timed out, or a peer left), rather than an error of
+    the probed module's own code."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _GLOO_FAILURES)
