@@ -21,11 +21,8 @@ names (`weight`, `bias`), so optimizers built before the conversion, gradient ho
     - a layer that reduces over another group, adds its bias on every rank, returns (output, bias) pairs, or
       computes anything else.
 """
-import fnmatch
-import logging
 import sys
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -35,50 +32,16 @@ from torch import nn
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
 from ._probe_timeout import bounded_group_timeout, is_collective_failure
+from .conversion import (
+    PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, raise_if_problems,
+    reported, share_problems, style_of,
+)
 from .dtensor_column_parallel import DTensorColumnParallelLinear, read_colwise_style
 from .dtensor_row_parallel import (
     DTensorRowParallelLinear, is_dtensor, read_rowwise_hooks, read_transformers_style,
     rowwise_problems, sequence_shard_dim,
 )
 from .row_parallel_linear import RowParallelLinear, check_algorithm
-
-PROBE_ROWS = 5
-PROBE_SEED = 0x5EED
-logger = logging.getLogger("torch_gemm_ar.nn")
-
-
-class ReplaceReport(list):
-    """What a converter (replace_row_parallel, replace_column_parallel, replace_sequence_parallel) did: the list of
-    the names it replaced (compares equal to a plain list) and `skipped`, the (name, reason) of every other
-    tensor-parallel module it saw. `str(report)` explains both."""
-
-    def __init__(self, replaced: Iterable[str] = (), skipped: Iterable = (), *,
-                 converter: str = "replace_row_parallel", ops: str = "gemm_allreduce"):
-        super().__init__(replaced)
-        self.skipped = list(skipped)
-        self.converter, self.ops = converter, ops
-
-    def __str__(self) -> str:
-        lines = [f"{self.converter}: replaced {len(self)} module(s) with {self.ops}"
-                 + (": " + ", ".join(self) if self else "")]
-        by_reason: Dict[str, List[str]] = {}
-        for name, reason in self.skipped:
-            by_reason.setdefault(reason, []).append(name)
-        for reason, names in by_reason.items():
-            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
-            lines.append(f"  skipped {shown}: {reason}")
-        return "\n".join(lines)
-
-    __repr__ = list.__repr__
-
-
-@dataclass
-class _Candidate:
-    names: List[str]  # every name the module is reachable under (a shared module has several)
-    module: nn.Module
-    dtensor: bool
-    problems: List[str] = field(default_factory=list)
-    layouts: object = None  # RowwiseLayouts for (a)
 
 
 def replace_row_parallel(
@@ -106,7 +69,7 @@ def replace_row_parallel(
     taken = {id(c.module) for c in candidates}
     skipped = [] if patterns is not None else _skipped(model, taken)
     if not candidates:
-        return _reported(ReplaceReport([], skipped))
+        return reported(ReplaceReport([], skipped))
     plain = [c for c in candidates if not c.dtensor]
     # Plain layers need the group (None: the default one); DTensor layers only check a group that was given.
     info = resolve_group(group, "replace_row_parallel") if plain or group is not None else None
@@ -118,14 +81,14 @@ def replace_row_parallel(
             c.layouts = layouts
             c.problems += rowwise_problems(c.module, layouts, other_hooks, group_name)
         else:
-            c.problems += _plain_problems(c.module)
+            c.problems += plain_problems(c.module)
     if plain:
         # Local findings may differ between ranks; share them before any probe so all ranks raise together.
-        _share_problems(candidates, info)
-    _raise_if_problems(candidates)
+        share_problems(candidates, info)
+    raise_if_problems(candidates)
     if plain:
         _probe_all(plain, info)
-        _raise_if_problems(candidates)
+        raise_if_problems(candidates)
 
     replaced: List[str] = []
     for c in candidates:
@@ -137,13 +100,7 @@ def replace_row_parallel(
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
             replaced.append(name)
-    return _reported(ReplaceReport(replaced, skipped))
-
-
-def _reported(report: ReplaceReport) -> ReplaceReport:
-    if logger.isEnabledFor(logging.INFO):
-        logger.info("%s", report)
-    return report
+    return reported(ReplaceReport(replaced, skipped))
 
 
 # Why a module parallelized with another style is not a GEMM followed by an all_reduce (style class names of
@@ -163,24 +120,6 @@ _STYLE_REASONS = {
     "MlaKvAProjParallel": "a replicated projection (its all-reduce is in backward only)",
     "LocalParamsParallel": "runs on local parameters without a collective",
 }
-
-
-def _style_of(module: nn.Module) -> Optional[str]:
-    """The class name of the tensor-parallel style applied to `module` (transformers' or torch's), else None."""
-    found = read_transformers_style(module)
-    if found is not None:
-        return type(found[0]).__name__
-    for hook in list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values()):
-        for cell in getattr(hook, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:
-                continue
-            func = getattr(value, "func", None)  # distribute_module's hooks close over partials of style methods
-            qualname = getattr(func, "__qualname__", "")
-            if "." in qualname and getattr(func, "__module__", "").startswith("torch.distributed.tensor"):
-                return qualname.split(".")[0]
-    return None
 
 
 def _colwise_pointer(module: nn.Module) -> str:
@@ -208,7 +147,7 @@ def _skipped(model: nn.Module, taken) -> List:
     for name, module in model.named_modules():
         if id(module) in taken or isinstance(module, converted):
             continue
-        style = _style_of(module)
+        style = style_of(module)
         if style is not None:
             reason = _STYLE_REASONS.get(style, f"its style {style} does not end a GEMM with an all_reduce")
             found = read_transformers_style(module)
@@ -226,18 +165,7 @@ def _skipped(model: nn.Module, taken) -> List:
     return skipped
 
 
-def modules_by_id(model: nn.Module) -> Tuple[Dict[int, List[str]], Dict[int, nn.Module]]:
-    """Every module of `model` once, by id: every name it is reachable under (a shared module has several), and the
-    module."""
-    names_of: Dict[int, List[str]] = {}
-    modules: Dict[int, nn.Module] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        names_of.setdefault(id(module), []).append(name)
-        modules[id(module)] = module
-    return names_of, modules
-
-
-def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candidate]:
+def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[Candidate]:
     names_of, modules = modules_by_id(model)
     converted = (RowParallelLinear, DTensorRowParallelLinear, DTensorColumnParallelLinear)
 
@@ -252,84 +180,22 @@ def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[_Candid
                 "tensor-parallel model pass patterns=[...] naming its row-parallel layers, e.g. ['*.o_proj', "
                 "'*.down_proj']"
             )
-        return [_Candidate(names_of[i], modules[i], dtensor=True) for i in found]
+        return [Candidate(names_of[i], modules[i], dtensor=True) for i in found]
 
     patterns = list(patterns)
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise ValueError(f"replace_row_parallel: patterns must be non-empty strings; got {patterns!r}")
-    unmatched = [p for p in patterns if not any(_matches(n, [p]) for names in names_of.values() for n in names)]
+    unmatched = [p for p in patterns if not any(matches(n, [p]) for names in names_of.values() for n in names)]
     if unmatched:
         raise ValueError(f"replace_row_parallel: pattern(s) {unmatched} match no module of the model")
     candidates = []
     for i, module in modules.items():
         names = names_of[i]
-        if not any(_matches(n, patterns) for n in names) or isinstance(module, converted):
+        if not any(matches(n, patterns) for n in names) or isinstance(module, converted):
             continue
         has_dtensor = any(is_dtensor(p) for p in module.parameters()) or read_rowwise_hooks(module)[0] is not None
-        candidates.append(_Candidate(names, module, dtensor=has_dtensor))
+        candidates.append(Candidate(names, module, dtensor=has_dtensor))
     return candidates
-
-
-def _matches(name: str, patterns: Iterable[str]) -> bool:
-    return bool(name) and any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _plain_problems(module: nn.Module, shard: str = "[out, in/world]", bias_role: str = "the full bias of the layer"
-                    ) -> List[str]:
-    """Why a plain module cannot be a tensor-parallel linear layer: weight `shard` (row-parallel: [out, in/world]),
-    optional bias of the weight's first dimension (`bias_role`)."""
-    problems = []
-    hooks = [kind for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-             if getattr(module, kind, None)]
-    if hooks:
-        problems.append(f"it has hooks ({', '.join(h.strip('_') for h in hooks)}) that a replacement would drop")
-    own = dict(module.named_parameters(recurse=False))
-    extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
-    if extra:
-        problems.append(f"it is not a single linear layer: it has parameters {extra}")
-    buffers = [n for n, _ in module.named_buffers()]
-    if buffers:
-        problems.append(f"it has buffers {buffers} that the fused layer would drop")
-    weight = own.get("weight")
-    if weight is None:
-        problems.append(f"it is a {type(module).__name__} without a weight parameter: not a linear layer")
-        return problems
-    if weight.dim() != 2 or not weight.is_floating_point():
-        problems.append(f"its weight is {weight.dim()}-D {weight.dtype}; expected a 2-D floating {shard} shard")
-        return problems
-    bias = getattr(module, "bias", None)
-    if bias is not None:
-        if own.get("bias") is not bias:
-            problems.append("its bias is not a parameter of the module")
-        elif tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype:
-            problems.append(f"its bias is {tuple(bias.shape)} {bias.dtype}; expected [{weight.shape[0]}] "
-                            f"{weight.dtype}, {bias_role}")
-    return problems
-
-
-def _signature(module: nn.Module):
-    weight = getattr(module, "weight", None)
-    bias = getattr(module, "bias", None)
-    if not isinstance(weight, torch.Tensor):
-        return None
-    return (tuple(weight.shape), str(weight.dtype), None if not isinstance(bias, torch.Tensor) else tuple(bias.shape))
-
-
-def _share_problems(candidates: List[_Candidate], info: GroupInfo) -> None:
-    """Every rank learns every rank's problems, and that all ranks hold shards of the same shapes."""
-    local = [(c.problems, _signature(c.module) if not c.dtensor else None) for c in candidates]
-    gathered = [None] * info.world
-    dist.all_gather_object(gathered, local, group=info.group)
-    for index, c in enumerate(candidates):
-        merged = list(c.problems)
-        for rank, entries in enumerate(gathered):
-            problems, _ = entries[index]
-            merged += [f"on rank {rank}: {p}" for p in problems if p not in c.problems]
-        signatures = {rank: entries[index][1] for rank, entries in enumerate(gathered)}
-        if len(set(signatures.values())) > 1:
-            merged.append("ranks disagree on its shapes (weight shape, dtype, bias shape): " +
-                          ", ".join(f"rank {r}: {s}" for r, s in signatures.items()))
-        c.problems = merged
 
 
 def _probe(module: nn.Module, info: GroupInfo) -> str:
@@ -361,7 +227,7 @@ def _probe(module: nn.Module, info: GroupInfo) -> str:
     return "other"
 
 
-def _probe_bounded(c: _Candidate, info: GroupInfo) -> str:
+def _probe_bounded(c: Candidate, info: GroupInfo) -> str:
     """_probe with its collectives bounded (_probe_timeout.py). A forward that raises on this rank raises here at
     once; a collective that fails or times out on this rank (a peer's forward raised, or the layer reduces over a
     group some rank does not call) raises naming the module too. Either way every rank raises; the group is then
@@ -379,7 +245,7 @@ def _probe_bounded(c: _Candidate, info: GroupInfo) -> str:
                 f"of it probably raised (see that rank's error); {type(exc).__name__}: {exc}") from exc
 
 
-def _forward_raised(c: _Candidate, info: GroupInfo, exc: Exception, bound_s) -> ValueError:
+def _forward_raised(c: Candidate, info: GroupInfo, exc: Exception, bound_s) -> ValueError:
     return ValueError(
         f"replace_row_parallel: cannot replace {c.names[0]!r} ({type(c.module).__name__}): its forward raised "
         f"{type(exc).__name__}: {exc} on rank {info.rank} while being probed with a random "
@@ -387,7 +253,7 @@ def _forward_raised(c: _Candidate, info: GroupInfo, exc: Exception, bound_s) -> 
         f"{'their group timeout' if bound_s is None else f'{bound_s:g} s'} in its collectives, then raise too")
 
 
-def _probe_all(plain: List[_Candidate], info: GroupInfo) -> None:
+def _probe_all(plain: List[Candidate], info: GroupInfo) -> None:
     local = [_probe_bounded(c, info) for c in plain]
     gathered = [None] * info.world
     dist.all_gather_object(gathered, local, group=info.group)
@@ -417,8 +283,3 @@ def _probe_all(plain: List[_Candidate], info: GroupInfo) -> None:
                 "nor this rank's partial product: not a row-parallel linear layer over this group (wrong group, or "
                 "extra computation)")
 
-
-def _raise_if_problems(candidates: List[_Candidate], who: str = "replace_row_parallel") -> None:
-    lines = [f"  {c.names[0]!r} ({type(c.module).__name__}): {p}" for c in candidates for p in c.problems]
-    if lines:
-        raise ValueError(f"{who}: cannot replace\n" + "\n".join(lines))

@@ -28,9 +28,9 @@ from ._groups import GroupInfo, resolve_group
 from .column_parallel_linear import ColumnParallelLinear
 from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems, read_colwise_style
 from .dtensor_row_parallel import is_dtensor
-from .replace import (
-    PROBE_ROWS, PROBE_SEED, ReplaceReport, _Candidate, _matches, _plain_problems, _raise_if_problems, _reported,
-    _share_problems, modules_by_id,
+from .conversion import (
+    PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, raise_if_problems,
+    reported, share_problems,
 )
 from .row_parallel_linear import check_algorithm
 
@@ -75,7 +75,7 @@ def replace_column_parallel(
             c.problems += colwise_problems(c.module, c.layouts, other_hooks, None if group is None else info.name,
                                            replicated_input=True)
         else:
-            c.problems += _plain_problems(c.module, "[out/world, in]", "the bias shard of the layer")
+            c.problems += plain_problems(c.module, "[out/world, in]", "the bias shard of the layer")
     skipped: List[Tuple[str, str]] = []
     if patterns is None:
         # Found by their style, not named: the ones that cannot be converted are reported, not errors.
@@ -83,11 +83,11 @@ def replace_column_parallel(
         candidates = [c for c in candidates if not c.problems]
     if plain:
         # Local findings may differ between ranks; share them before any probe so all ranks raise together.
-        _share_problems(candidates, info)
-    _raise_if_problems(candidates, WHO)
+        share_problems(candidates, info)
+    raise_if_problems(candidates, WHO)
     if plain:
         _probe_all(plain, info)
-        _raise_if_problems(candidates, WHO)
+        raise_if_problems(candidates, WHO)
 
     replaced: List[str] = []
     for c in candidates:
@@ -100,7 +100,7 @@ def replace_column_parallel(
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
             replaced.append(name)
-    return _reported(ReplaceReport(replaced, skipped, converter=WHO, ops=OPS))
+    return reported(ReplaceReport(replaced, skipped, converter=WHO, ops=OPS))
 
 
 def _has_colwise_style(module: nn.Module) -> bool:
@@ -110,7 +110,7 @@ def _has_colwise_style(module: nn.Module) -> bool:
     return read_colwise_style(module)[0] is not None
 
 
-def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]:
+def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[Candidate]:
     names_of, modules = modules_by_id(model)
     converted = (ColumnParallelLinear, DTensorColumnParallelLinear)
     if patterns is None:
@@ -120,16 +120,16 @@ def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[_Candidate]
                              "transformers' tp_plan \"colwise\" styles); for a plain tensor-parallel model pass "
                              "patterns=[...] naming its column-parallel layers, e.g. ['*.q_proj', '*.k_proj', "
                              "'*.v_proj', '*.gate_proj', '*.up_proj']")
-        return [_Candidate(names_of[i], modules[i], dtensor=True) for i in found]
-    unmatched = [p for p in patterns if not any(_matches(n, [p]) for names in names_of.values() for n in names)]
+        return [Candidate(names_of[i], modules[i], dtensor=True) for i in found]
+    unmatched = [p for p in patterns if not any(matches(n, [p]) for names in names_of.values() for n in names)]
     if unmatched:
         raise ValueError(f"{WHO}: pattern(s) {unmatched} match no module of the model")
     candidates = []
     for i, module in modules.items():
-        if not any(_matches(n, patterns) for n in names_of[i]) or isinstance(module, converted):
+        if not any(matches(n, patterns) for n in names_of[i]) or isinstance(module, converted):
             continue
         dtensor = any(is_dtensor(p) for p in module.parameters()) or read_colwise_style(module)[2]
-        candidates.append(_Candidate(names_of[i], module, dtensor=dtensor))
+        candidates.append(Candidate(names_of[i], module, dtensor=dtensor))
     return candidates
 
 
@@ -184,7 +184,7 @@ def _probe_backward(module: nn.Module, x: torch.Tensor, out: torch.Tensor, info:
     return "other: its input gradient is neither all_reduce(grad @ weight) over the group nor this rank's part of it"
 
 
-def _probe_all(candidates: List[_Candidate], info: GroupInfo) -> None:
+def _probe_all(candidates: List[Candidate], info: GroupInfo) -> None:
     """Probes every candidate on all ranks: forwards first, their statuses shared, then the backwards (collective)
     only where every rank's forward passed, so that a module that fails on one rank leaves no rank waiting. The
     parameters need no gradient meanwhile: the probe computes x's gradient only and touches nothing else (no .grad,

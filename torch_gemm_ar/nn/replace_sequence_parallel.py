@@ -16,7 +16,7 @@ from torch import nn
 
 from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems
 from .dtensor_row_parallel import DTensorRowParallelLinear, read_style_hooks, rowwise_problems, sequence_shard_dim
-from .replace import ReplaceReport, _reported, _style_of, modules_by_id
+from .conversion import ReplaceReport, modules_by_id, reported, style_of
 from .row_parallel_linear import check_algorithm
 
 _CONVERTED = (DTensorRowParallelLinear, DTensorColumnParallelLinear)
@@ -42,7 +42,7 @@ def _sequence_style(module: nn.Module):
 
 
 def _skip_reason(module: nn.Module) -> Optional[str]:
-    style = _style_of(module)
+    style = style_of(module)
     if style is None:
         return None
     if style == "RowwiseParallel":
@@ -89,7 +89,7 @@ def replace_sequence_parallel(model: nn.Module, *, patterns: Optional[Sequence[s
                 skipped.append((names_of[i][0], reason))
     if not found:
         if any(isinstance(m, _CONVERTED) for m in modules.values()):
-            return _reported(ReplaceReport([], skipped, converter="replace_sequence_parallel",
+            return reported(ReplaceReport([], skipped, converter="replace_sequence_parallel",
                                            ops="allgather_gemm / gemm_reduce_scatter"))
         raise ValueError("replace_sequence_parallel: found no nn.Linear parallelized with "
                          "ColwiseParallel(input_layouts=Shard(d)) or RowwiseParallel(output_layouts=Shard(d))"
@@ -115,5 +115,5 @@ def replace_sequence_parallel(model: nn.Module, *, patterns: Optional[Sequence[s
             parent_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent_name), leaf, new)
             replaced.append(name)
-    return _reported(ReplaceReport(replaced, skipped, converter="replace_sequence_parallel",
+    return reported(ReplaceReport(replaced, skipped, converter="replace_sequence_parallel",
                                    ops="allgather_gemm / gemm_reduce_scatter"))
