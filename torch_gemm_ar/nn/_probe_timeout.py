@@ -44,10 +44,10 @@ def bounded_group_timeout(group: dist.ProcessGroup) -> Iterator[Optional[float]]
     """Lowers `group`'s timeout to the probe bound inside the block and restores it after. Yields the bound in
     seconds that applies (None: the group's backend keeps its own)."""
     backend = _gloo_backend(group)
-    if backend is None:
+    previous = getattr(getattr(backend, "options", None), "_timeout", None)  # private in torch 2.13: may go
+    if not isinstance(previous, datetime.timedelta):
         yield None
         return
-    previous = backend.options._timeout
     bound = datetime.timedelta(seconds=probe_timeout_s())
     if previous <= bound:
         yield previous.total_seconds()
