@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Which rows every run measures whatever --algorithms says: the references the derived numbers need.
 ALWAYS = ("compute_only", "baseline", "baseline_fp32")
 # A row that is only meaningful next to another one.
-COMPANIONS = {"fused": ("fused_sequential", "compute_reused"), "chunked": ("sequential",)}
+COMPANIONS = {"fused": ("fused_sequential", "compute_reused", "traffic_floor"), "chunked": ("sequential",)}
 
 
 def parse_args(argv=None):

@@ -18,14 +18,11 @@ def error_of_a_fused_call_with(setter, value, env, a_shape, b_shape):
     that differ; returns the call's ValueError message, or "" if the call passed."""
     import torch
     import torch_gemm_ar
-    from scoped_env import scoped_env
+    from scoped_env import engine_switch
 
-    previous = setter(value)
     try:
-        with scoped_env(**env):
+        with engine_switch(setter, value, **env):
             torch_gemm_ar.gemm_allreduce(torch.randn(*a_shape), torch.randn(*b_shape), algorithm="fused")
     except ValueError as e:
         return str(e)
-    finally:
-        setter(previous)
     return ""

@@ -1,4 +1,5 @@
 """Setting environment variables for the length of a `with` block (engine settings read when a group is set up)."""
+import contextlib
 import os
 
 
@@ -16,3 +17,15 @@ class scoped_env:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def engine_switch(setter, value, **env):
+    """An engine switch set for the length of a `with` block, under the environment `env`: `setter` is one of the
+    extension's `_C._set_*` test switches, which return the value they replace (restored after)."""
+    previous = setter(value)
+    try:
+        with scoped_env(**env):
+            yield
+    finally:
+        setter(previous)

@@ -303,6 +303,11 @@ def check_shape_summary(summary, dtype, world=2, iters=None):
             assert all(len(times) == iters for times in entry["timings_s"]), key
         assert all(t > 0 for times in entry["timings_s"] for t in times)
         assert entry["min_s"] <= entry["median_s"] <= entry["max_s"]
+        if key == "traffic_floor":
+            # A lower bound that does not compute the op: no error against float64 claimed, nothing compared.
+            assert "max_rel_error" not in entry and entry["identical_on_all_ranks"] is None
+            assert entry["speedup_vs_baseline"] is None
+            continue
         assert entry["max_rel_error"] < REL_TOL[dtype], f"{key}: relative error {entry['max_rel_error']}"
         local = key in ("compute_only", "compute_reused", "engine_gemm")  # each rank's own product, not the reduced one
         if not local:
@@ -322,8 +327,9 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
                                "flops_per_rank": 2 * 37 * 19 * 23}
     assert result["run"]["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py --")
     rows = check_shape_summary(result, "float32", iters=2)
-    assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "allreduce_only", "sequential",
-                          "sequential_portable", "chunked", "fused_sequential", "fused", "auto", "baseline"]
+    assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "traffic_floor", "allreduce_only",
+                          "sequential", "sequential_portable", "chunked", "fused_sequential", "fused", "auto",
+                          "baseline"]
     assert rows["chunked"]["sequential_reference"] == "sequential"
     assert rows["chunked"]["speedup_vs_sequential"] > 0
     # Defined only when sequential took longer than compute alone, which 2 timed calls of a tiny shape on a loaded
@@ -340,6 +346,10 @@ def test_bench_gemm_allreduce_end_to_end(tmp_path):
     # fused is also set against the GEMM into a reused output (no page faults of a fresh one, as fused's pool).
     assert result["ratios"]["fused_over_compute_reused"] > 0 and "compute only (reused out)" in stdout
     assert "fused / compute-only into a reused output" in stdout
+    # The floor of any fused flow on this CPU, with the GEMM form it timed faster.
+    assert result["ratios"]["traffic_floor_over_compute_only"] > 0 and result["ratios"]["fused_over_traffic_floor"] > 0
+    assert "floor / compute-only = " in stdout and "fused / floor = " in stdout
+    assert "the faster GEMM here: this rank's" in stdout
     # What auto decided before the timed calls (37 x 23 is a bucket auto tunes: a candidate's name, not a guess).
     assert result["auto_choice"] in ("sequential", "chunked", "fused", "fused/tiles", "fused/few-products",
                                      "fused/gathered-inputs"), result["auto_choice"]
@@ -376,8 +386,8 @@ def test_bench_cpu_fused_end_to_end(tmp_path):
     assert [(s["shape"]["m"], s["shape"]["k"], s["shape"]["n"]) for s in result["shapes"]] == [(37, 19, 23), (5, 130, 9)]
     for summary in result["shapes"]:
         rows = check_shape_summary(summary, "float32", iters=2)
-        assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "fused_sequential", "fused",
-                              "baseline"]
+        assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "traffic_floor", "fused_sequential",
+                              "fused", "baseline"]
         assert summary["ratios"]["engine_gemm_over_compute_only"] > 0
         assert summary["ratios"]["fused_over_compute_reused"] > 0
         paired = summary["ratios"]["engine_gemm_over_compute_only_paired"]
@@ -401,8 +411,8 @@ def test_bench_cpu_fused_compares_outputs_in_window_slots(tmp_path, monkeypatch)
     with open(out) as f:
         (summary,) = json.load(f)["shapes"]
     rows = check_shape_summary(summary, "float32", iters=3)
-    assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "fused_sequential", "fused",
-                          "fused_private", "baseline"]
+    assert list(rows) == ["compute_only", "compute_reused", "engine_gemm", "traffic_floor", "fused_sequential",
+                          "fused", "fused_private", "baseline"]
     paired = summary["ratios"]["fused_over_fused_private_paired"]
     assert 0 < paired["low"] <= paired["estimate"] <= paired["high"]
     assert "fused / fused with private outputs = " in stdout

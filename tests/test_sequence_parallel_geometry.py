@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from inputs import assert_matches
-from scoped_env import scoped_env
+from scoped_env import engine_switch
 from test_fewer_b_reorders import EVERY_DTYPE, NATIVE_HALF, ONE_CORE, each_switch_mode
 from test_sequence_parallel_fused import allgather_case, reduce_scatter_case, stress, stress_ignoring_epochs
 from torch_gemm_ar import _C
@@ -46,12 +46,10 @@ def engine_rules(mode=EVERY_DTYPE):
     """In a rank: one-core settings, no tile from the environment (the geometry rules decide) and the switch in
     `mode` (EVERY_DTYPE: one tile row per rank's chunk in every dtype)."""
     saved_tile = os.environ.pop("TORCH_GEMM_AR_CPU_TILE", None)
-    previous = _C._set_fewer_b_reorders(mode)
     try:
-        with scoped_env(**ONE_CORE):
+        with engine_switch(_C._set_fewer_b_reorders, mode, **ONE_CORE):
             yield
     finally:
-        _C._set_fewer_b_reorders(previous)
         if saved_tile is not None:
             os.environ["TORCH_GEMM_AR_CPU_TILE"] = saved_tile
 

@@ -4,7 +4,6 @@ there (no bank). The tests check that the path is taken, results against float64
 that outputs a caller keeps stay intact (more than the slots, across a window growth, after the group is gone), that
 a caller may overwrite its output at once, with a negative control (an owner that returns before its peers have
 copied its rows is caught), and that ranks which differ in the switch get an error, not a hang."""
-import contextlib
 import gc
 import random
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from inputs import TOLERANCE
-from scoped_env import scoped_env
+from scoped_env import engine_switch
 from test_gathered_inputs import per_rank_inputs
 from torch_gemm_ar import _C
 
@@ -24,15 +23,9 @@ SLOT_SHAPES = {torch.float32: (1500, 200, 1100), torch.bfloat16: (700, 300, 900)
 SLOTS = 3
 
 
-@contextlib.contextmanager
 def output_slots(slots=SLOTS):
     """One-core engine settings with `slots` output slots per window (set alike on every rank: it is agreed)."""
-    previous = _C._set_shared_output_slots(slots)
-    try:
-        with scoped_env(**ONE_CORE):
-            yield
-    finally:
-        _C._set_shared_output_slots(previous)
+    return engine_switch(_C._set_shared_output_slots, slots, **ONE_CORE)
 
 
 def reference(a, b, c, bias):

@@ -57,7 +57,7 @@ def _probe_and_check(env: DistEnv, rows, references) -> Dict[str, dict]:
             continue
         env.synchronize()
         entry = {"available": True, "digest": _digest(out)}
-        if references is not None:
+        if references is not None and row.reference is not None:
             want = getattr(references, row.reference)
             got = out.detach().cpu().double().reshape(want.shape)
             entry["max_abs_error"] = float((got - want).abs().max()) if want.numel() else 0.0
@@ -74,9 +74,10 @@ def _probe_and_check(env: DistEnv, rows, references) -> Dict[str, dict]:
             merged[key] = {"available": False, "reason": absent[0]["reason"]}
             continue
         # Only a reduced result must be the same tensor everywhere; a GEMM alone differs per rank by design.
-        same = len({e["digest"] for e in per_rank}) == 1 if rows[key].reference != "local" else None
+        reduced = rows[key].reference not in ("local", None)
+        same = len({e["digest"] for e in per_rank}) == 1 if reduced else None
         entry = {"available": True, "identical_on_all_ranks": same}
-        if references is not None:
+        if references is not None and rows[key].reference is not None:
             worst = max(per_rank, key=lambda e: metrics.relative_error(e["max_abs_error"], e["max_abs_reference"]))
             entry["max_abs_error"] = worst["max_abs_error"]
             entry["max_rel_error"] = metrics.relative_error(worst["max_abs_error"], worst["max_abs_reference"])
@@ -132,8 +133,9 @@ def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times
         out_rows[key] = entry
     _derive(world, shape, rows, out_rows)
     ratios = {}
-    for reference, keys in (("compute_only", ("fused", "engine_gemm")), ("compute_reused", ("fused",)),
-                            ("fused_private", ("fused",))):
+    for reference, keys in (("compute_only", ("fused", "engine_gemm", "traffic_floor")),
+                            ("compute_reused", ("fused",)), ("fused_private", ("fused",)),
+                            ("traffic_floor", ("fused",))):
         if not out_rows.get(reference, {}).get("available"):
             continue
         for key in keys:

@@ -49,6 +49,10 @@ def format_table(headers: Sequence[str], body: List[Sequence[str]], right_from: 
     return "\n".join(out)
 
 
+def interval(paired: dict) -> str:
+    return f"{paired['estimate']:.3f} ({paired['low']:.3f}-{paired['high']:.3f})"
+
+
 def _cell(entry: dict, key: str, fmt) -> str:
     value = entry.get(key)
     return "-" if value is None else fmt(value)
@@ -82,6 +86,12 @@ def shape_table(summary: dict) -> str:
                      f"{target_cell(ratios.get('fused_over_compute_reused_paired'), target)} (the same target, "
                      f"without the fresh output's page faults; the ratio of the medians: "
                      f"{ratios['fused_over_compute_reused']:.3f})")
+    floor = ratios.get("traffic_floor_over_compute_only_paired")
+    over_floor = ratios.get("fused_over_traffic_floor_paired")
+    if floor is not None and over_floor is not None:
+        lines.append(f"floor / compute-only = {interval(floor)}, fused / floor = {interval(over_floor)} (the floor: "
+                     "the faster GEMM of the same multiply-adds plus a copy of the other ranks' rows, no "
+                     "communication; no fused flow on one core per rank gets under it on this CPU)")
     paired = ratios.get("fused_over_fused_private_paired")
     if paired is not None:
         lines.append(f"fused / fused with private outputs = {paired['estimate']:.3f} ({paired['low']:.3f}-"

@@ -16,6 +16,7 @@ ROW_ORDER = (
     "compute_only",
     "compute_reused",
     "engine_gemm",
+    "traffic_floor",
     "allreduce_only",
     "sequential",
     "sequential_portable",
@@ -43,7 +44,8 @@ class Row:
     label: str
     kind: str
     run: Callable[[int], torch.Tensor]  # the timed call on input set i
-    reference: str  # which References field the output must match: reduced, reduced_no_bias or local
+    reference: Optional[str]  # the References field the output must match (reduced, reduced_no_bias or local); None:
+    # a row that does not compute the op (traffic_floor)
     element_bytes: int  # element size of what this row's all_reduce moves (bus bandwidth)
     sequential_ref: Optional[str] = None  # the row this one overlaps: speedup, time saved, overlap efficiency
     prepare: Optional[Callable[[int], None]] = None  # untimed set-up before each call on input set i
@@ -66,6 +68,7 @@ def available_row_keys(device_type: str, dtype) -> List[str]:
         keys.remove("fused_private")  # the same row as fused where outputs are never in window slots
     if device_type != "cpu" or (dtype in (torch.bfloat16, torch.float16) and library_computes_in_fp32(dtype)):
         keys.remove("compute_reused")  # there torch's GEMM of the dtype is not the library's (it converts to fp32)
+        keys.remove("traffic_floor")
     if not (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16) and library_computes_in_fp32(dtype)):
         keys.remove("baseline_fp32")
     return keys
@@ -120,6 +123,9 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
 
         rows["compute_reused"] = Row("compute_reused", "compute only (reused out)", COMPUTE, compute_reused,
                                      "local", reduce_bytes)
+
+    if "traffic_floor" in keys:
+        rows["traffic_floor"] = traffic_floor_row(env, sets, dtype, reduce_bytes)
 
     if "engine_gemm" in keys:
         walk = getattr(getattr(lib, "_C", None), "_engine_tile_walk", None)
@@ -239,6 +245,71 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
         rows["npu_mm_all_reduce_base"] = Row("npu_mm_all_reduce_base", "npu_mm_all_reduce_base", PIPELINED,
                                              mm_all_reduce_base, "reduced", element, sequential_ref="baseline")
     return {k: rows[k] for k in ROW_ORDER if k in rows}
+
+
+def traffic_floor_row(env: DistEnv, sets: List[InputSet], dtype, reduce_bytes: int) -> Row:
+    """A lower bound, measured on this CPU, for any fused data flow on ranks of one core each. Every rank must end
+    with the whole reduced output, so it computes M x N x K multiply-adds (its own whole GEMM, or its share of the
+    output rows by every rank's K at once: the same count) and writes every row of its output, the other ranks' rows
+    included (copied, or stored there by their owners: measured at the same cost). The row does the faster of those
+    two GEMMs (timed once, untimed for the table) and copies the other ranks' rows from a local buffer, without any
+    communication, synchronisation, reduction or exchange of inputs. It does not compute the op, so nothing checks
+    its values."""
+    world = env.world
+    prepared: Dict[int, tuple] = {}
+    kept: Dict[str, object] = {}
+    row = Row("traffic_floor", "floor: GEMM + copy of others' rows", COMPUTE, lambda i: run(i), None, reduce_bytes,
+              prepare=lambda i: prepare(i))
+
+    def prepare(i: int):
+        if i in prepared:
+            return
+        s = sets[i]
+        a2d = s.a.reshape(-1, s.a.shape[-1])
+        m = a2d.shape[0]
+        share = (m + world - 1) // world  # the first ranks' shares of the rows, as the engine splits them
+        row0 = min(env.rank * share, m)
+        rows = max(min(share, m - row0), 0)
+        if "out" not in kept:
+            kept["out"] = torch.empty(m, s.b.shape[1], dtype=dtype, device=s.a.device)
+            kept["others"] = torch.ones(m - rows, s.b.shape[1], dtype=dtype, device=s.a.device)  # pages touched
+            kept["partial"] = torch.empty(m, s.b.shape[1], dtype=dtype, device=s.a.device)
+        own_rows = (torch.cat([a2d[row0:row0 + rows]] * world, dim=1), torch.cat([s.b] * world, dim=0))
+        prepared[i] = (row0, rows, a2d, s.b, own_rows)
+        if "form" not in kept:
+            kept["form"] = _faster_gemm_form(prepared[i], kept)
+            row.note = ("the faster GEMM here: " + ("this rank's rows by every rank's K" if kept["form"] == "own_rows"
+                                                    else "this rank's whole local GEMM (M rows, its K)"))
+
+    def run(i: int) -> torch.Tensor:
+        row0, rows, a2d, b, (a_all_k, b_all_k) = prepared[i]
+        out, others = kept["out"], kept["others"]
+        if kept["form"] == "own_rows":
+            torch.mm(a_all_k, b_all_k, out=out[row0:row0 + rows])
+        else:
+            torch.mm(a2d, b, out=kept["partial"])
+        out[:row0].copy_(others[:row0])
+        out[row0 + rows:].copy_(others[row0:])
+        return out
+
+    return row
+
+
+def _faster_gemm_form(prepared: tuple, kept: dict, reps: int = 3) -> str:
+    """"own_rows" or "local": which of the floor's two GEMMs of the same multiply-add count is faster on this CPU
+    (the median of a few interleaved runs each)."""
+    import time
+
+    row0, rows, a2d, b, (a_all_k, b_all_k) = prepared
+    forms = {"own_rows": lambda: torch.mm(a_all_k, b_all_k, out=kept["out"][row0:row0 + rows]),
+             "local": lambda: torch.mm(a2d, b, out=kept["partial"])}
+    times = {name: [] for name in forms}
+    for _ in range(reps):
+        for name, gemm in forms.items():
+            start = time.perf_counter()
+            gemm()
+            times[name].append(time.perf_counter() - start)
+    return min(times, key=lambda name: sorted(times[name])[reps // 2])
 
 
 def is_not_available(exc: BaseException) -> bool:
