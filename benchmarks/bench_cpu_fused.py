@@ -98,8 +98,8 @@ def main(argv=None) -> int:
             print(f"Summary (fused against the same engine's sequential mode; targets engine GEMM/compute <= "
                   f"{ENGINE_GEMM_TARGET}, fused/compute <= {TARGET_RATIO};\n ratios per iteration, in brackets their 95% "
                   f"interval; ok = meets the target, MISS = the whole interval is over it, over = over it by the "
-                  f"estimate only;\n floor = the faster GEMM of the same multiply-adds plus a copy of the other ranks' "
-                  f"rows, no communication: what no fused flow on one core per rank gets under on this CPU)")
+                  f"estimate only;\n floor = the faster torch GEMM of the same multiply-adds plus a copy of the other "
+                  f"ranks' rows, no communication: about the least a fused flow costs on ranks of one core each)")
             print(summary_table(results))
             print()
             print(report.LEGEND)

@@ -1,5 +1,6 @@
 """Bad uses of RowParallelLinear and of replace_row_parallel on plain (non-DTensor) models: every rank raises an error
-that says what is wrong, a failed conversion leaves the model untouched, and the group stays usable.
+that says what is wrong, a failed conversion leaves the model untouched, and the group stays usable (except after a
+layer whose forward raised on one rank only during the probe: a collective was abandoned there, as any would be).
 (DTensor refusals are in test_nn_dtensor.py.)"""
 import os
 import random
@@ -224,3 +225,13 @@ def test_probe_of_a_forward_that_raises_on_one_rank_is_bounded(ranks, world, fai
     # Without the bound the waiting ranks would sit in the all_reduce for 30 minutes (the pool's 120 s bound fails
     # the test first).
     assert all(t < 60 for t in waiting), elapsed
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "1e9", "soon"])
+def test_probe_timeout_setting_is_validated(monkeypatch, value):
+    from torch_gemm_ar.nn._probe_timeout import probe_timeout_s
+
+    monkeypatch.setenv("TORCH_GEMM_AR_PROBE_TIMEOUT_S", value)
+    raises(probe_timeout_s, "TORCH_GEMM_AR_PROBE_TIMEOUT_S", repr(value), exc=ValueError)
+    monkeypatch.setenv("TORCH_GEMM_AR_PROBE_TIMEOUT_S", "7.5")
+    assert probe_timeout_s() == 7.5

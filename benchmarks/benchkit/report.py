@@ -90,8 +90,8 @@ def shape_table(summary: dict) -> str:
     over_floor = ratios.get("fused_over_traffic_floor_paired")
     if floor is not None and over_floor is not None:
         lines.append(f"floor / compute-only = {interval(floor)}, fused / floor = {interval(over_floor)} (the floor: "
-                     "the faster GEMM of the same multiply-adds plus a copy of the other ranks' rows, no "
-                     "communication; no fused flow on one core per rank gets under it on this CPU)")
+                     "the faster torch GEMM of the same multiply-adds plus a copy of the other ranks' rows, no "
+                     "communication: about the least a fused flow costs on ranks of one core each, on this CPU)")
     paired = ratios.get("fused_over_fused_private_paired")
     if paired is not None:
         lines.append(f"fused / fused with private outputs = {paired['estimate']:.3f} ({paired['low']:.3f}-"

@@ -248,68 +248,63 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
 
 
 def traffic_floor_row(env: DistEnv, sets: List[InputSet], dtype, reduce_bytes: int) -> Row:
-    """A lower bound, measured on this CPU, for any fused data flow on ranks of one core each. Every rank must end
-    with the whole reduced output, so it computes M x N x K multiply-adds (its own whole GEMM, or its share of the
-    output rows by every rank's K at once: the same count) and writes every row of its output, the other ranks' rows
-    included (copied, or stored there by their owners: measured at the same cost). The row does the faster of those
-    two GEMMs (timed once, untimed for the table) and copies the other ranks' rows from a local buffer, without any
-    communication, synchronisation, reduction or exchange of inputs. It does not compute the op, so nothing checks
-    its values."""
+    """About the least a fused data flow costs on ranks of one core each, measured on this CPU with torch's GEMM.
+    Every rank must end with the whole reduced output, so it computes M x N x K multiply-adds (its own whole GEMM, or
+    its share of the output rows by every rank's K at once: the same count) and writes every row of its output, the
+    other ranks' rows included (copied, or stored there by their owners: measured at about the same cost). The row
+    runs the faster of those two GEMMs (timed before the table, the same choice on every rank) and copies the other
+    ranks' rows from a local buffer, without any communication, synchronisation, reduction or exchange of inputs.
+    It does not compute the op, so nothing checks its values. Collective: every rank builds it at the same point.
+    The closures hold tensors only (a reference to `env` would keep the process groups alive past their
+    destruction, until the interpreter's exit tears them down under gloo's threads)."""
     world = env.world
-    prepared: Dict[int, tuple] = {}
-    kept: Dict[str, object] = {}
-    row = Row("traffic_floor", "floor: GEMM + copy of others' rows", COMPUTE, lambda i: run(i), None, reduce_bytes,
-              prepare=lambda i: prepare(i))
-
-    def prepare(i: int):
-        if i in prepared:
-            return
-        s = sets[i]
+    a0 = sets[0].a.reshape(-1, sets[0].a.shape[-1])
+    m, n, device = a0.shape[0], sets[0].b.shape[1], a0.device
+    share = (m + world - 1) // world  # the first ranks' shares of the rows, as the engine splits them
+    row0 = min(env.rank * share, m)
+    rows = max(min(share, m - row0), 0)
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    partial = torch.empty(m, n, dtype=dtype, device=device)
+    others = torch.ones(m - rows, n, dtype=dtype, device=device)  # the other ranks' rows (its pages touched)
+    operands = []
+    for s in sets:
         a2d = s.a.reshape(-1, s.a.shape[-1])
-        m = a2d.shape[0]
-        share = (m + world - 1) // world  # the first ranks' shares of the rows, as the engine splits them
-        row0 = min(env.rank * share, m)
-        rows = max(min(share, m - row0), 0)
-        if "out" not in kept:
-            kept["out"] = torch.empty(m, s.b.shape[1], dtype=dtype, device=s.a.device)
-            kept["others"] = torch.ones(m - rows, s.b.shape[1], dtype=dtype, device=s.a.device)  # pages touched
-            kept["partial"] = torch.empty(m, s.b.shape[1], dtype=dtype, device=s.a.device)
-        own_rows = (torch.cat([a2d[row0:row0 + rows]] * world, dim=1), torch.cat([s.b] * world, dim=0))
-        prepared[i] = (row0, rows, a2d, s.b, own_rows)
-        if "form" not in kept:
-            kept["form"] = _faster_gemm_form(prepared[i], kept)
-            row.note = ("the faster GEMM here: " + ("this rank's rows by every rank's K" if kept["form"] == "own_rows"
-                                                    else "this rank's whole local GEMM (M rows, its K)"))
+        operands.append((a2d, s.b, torch.cat([a2d[row0:row0 + rows]] * world, dim=1), torch.cat([s.b] * world)))
+    gemms = {"own rows": lambda ops: torch.mm(ops[2], ops[3], out=out[row0:row0 + rows]),
+             "local": lambda ops: torch.mm(ops[0], ops[1], out=partial)}
+    form = _agreed_faster_gemm(gemms, operands, env.group)
+    gemm = gemms[form]
 
-    def run(i: int) -> torch.Tensor:
-        row0, rows, a2d, b, (a_all_k, b_all_k) = prepared[i]
-        out, others = kept["out"], kept["others"]
-        if kept["form"] == "own_rows":
-            torch.mm(a_all_k, b_all_k, out=out[row0:row0 + rows])
-        else:
-            torch.mm(a2d, b, out=kept["partial"])
+    def traffic_floor(i: int) -> torch.Tensor:
+        gemm(operands[i])
         out[:row0].copy_(others[:row0])
         out[row0 + rows:].copy_(others[row0:])
         return out
 
-    return row
+    note = "its GEMM here: " + ("every rank's rows by every rank's K" if form == "own rows"
+                                else "every rank's whole local GEMM (M rows, its K)")
+    return Row("traffic_floor", "floor: GEMM + copy of others' rows", COMPUTE, traffic_floor, None, reduce_bytes,
+               note=note)
 
 
-def _faster_gemm_form(prepared: tuple, kept: dict, reps: int = 3) -> str:
-    """"own_rows" or "local": which of the floor's two GEMMs of the same multiply-add count is faster on this CPU
-    (the median of a few interleaved runs each)."""
+def _agreed_faster_gemm(gemms: Dict[str, Callable], operands: List[tuple], group, reps: int = 5) -> str:
+    """The name of the faster GEMM in `gemms` (each called with one input set's operands): after a warm-up call of
+    each, the median of `reps` interleaved runs on every rank, the slowest rank's median deciding (all_reduce MAX),
+    so that every rank takes the same one."""
     import time
 
-    row0, rows, a2d, b, (a_all_k, b_all_k) = prepared
-    forms = {"own_rows": lambda: torch.mm(a_all_k, b_all_k, out=kept["out"][row0:row0 + rows]),
-             "local": lambda: torch.mm(a2d, b, out=kept["partial"])}
-    times = {name: [] for name in forms}
-    for _ in range(reps):
-        for name, gemm in forms.items():
+    for gemm in gemms.values():
+        gemm(operands[0])
+    dist.barrier(group=group)
+    times: Dict[str, List[float]] = {name: [] for name in gemms}
+    for r in range(reps):
+        for name, gemm in gemms.items():
             start = time.perf_counter()
-            gemm()
+            gemm(operands[r % len(operands)])
             times[name].append(time.perf_counter() - start)
-    return min(times, key=lambda name: sorted(times[name])[reps // 2])
+    medians = torch.tensor([sorted(t)[reps // 2] for t in times.values()], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    return list(gemms)[int(torch.argmin(medians))]
 
 
 def is_not_available(exc: BaseException) -> bool:

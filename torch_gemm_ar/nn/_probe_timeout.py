@@ -4,8 +4,8 @@ A row-parallel layer's forward runs its own all_reduce. When that forward raises
 its collective), the other ranks wait in a collective their peer never joins, for the group's whole timeout (30
 minutes by default for gloo). During a probe the group's timeout is therefore lowered to
 TORCH_GEMM_AR_PROBE_TIMEOUT_S (default 120 s; never raised above the group's own), so the waiting ranks raise
-too. Only gloo groups can have their timeout changed through torch.distributed (`_set_pg_timeout`); other backends
-keep their own bound, and their probes are bounded by it.
+too. Only a gloo backend's timeout is changed (that of the backend running the collectives on the probed layer's
+device); other backends (NCCL, HCCL) keep their own bound, and their probes are bounded by it.
 """
 import contextlib
 import datetime
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_PROBE_TIMEOUT_S = 120.0
+MAX_PROBE_TIMEOUT_S = 86400.0  # a day; longer is no bound (and overflows timedelta at inf)
 
 
 def probe_timeout_s() -> float:
@@ -26,37 +27,41 @@ def probe_timeout_s() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"TORCH_GEMM_AR_PROBE_TIMEOUT_S must be a number of seconds; got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"TORCH_GEMM_AR_PROBE_TIMEOUT_S must be positive; got {raw!r}")
+    if not 0 < value <= MAX_PROBE_TIMEOUT_S:
+        raise ValueError(f"TORCH_GEMM_AR_PROBE_TIMEOUT_S must be a number of seconds in (0, {MAX_PROBE_TIMEOUT_S:g}]; "
+                         f"got {raw!r}")
     return value
 
 
-def _gloo_backend(group: dist.ProcessGroup):
+def _gloo_backend(group: dist.ProcessGroup, device: torch.device):
+    """The gloo backend that runs `group`'s collectives on `device`'s tensors, or None (another backend: NCCL, HCCL)."""
     try:
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # no CPU backend in this group (an NCCL- or HCCL-only group)
+        backend = group._get_backend(device)
+    except Exception:  # no backend for this device type in the group
         return None
     return backend if isinstance(backend, dist.ProcessGroupGloo) else None
 
 
 @contextlib.contextmanager
-def bounded_group_timeout(group: dist.ProcessGroup) -> Iterator[Optional[float]]:
-    """Lowers `group`'s timeout to the probe bound inside the block and restores it after. Yields the bound in
-    seconds that applies (None: the group's backend keeps its own)."""
-    backend = _gloo_backend(group)
+def bounded_group_timeout(group: dist.ProcessGroup, device: torch.device) -> Iterator[Optional[float]]:
+    """Lowers the timeout of the backend that runs `group`'s collectives on `device` (the probed layer's weights) to
+    the probe bound inside the block and restores it after; only a gloo backend, and no other backend of the group,
+    is touched. Yields the bound in seconds that applies (None: the backend keeps its own)."""
+    backend = _gloo_backend(group, device)
     previous = getattr(getattr(backend, "options", None), "_timeout", None)  # private in torch 2.13: may go
-    if not isinstance(previous, datetime.timedelta):
+    set_timeout = getattr(backend, "_set_default_timeout", None)
+    if not isinstance(previous, datetime.timedelta) or set_timeout is None:
         yield None
         return
     bound = datetime.timedelta(seconds=probe_timeout_s())
     if previous <= bound:
         yield previous.total_seconds()
         return
-    dist.distributed_c10d._set_pg_timeout(bound, group)
+    set_timeout(bound)
     try:
         yield bound.total_seconds()
     finally:
-        dist.distributed_c10d._set_pg_timeout(previous, group)
+        set_timeout(previous)
 
 
 # What gloo's transport raises (as a plain RuntimeError in torch 2.13) when a peer never answers or has left.

@@ -232,7 +232,7 @@ def _probe_bounded(c: Candidate, info: GroupInfo) -> str:
     once; a collective that fails or times out on this rank (a peer's forward raised, or the layer reduces over a
     group some rank does not call) raises naming the module too. Either way every rank raises; the group is then
     unusable, as after any collective that one rank abandoned."""
-    with bounded_group_timeout(info.group) as bound_s:
+    with bounded_group_timeout(info.group, c.module.weight.device) as bound_s:
         try:
             return _probe(c.module, info)
         except Exception as exc:
