@@ -26,3 +26,17 @@ def error_of_a_fused_call_with(setter, value, env, a_shape, b_shape):
     except ValueError as e:
         return str(e)
     return ""
+
+
+def seconds_until_raised_within_probe_bound(rank, failing, convert, failing_raises, waiting_raises):
+    """Runs a converter call `convert()` under a 3 s probe bound (TORCH_GEMM_AR_PROBE_TIMEOUT_S) where a probed
+    layer fails on rank `failing` only: there it must raise `failing_raises`, elsewhere `waiting_raises` (each an
+    exception class followed by fragments of its message). Returns this rank's seconds until it raised."""
+    import time
+    from scoped_env import scoped_env
+
+    start = time.monotonic()
+    with scoped_env(TORCH_GEMM_AR_PROBE_TIMEOUT_S="3"):
+        exc, *fragments = failing_raises if rank == failing else waiting_raises
+        raises(convert, *fragments, exc=exc)
+    return time.monotonic() - start

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 import tp_transformer as tp  # noqa: E402
 import torch_gemm_ar  # noqa: E402
-from expect import raises  # noqa: E402
+from expect import raises, seconds_until_raised_within_probe_bound  # noqa: E402
 from inputs import assert_matches  # noqa: E402
 from test_nn_row_parallel_linear import LEAD_SHAPES, check_close, full_linear  # noqa: E402
 from torch_gemm_ar.nn import ColumnParallelLinear, replace_column_parallel  # noqa: E402
@@ -287,3 +287,58 @@ def dtensor_plan(rank, world, seed, algorithm):
 @pytest.mark.parametrize("world", [2, 3])
 def test_dtensor_colwise_layers(ranks, world):
     ranks(world).run(dtensor_plan, random.randrange(1 << 30), ["fused", "sequential"][world - 2])
+
+
+class _ReducedGradFailingOn(torch.autograd.Function):
+    """Identity whose backward all-reduces the gradient over `group` (Megatron's copy-to region), or raises on
+    `failing` only: its peers would wait in that all_reduce for the group's whole timeout."""
+
+    @staticmethod
+    def forward(ctx, x, group, failing):
+        ctx.group, ctx.failing = group, failing
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if dist.get_rank(ctx.group) == ctx.failing:
+            raise RuntimeError("boom in backward")
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
+
+
+class BackwardFailsOnOneRank(nn.Module):
+    def __init__(self, group, failing):
+        super().__init__()
+        self.group, self.failing = group, failing
+        self.weight = nn.Parameter(torch.randn(4, 12))
+
+    def forward(self, x):
+        return F.linear(_ReducedGradFailingOn.apply(x, self.group, self.failing), self.weight)
+
+
+def probe_of_a_backward_that_raises_on_one_rank(rank, world, failing):
+    """Every rank raises within the probe bound, naming the module, when its backward raises on one rank only."""
+    import datetime
+
+    sub = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(minutes=30))
+    model = Holder(p=BackwardFailsOnOneRank(sub, failing))
+    elapsed = seconds_until_raised_within_probe_bound(
+        rank, failing, lambda: replace_column_parallel(model, patterns=["p"], group=sub),
+        (ValueError, "cannot replace 'p' (BackwardFailsOnOneRank)",
+         "its backward raised RuntimeError: boom in backward", f"on rank {rank}", "at most 3 s"),
+        (RuntimeError, f"probing 'p' (BackwardFailsOnOneRank) on rank {rank}", "waited past 3 s",
+         "another rank's backward of it probably raised"))
+    assert isinstance(model.p, BackwardFailsOnOneRank)  # a failed conversion leaves the model untouched
+    assert model.p.weight.requires_grad  # restored after the probe
+    dist.barrier()  # the default group: the failing rank waits here until its peers have given up
+    dist.destroy_process_group(sub)
+    return elapsed
+
+
+@pytest.mark.parametrize("world,failing", [(2, 0), (3, 2)])
+def test_probe_of_a_backward_that_raises_on_one_rank_is_bounded(ranks, world, failing):
+    elapsed = ranks(world).run(probe_of_a_backward_that_raises_on_one_rank, failing)
+    # Without the bound the waiting ranks would sit in the all_reduce for 30 minutes (the pool's 120 s bound fails
+    # the test first).
+    assert all(t < 60 for r, t in enumerate(elapsed) if r != failing), elapsed

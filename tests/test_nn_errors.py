@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import tp_transformer as tp  # noqa: E402
 import torch_gemm_ar  # noqa: E402
 from torch_gemm_ar.nn import RowParallelLinear  # noqa: E402
-from expect import raises
+from expect import raises, seconds_until_raised_within_probe_bound
 
 
 def _all_reduce(t, group):
@@ -192,8 +192,6 @@ def probe_of_a_forward_that_raises_on_one_rank(rank, world, failing):
         return group._get_backend(torch.device("cpu")).options._timeout
 
     import datetime
-    import time
-    from scoped_env import scoped_env
 
     sub = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(minutes=30))
     good = Holder(p=ReducesOver(2, 3, sub))
@@ -201,17 +199,11 @@ def probe_of_a_forward_that_raises_on_one_rank(rank, world, failing):
     assert timeout_of(sub) == datetime.timedelta(minutes=30)
 
     model = Holder(p=RaisesOnOneRank(2, 3, sub, failing))
-    start = time.monotonic()
-    with scoped_env(TORCH_GEMM_AR_PROBE_TIMEOUT_S="3"):
-        if rank == failing:
-            raises(lambda: torch_gemm_ar.nn.replace_row_parallel(model, patterns="p", group=sub),
-                   "cannot replace 'p' (RaisesOnOneRank)", "raised RuntimeError: boom on rank", "at most 3 s",
-                   exc=ValueError)
-        else:
-            raises(lambda: torch_gemm_ar.nn.replace_row_parallel(model, patterns="p", group=sub),
-                   f"probing 'p' (RaisesOnOneRank) on rank {rank}", "waited past 3 s",
-                   "another rank's forward of it probably raised", exc=RuntimeError)
-    elapsed = time.monotonic() - start
+    elapsed = seconds_until_raised_within_probe_bound(
+        rank, failing, lambda: torch_gemm_ar.nn.replace_row_parallel(model, patterns="p", group=sub),
+        (ValueError, "cannot replace 'p' (RaisesOnOneRank)", "raised RuntimeError: boom on rank", "at most 3 s"),
+        (RuntimeError, f"probing 'p' (RaisesOnOneRank) on rank {rank}", "waited past 3 s",
+         "another rank's forward of it probably raised"))
     assert isinstance(model.p, RaisesOnOneRank)  # a failed conversion leaves the model untouched
     dist.barrier()  # the default group: the failing rank waits here until its peers have given up
     dist.destroy_process_group(sub)

@@ -10,10 +10,13 @@ device); other backends (NCCL, HCCL) keep their own bound, and their probes are 
 import contextlib
 import datetime
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from .conversion import PROBE_ROWS
 
 DEFAULT_PROBE_TIMEOUT_S = 120.0
 MAX_PROBE_TIMEOUT_S = 86400.0  # a day; longer is no bound (and overflows timedelta at inf)
@@ -74,3 +77,28 @@ def is_collective_failure(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _GLOO_FAILURES)
+
+
+def run_bounded_probe(probe: Callable[[], str], who: str, name: str, module: nn.Module, rank: int,
+                      group: dist.ProcessGroup, stage: str = "forward") -> str:
+    """`probe()` (one module's probe, collective) with its collectives bounded. Where its `stage` (forward or
+    backward) raises on this rank, it raises here at once (ValueError); where a collective fails or times out on
+    this rank (a peer's raised, or the layer reduces over a group some rank does not call), it raises naming the
+    module too (RuntimeError). Either way every rank raises; the group is then unusable, as after any collective
+    that one rank abandoned."""
+    with bounded_group_timeout(group, module.weight.device) as bound_s:
+        try:
+            return probe()
+        except Exception as exc:
+            bound = "its group's timeout" if bound_s is None else f"{bound_s:g} s"
+            described = f"{name!r} ({type(module).__name__})"
+            if is_collective_failure(exc):
+                raise RuntimeError(
+                    f"{who}: probing {described} on rank {rank}: a collective failed or waited past {bound} "
+                    f"(TORCH_GEMM_AR_PROBE_TIMEOUT_S): another rank's {stage} of it probably raised (see that "
+                    f"rank's error); {type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"{who}: cannot replace {described}: its {stage} raised {type(exc).__name__}: {exc} on rank {rank} "
+                f"while being probed with a random [{PROBE_ROWS}, {module.weight.shape[1]}] input; ranks whose "
+                f"{stage} did not raise wait at most {'their group timeout' if bound_s is None else bound} in its "
+                "collectives, then raise too") from exc

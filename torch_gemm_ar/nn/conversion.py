@@ -153,3 +153,16 @@ def raise_if_problems(candidates: List[Candidate], who: str = "replace_row_paral
     lines = [f"  {c.names[0]!r} ({type(c.module).__name__}): {p}" for c in candidates for p in c.problems]
     if lines:
         raise ValueError(f"{who}: cannot replace\n" + "\n".join(lines))
+
+
+def probe_close(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a probe's result matches a float32 reference, within what `dtype` rounds to."""
+    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+    return bool((got.float() - reference).abs().max() <= tolerance * (reference.abs().max() + 1.0))
+
+
+def put_in_place(model: nn.Module, names: List[str], new: nn.Module) -> None:
+    """Puts `new` where the module is reachable under every one of `names` (a shared module has several)."""
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, new)

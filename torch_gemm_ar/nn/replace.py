@@ -31,10 +31,10 @@ from torch import nn
 
 from .._ops import GroupLike
 from ._groups import GroupInfo, resolve_group
-from ._probe_timeout import bounded_group_timeout, is_collective_failure
+from ._probe_timeout import run_bounded_probe
 from .conversion import (
-    PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, raise_if_problems,
-    reported, share_problems, style_of,
+    PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, probe_close,
+    put_in_place, raise_if_problems, reported, share_problems, style_of,
 )
 from .dtensor_column_parallel import DTensorColumnParallelLinear, read_colwise_style
 from .dtensor_row_parallel import (
@@ -96,10 +96,8 @@ def replace_row_parallel(
             new = DTensorRowParallelLinear(c.module, c.layouts, algorithm=algorithm)
         else:
             new = RowParallelLinear._around(c.module.weight, c.module.bias, info, algorithm)
-        for name in c.names:
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), leaf, new)
-            replaced.append(name)
+        put_in_place(model, c.names, new)
+        replaced += c.names
     return reported(ReplaceReport(replaced, skipped))
 
 
@@ -213,10 +211,8 @@ def _probe(module: nn.Module, info: GroupInfo) -> str:
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(reduced.shape):
         described = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return f"other: it returns {described}, not one [{PROBE_ROWS}, {weight.shape[0]}] tensor"
-    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 5e-2
-
     def close(reference: torch.Tensor) -> bool:
-        return bool((out.float() - reference).abs().max() <= tolerance * (reference.abs().max() + 1.0))
+        return probe_close(out, reference, weight.dtype)
 
     if close(reduced + bias32):
         return "reduced"
@@ -227,34 +223,9 @@ def _probe(module: nn.Module, info: GroupInfo) -> str:
     return "other"
 
 
-def _probe_bounded(c: Candidate, info: GroupInfo) -> str:
-    """_probe with its collectives bounded (_probe_timeout.py). A forward that raises on this rank raises here at
-    once; a collective that fails or times out on this rank (a peer's forward raised, or the layer reduces over a
-    group some rank does not call) raises naming the module too. Either way every rank raises; the group is then
-    unusable, as after any collective that one rank abandoned."""
-    with bounded_group_timeout(info.group, c.module.weight.device) as bound_s:
-        try:
-            return _probe(c.module, info)
-        except Exception as exc:
-            if not is_collective_failure(exc):
-                raise _forward_raised(c, info, exc, bound_s) from exc
-            bound = "its group's timeout" if bound_s is None else f"{bound_s:g} s"
-            raise RuntimeError(
-                f"replace_row_parallel: probing {c.names[0]!r} ({type(c.module).__name__}) on rank {info.rank}: a "
-                f"collective failed or waited past {bound} (TORCH_GEMM_AR_PROBE_TIMEOUT_S): another rank's forward "
-                f"of it probably raised (see that rank's error); {type(exc).__name__}: {exc}") from exc
-
-
-def _forward_raised(c: Candidate, info: GroupInfo, exc: Exception, bound_s) -> ValueError:
-    return ValueError(
-        f"replace_row_parallel: cannot replace {c.names[0]!r} ({type(c.module).__name__}): its forward raised "
-        f"{type(exc).__name__}: {exc} on rank {info.rank} while being probed with a random "
-        f"[{PROBE_ROWS}, {c.module.weight.shape[1]}] input; ranks whose forward did not raise wait at most "
-        f"{'their group timeout' if bound_s is None else f'{bound_s:g} s'} in its collectives, then raise too")
-
-
 def _probe_all(plain: List[Candidate], info: GroupInfo) -> None:
-    local = [_probe_bounded(c, info) for c in plain]
+    local = [run_bounded_probe(lambda: _probe(c.module, info), "replace_row_parallel", c.names[0], c.module,
+                               info.rank, info.group) for c in plain]
     gathered = [None] * info.world
     dist.all_gather_object(gathered, local, group=info.group)
     for index, c in enumerate(plain):

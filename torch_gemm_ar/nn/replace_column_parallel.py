@@ -28,9 +28,10 @@ from ._groups import GroupInfo, resolve_group
 from .column_parallel_linear import ColumnParallelLinear
 from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems, read_colwise_style
 from .dtensor_row_parallel import is_dtensor
+from ._probe_timeout import run_bounded_probe
 from .conversion import (
-    PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, raise_if_problems,
-    reported, share_problems,
+    PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, probe_close,
+    put_in_place, raise_if_problems, reported, share_problems,
 )
 from .row_parallel_linear import check_algorithm
 
@@ -96,10 +97,8 @@ def replace_column_parallel(
         else:
             new = ColumnParallelLinear._around(c.module.weight, getattr(c.module, "bias", None), info, algorithm,
                                                sequence_parallel=False)
-        for name in c.names:
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), leaf, new)
-            replaced.append(name)
+        put_in_place(model, c.names, new)
+        replaced += c.names
     return reported(ReplaceReport(replaced, skipped, converter=WHO, ops=OPS))
 
 
@@ -161,10 +160,8 @@ def _probe_backward(module: nn.Module, x: torch.Tensor, out: torch.Tensor, info:
     generator = torch.Generator().manual_seed(PROBE_SEED + 1 + info.rank)  # a different gradient on every rank
     upstream = torch.randn(PROBE_ROWS, weight.shape[0], generator=generator)
     upstream = upstream.to(device=weight.device, dtype=weight.dtype)
-    tolerance = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 5e-2
-
     def close(got: torch.Tensor, reference: torch.Tensor) -> bool:
-        return bool((got.float() - reference).abs().max() <= tolerance * (reference.abs().max() + 1.0))
+        return probe_close(got, reference, weight.dtype)
 
     (grad_x,) = torch.autograd.grad(out, [x], upstream, allow_unused=True)
     with torch.no_grad():
@@ -204,7 +201,8 @@ def _probe_all(candidates: List[Candidate], info: GroupInfo) -> None:
                 rank, status = failed[0]
                 local.append(status + ("" if len(failed) == info.world else f" (on rank {rank})"))
             else:
-                local.append(_probe_backward(c.module, x, out, info))
+                local.append(run_bounded_probe(lambda: _probe_backward(c.module, x, out, info), WHO, c.names[0],
+                                               c.module, info.rank, info.group, stage="backward"))
     finally:
         for p, was in zip(params, needed):
             p.requires_grad_(was)
