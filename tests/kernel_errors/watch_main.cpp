@@ -2,7 +2,6 @@
 // (tests/test_kernel_error_watch.py). Reads commands from stdin, one per line, prints one line per command:
 //   first <epoch>                     a new watch whose first call gets <epoch>            -> "ok"
 //   call                              the next call is queued (take_epoch)                 -> its epoch
-//   mark <call>                       call #<call> (1-based) was reported by its own rank  -> "ok"
 //   record <call> <code> <rank> <peer> <item>   a record tagged for call #<call> (0: tag 0, never written)
 //                                     -> the message take_unreported() returns, or "-"
 //   bound <requested_ms> <aicore_ms>  kernel_wait_bound()                                  -> "<wait_ms> <capped>"
@@ -40,11 +39,6 @@ int main() {
       std::cout << "ok\n";
     } else if (command == "call") {
       std::cout << watch.take_epoch() << "\n";
-    } else if (command == "mark") {
-      uint32_t call = 0;
-      in >> call;
-      watch.mark_reported(first + call - 1);
-      std::cout << "ok\n";
     } else if (command == "record") {
       uint32_t call = 0;
       gemm_ar::ErrorRecord record;

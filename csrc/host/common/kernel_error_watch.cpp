@@ -63,6 +63,9 @@ std::string KernelErrorWatch::take_unreported(const ErrorRecord& record, const s
   // Only this process's kernels write the record (zeroed when the communicator was set up), so every tag not yet
   // reported is a failure to raise; the call number is known for the eager calls this watch counted.
   if (record.code == kErrNone || record.tag == 0 || record.tag == reported_tag_) return "";
+  const bool raised_by_host =
+      record.code == kErrPeerRejected && record.peer == record.rank && record.item != kSignatureKernelRejected;
+  if (raised_by_host) return "";
   reported_tag_ = record.tag;
   std::string which = "a call (replayed from a captured graph, or older than the last 65536)";
   for (uint64_t back = 1; back <= std::min(calls_, kErrorEpochLookback); ++back) {
@@ -75,8 +78,8 @@ std::string KernelErrorWatch::take_unreported(const ErrorRecord& record, const s
   std::ostringstream os;
   os << "gemm_allreduce (fused, NPU): " << which << " on group '" << group_name
      << "' failed: " << describe_kernel_error(record, field_name, code_summary)
-     << ". Its output holds NaN (TORCH_GEMM_AR_TIMEOUT_S bounds every wait); a peer that died or skipped the "
-        "call leaves the group unusable.";
+     << ". Its output holds NaN (TORCH_GEMM_AR_TIMEOUT_S bounds every wait). The group stays usable: every rank "
+        "counted the call; only a peer that died leaves it unusable.";
   return os.str();
 }
 

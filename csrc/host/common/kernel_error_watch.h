@@ -27,11 +27,10 @@ class KernelErrorWatch {
   uint32_t take_epoch() { return first_epoch_ + calls_++; }
   uint64_t calls() const { return calls_; }
 
-  // A failure this rank already reported another way (its host raised at once): never raised again.
-  void mark_reported(uint32_t epoch) { reported_tag_ = signal_tag(epoch); }
-
   // The message for a failure the record shows for one of this communicator's recent calls that was not reported
-  // yet, or "" (no error, an old or foreign record, or already reported). Marks it reported.
+  // yet, or "" (no error, an old or foreign record, or already reported). Marks it reported. A rank's own rejection
+  // of its arguments is never raised from the record: its host raised it when it queued the call (whatever epoch
+  // the kernel then ran with, graph replays included); only a rejection by the kernel itself is.
   std::string take_unreported(const ErrorRecord& record, const std::string& group_name,
                               SignatureFieldName field_name, ErrorCodeSummary code_summary);
 

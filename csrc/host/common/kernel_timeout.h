@@ -1,16 +1,16 @@
-// The kernels' wait bound against the runtime's AI Core op-execute timeout (issue 9, finding 6). When a kernel runs
-// longer than that timeout the runtime kills it, and the ErrorRecord naming the peer that never came is lost, so
+// The kernels' wait bound against the runtime's AI Core op-execute timeout. When a kernel runs longer than that
+// timeout the runtime kills it, and the ErrorRecord naming the peer that never came is lost, so
 // TORCH_GEMM_AR_TIMEOUT_S is capped below it with a margin (the kernels need a moment to record and poison).
-// Facts (CANN documentation of aclrtSetOpExecuteTimeOut / aclrtGetOpExecuteTimeout): the AI Core default is
-// 1091 s on Atlas A2 training products (68 s on the older Atlas training series); newer CANN reports the effective
-// value, in milliseconds, through aclrtGetOpExecuteTimeout.
+// Sources (docs/ascend.md, "Timeouts"): CANN reports the effective value in milliseconds through
+// aclrtGetOpExecuteTimeout (CANN 8.5 on); torch_npu 2.13 sets it to 547 s when it initialises a device (CANN's own
+// default on A2/A3 is 1091 s), so 547 s is what to assume where the runtime cannot be asked.
 #pragma once
 #include <algorithm>
 #include <cstdint>
 
 namespace gemm_ar {
 
-constexpr int64_t kDocumentedAiCoreTimeoutMs = 1091 * 1000;  // used when the runtime cannot be asked
+constexpr int64_t kDocumentedAiCoreTimeoutMs = 547 * 1000;  // torch_npu's; used when the runtime cannot be asked
 
 struct KernelWaitBound {
   int64_t wait_ms;  // what the kernels get

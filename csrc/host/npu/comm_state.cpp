@@ -5,6 +5,7 @@
 #include <torch_npu/csrc/distributed/ProcessGroupHCCL.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <random>
@@ -39,6 +40,7 @@ enum SetupStage : int64_t {
   kStageMismatch = 6,
   kStageCores = 7,
   kStageOther = 8,
+  kStageAivExpansion = 9,
 };
 
 const char* stage_summary(int64_t stage) {
@@ -50,6 +52,8 @@ const char* stage_summary(int64_t stage) {
     case kStageContext: return "reading the HCCL device context failed";
     case kStageMismatch: return "the HCCL device context does not cover the group (windows not reachable)";
     case kStageCores: return "AI core counts unavailable";
+    case kStageAivExpansion:
+      return "HCCL_OP_EXPANSION_MODE=AIV (HCCL's collectives take the vector cores the comm blocks need at once)";
     default: return "setup error";
   }
 }
@@ -128,6 +132,14 @@ struct LocalSetup {
 LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
   LocalSetup local;
   try {
+    // In AIV expansion mode HCCL's collectives are vector kernels that take every vector core and wait for their
+    // own blocks; beside them the comm blocks, which wait for the peers' blocks, may not all be resident
+    // (docs/ascend.md, "Co-residency").
+    const char* expansion = std::getenv("HCCL_OP_EXPANSION_MODE");
+    if (expansion != nullptr && std::string(expansion) == "AIV") {
+      throw SetupError(kStageAivExpansion, "HCCL_OP_EXPANSION_MODE=AIV is set: unset it (or use another mode) on "
+                                           "every rank to run `fused`");
+    }
     // torch_npu only uses the rank argument to check that rank % device_count is the current device; passing the
     // device index itself satisfies that check for every rank layout.
     state.hcom_name = hccl.getHcclCommName(state.device.index());
@@ -188,13 +200,13 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     }
     local.window_bytes = static_cast<int64_t>(ctx.win_size);
 
-    // One compute block per cube core. Half the vector cores drive the transfers by default (the seed's 24 of 48),
-    // which leaves vector cores for other streams: every comm block must be resident at once.
+    // One compute block per cube core. Every comm block must be resident at once (they wait for the peers' blocks):
+    // at most half the vector cores, so that a second group's fused call, or other vector work, fits beside them
+    // (docs/ascend.md, "Co-residency").
     const int64_t max_compute = std::min(cube, kMaxComputeBlocks);
-    const int64_t max_comm = std::min(vector, kMaxCommBlocks);
+    const int64_t max_comm = std::clamp<int64_t>(vector / 2, 1, kMaxCommBlocks);
     local.compute_blocks = env_int("TORCH_GEMM_AR_NPU_COMPUTE_BLOCKS", max_compute, 1, max_compute);
-    local.comm_blocks =
-        env_int("TORCH_GEMM_AR_NPU_COMM_BLOCKS", std::clamp<int64_t>(vector / 2, 1, max_comm), 1, max_comm);
+    local.comm_blocks = env_int("TORCH_GEMM_AR_NPU_COMM_BLOCKS", max_comm, 1, max_comm);
   } catch (const SetupError& e) {
     local.stage = e.stage;
     local.error = e.what();

@@ -15,6 +15,7 @@
 
 #include "common/kernel_error_watch.h"
 #include "gemm_ar/kernel_args.hpp"
+#include "npu/fused_call_sequence.h"
 
 namespace c10_npu {
 struct NPUEvent;
@@ -68,6 +69,8 @@ struct CommState {
   at::Tensor error_device;        // ErrorRecord the kernels write (plain device memory, zeroed once)
   at::Tensor error_host;          // pinned copy, refreshed asynchronously after every call
   std::shared_ptr<c10_npu::NPUEvent> error_copied;  // recorded after the refresh
+  // Where the group's previous fused call ended, on whatever stream: the next one waits for it (fused_call_sequence.h).
+  GroupOrder<std::shared_ptr<c10_npu::NPUEvent>> order;
   std::vector<at::Tensor> captured_args;            // pinned KernelArgs copies graph replays read again
 };
 

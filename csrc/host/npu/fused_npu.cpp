@@ -19,6 +19,7 @@
 #include "gemm_ar/sequence_parallel.hpp"
 #include "kernel_launch.h"
 #include "sp_kernel_launch.h"
+#include "npu/fused_call_sequence.h"
 #include "npu/sync_points.h"
 
 namespace gemm_ar::npu {
@@ -196,25 +197,51 @@ at::Tensor upload_args(const KernelArgs& args, const at::Device& device, CommSta
   return args_device;
 }
 
-// Raises the failure of an earlier call that the last refreshed error record shows, once, without waiting: if the
-// asynchronous refresh has not landed yet, the next call looks again. Not while capturing (an event query is not
-// allowed then; check_errors() reports). Needs state.mutex.
-void raise_recorded_error(CommState& state) {
-  if (capturing() || !state.error_copied || !state.error_copied->query()) return;
-  ErrorRecord record;
-  std::memcpy(&record, state.error_host.data_ptr(), sizeof(record));
-  const std::string failure =
-      state.calls.take_unreported(record, state.group_name, &signature_field_name, &error_code_summary);
-  TORCH_CHECK(failure.empty(), failure);
-}
+// torch_npu's streams and events as the runtime of queue_fused_call (npu/fused_call_sequence.h).
+class NpuStreamRuntime {
+ public:
+  using Stream = c10_npu::NPUStream;
+  using Event = std::shared_ptr<c10_npu::NPUEvent>;
 
-// Copies the error record to the host after this call's kernels, without waiting for them (an asynchronous copy
-// into pinned memory and an event the next call queries). Not while capturing: check_errors() reads graphs'.
-void refresh_error_record(CommState& state, const c10_npu::NPUStream& stream) {
-  if (capturing()) return;
-  state.error_host.copy_(state.error_device, /*non_blocking=*/true);
-  state.error_copied = std::make_shared<c10_npu::NPUEvent>();
-  state.error_copied->record(stream);
+  explicit NpuStreamRuntime(CommState& state) : state_(state) {}
+
+  Event record(const Stream& stream) {
+    auto event = std::make_shared<c10_npu::NPUEvent>();
+    event->record(stream);
+    return event;
+  }
+  void stream_waits_for(const Stream& stream, const Event& event) { event->block(stream); }
+  void add_epoch(const Stream& stream) {
+    c10_npu::NPUStreamGuard on_stream(stream);
+    state_.epoch_device.add_(1);
+  }
+  bool capturing(const Stream&) { return npu::capturing(); }
+  // An asynchronous copy into pinned memory and an event the next call queries.
+  void refresh_error_copy(const Stream& stream) {
+    c10_npu::NPUStreamGuard on_stream(stream);
+    state_.error_host.copy_(state_.error_device, /*non_blocking=*/true);
+    state_.error_copied = record(stream);
+  }
+  // Not while capturing (an event query is not allowed then; check_errors() reports).
+  std::string take_landed_failure() {
+    if (!state_.error_copied || !state_.error_copied->query()) return "";
+    ErrorRecord record;
+    std::memcpy(&record, state_.error_host.data_ptr(), sizeof(record));
+    return state_.calls.take_unreported(record, state_.group_name, &signature_field_name, &error_code_summary);
+  }
+
+ private:
+  CommState& state_;
+};
+
+// Queues one call's kernels (launch(caller, comm)) in the group's order and raises an earlier call's failure after
+// it was queued (npu/fused_call_sequence.h). Needs state.mutex.
+template <class Launch>
+void queue_in_group_order(CommState& state, const c10_npu::NPUStream& caller, const Launch& launch) {
+  const c10_npu::NPUStream comm = c10_npu::getNPUStreamFromPool(caller.device_index());
+  NpuStreamRuntime runtime(state);
+  const std::string earlier = queue_fused_call(runtime, state.order, caller, comm, launch);
+  TORCH_CHECK(earlier.empty(), earlier);
 }
 
 }  // namespace
@@ -280,7 +307,6 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   CommState& state = comm_state(group, device);
   TORCH_CHECK(state.unavailable.empty(), call.op_name, ": fused NPU path unavailable: ", state.unavailable);
   std::lock_guard<std::mutex> lock(state.mutex);
-  raise_recorded_error(state);
 
   KernelArgs args;
   TORCH_CHECK(plan_call(call, state, &args), call.op_name, ": the fused NPU kernels cannot plan M=", call.m,
@@ -324,29 +350,16 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   at::Tensor args_device = upload_args(args, device, state);
   void* args_ptr = args_device.data_ptr();
 
-  // Fork: the comm kernel starts after everything queued so far on the caller's stream (args, scratch, inputs).
-  const c10_npu::NPUStream compute_stream = c10_npu::getCurrentNPUStream(device.index());
-  const c10_npu::NPUStream comm_stream = c10_npu::getNPUStreamFromPool(device.index());
-  c10_npu::NPUEvent forked;
-  forked.record(compute_stream);
-  forked.block(comm_stream);
-
-  enqueue_launch(compute_stream, pair.compute_name, pair.compute, static_cast<uint32_t>(state.compute_blocks),
-                 args_ptr);
-  {
+  const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
+  queue_in_group_order(state, caller, [&](const c10_npu::NPUStream& compute_stream,
+                                          const c10_npu::NPUStream& comm_stream) {
+    enqueue_launch(compute_stream, pair.compute_name, pair.compute, static_cast<uint32_t>(state.compute_blocks),
+                   args_ptr);
     c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
     enqueue_launch(comm_stream, pair.comm_name, pair.comm, static_cast<uint32_t>(state.comm_blocks), args_ptr);
-  }
-  keep_alive_on(comm_stream, {args_device, scratch, out});
-  if (epilogue != nullptr) keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
-
-  // Join: the caller's stream sees `out` only after the comm kernel wrote it.
-  c10_npu::NPUEvent joined;
-  joined.record(comm_stream);
-  joined.block(compute_stream);
-  state.epoch_device.add_(1);  // after both kernels of this call (the join), before the next call's
-
-  refresh_error_record(state, compute_stream);
+    keep_alive_on(comm_stream, {args_device, scratch, out});
+    if (epilogue != nullptr) keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
+  });
   // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp).
   if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) wait_and_raise_errors(state);
   return scratch;
@@ -425,31 +438,20 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
   // peers running the kernels stop at once with the reason instead of waiting out the timeout.
   c10_npu::NPUGuard device_guard(device);
   std::lock_guard<std::mutex> lock(state.mutex);
-  raise_recorded_error(state);
   KernelArgs args{};
-  const uint32_t epoch = state.calls.take_epoch();
-  fill_call_header(&args, state, epoch, fused_signature(call, chosen, state));
+  fill_call_header(&args, state, state.calls.take_epoch(), fused_signature(call, chosen, state));
   args.dtype = kDTypeFloat16;  // read by nobody: a signature-only call moves no data
   args.signature_only = 1;
   at::Tensor args_device = upload_args(args, device, state);
   const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
-  const c10_npu::NPUStream comm_stream = c10_npu::getNPUStreamFromPool(device.index());
-  c10_npu::NPUEvent forked;
-  forked.record(caller);
-  forked.block(comm_stream);
-  {
+  queue_in_group_order(state, caller, [&](const c10_npu::NPUStream&, const c10_npu::NPUStream& comm_stream) {
     c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
     enqueue_launch(comm_stream, "gemm_ar_comm", &launch_gemm_comm, static_cast<uint32_t>(state.comm_blocks),
                    args_device.data_ptr());
-  }
-  keep_alive_on(comm_stream, {args_device});
-  c10_npu::NPUEvent joined;
-  joined.record(comm_stream);
-  joined.block(caller);
-  state.epoch_device.add_(1);
-  refresh_error_record(state, caller);
+    keep_alive_on(comm_stream, {args_device});
+  });
   if (call.error.empty()) return {};  // M = 0: nothing to compute; a peer with M > 0 gets the mismatch
-  state.calls.mark_reported(epoch);  // raised right here; the kernel's record of it is not raised again
+  // Raised right here; the kernel's record of this rank's own rejection is not raised again (KernelErrorWatch).
   if (!agreement_problem_is_value_error({}, call)) TORCH_CHECK(false, call.error);
   TORCH_CHECK_VALUE(false, call.error);
   return {};  // not reached
