@@ -1,9 +1,9 @@
-"""Decides whether the Ascend NPU pieces can be built on this machine and builds them (design.md §7,
-docs/ascend.md).
+"""Decides whether the Ascend NPU pieces can be built on this machine and builds them (docs/architecture.md §2.2
+and §2.8, docs/ascend.md).
 
-Where CANN (ASCEND_HOME_PATH, bisheng) and torch_npu are present, npu_extensions() compiles the two PTO kernels with
-bisheng into shared libraries inside the package (torch_gemm_ar/libgemm_ar_compute.so for the cube cores,
-torch_gemm_ar/libgemm_ar_comm.so for the vector cores) and returns the host extension torch_gemm_ar._C_npu, linked
+Where CANN (ASCEND_HOME_PATH, bisheng) and torch_npu are present, npu_extensions() compiles the PTO kernels (KERNELS below) with
+bisheng into shared libraries inside the package (torch_gemm_ar/libgemm_ar_*compute.so for the cube cores,
+torch_gemm_ar/libgemm_ar_*comm.so for the vector cores) and returns the host extension torch_gemm_ar._C_npu, linked
 against them, torch_npu and ACL with the C++ ABI torch reports. Elsewhere it prints one line and returns [].
 """
 import glob

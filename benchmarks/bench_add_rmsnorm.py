@@ -4,7 +4,7 @@ sets, both outputs checked against float64 first.
 
     torchrun --nproc-per-node 2 benchmarks/bench_add_rmsnorm.py [--shapes 4096x256x2048,64x256x2048] [--dtype fp32|bf16]
 
-Issue 13's target on the CPU engine: fused epilogue / gemm_allreduce alone <= 1.03 at M4096 K256 N2048.
+Target on the CPU engine: fused epilogue / gemm_allreduce alone <= 1.03 at M4096 K256 N2048.
 
 The "floor" row is gemm_allreduce followed by one copy of `residual` into a buffer of normed's size: the memory
 traffic no out-of-place epilogue can avoid (read residual, write normed), as a separate pass after the call. The

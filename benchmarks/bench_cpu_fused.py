@@ -1,5 +1,6 @@
 """The CPU fused engine against its own sequential mode, the GEMM alone and the torch baseline, on three shapes
-from communication-heavy to compute-heavy (fp32, 2 ranks by default), in the seed's terms.
+from communication-heavy to compute-heavy (fp32, 2 ranks by default), in the terms of pto-isa's gemm_ar example
+(docs/decisions/0012-benchmark-measures.md).
 
     torchrun --nproc-per-node 2 benchmarks/bench_cpu_fused.py -- [--json out.json]
 

@@ -1,4 +1,5 @@
-"""GEMM + AllReduce, every algorithm side by side on the same inputs in one run, reported in the seed's terms.
+"""GEMM + AllReduce, every algorithm side by side on the same inputs in one run, reported in the terms of
+pto-isa's gemm_ar example (docs/decisions/0012-benchmark-measures.md).
 
     torchrun --nproc-per-node 2 benchmarks/bench_gemm_allreduce.py [--M 4096 --K 128 --N 2048] [--json out.json]
 

@@ -6,7 +6,7 @@ against float64 first.
     torchrun --nproc-per-node 2 benchmarks/bench_sequence_parallel.py [--shapes 4096x256x2048] [--dtype fp32|bf16]
 
 M is the whole sequence: gemm_reduce_scatter's input rows (each rank gets M / world output rows), allgather_gemm's
-gathered rows (each rank holds M / world). Issue 12's targets on the CPU engine, 2 ranks, M4096 K256 N2048 fp32:
+gathered rows (each rank holds M / world). Targets on the CPU engine, 2 ranks, M4096 K256 N2048 fp32:
 GEMM+RS fused / compute-only <= 1.08, AG+GEMM fused / compute-only <= 1.10.
 """
 import argparse

@@ -1,6 +1,7 @@
-"""Builds the kernel simulator of tests/test_kernels_sim*.py (design.md §8): the Ascend kernels (csrc/kernels) and
-the harness tests/kernels_sim/sim_main.cpp compiled with g++ against pto-isa's CPU simulator. Built once per test
-session (tests/conftest.py `simulator`), shared by every simulator test file."""
+"""Builds the kernel simulator of tests/test_kernels_sim*.py
+(docs/decisions/0009-checking-npu-code-without-hardware.md): the Ascend kernels (csrc/kernels) and the harness
+tests/kernels_sim/sim_main.cpp compiled with g++ against pto-isa's CPU simulator. Built once per test session
+(tests/conftest.py `simulator`), shared by every simulator test file."""
 import os
 import subprocess
 
@@ -25,7 +26,8 @@ def _patched_include_dir(tmp):
 
 def _compile_flags(tmp):
     cxx = os.environ.get("CXX", "g++")
-    # design.md §8 flags; pto-isa as a system include directory (patched copy first) so that its own warnings do not
+    # The strict simulator's flags (docs/decisions/0009-checking-npu-code-without-hardware.md); pto-isa as a system
+    # include directory (patched copy first) so that its own warnings do not
     # drown ours. PTO_CPU_MAX_THREADS=1: every block is already a thread, no nested pools.
     flags = ["-std=c++20", "-O2", "-D__CPU_SIM", "-DPTO_CPU_MAX_THREADS=1", "-Wall", "-Wextra",
              "-include", "stdint.h", "-include", "stddef.h", "-include", "pto/pto-inst.hpp",

@@ -1,6 +1,7 @@
-"""gemm_allreduce_add_rmsnorm (issue 13) on real rank processes: both outputs against float64 references (world
-sizes 1-4, odd shapes, 3-D, bias, fp32/bf16/fp64, every algorithm), bitwise equal on every rank; gradients of every
-input against a float64 autograd reference; bad residual/norm_weight on one rank or all; torch.compile."""
+"""gemm_allreduce_add_rmsnorm (docs/decisions/0011-add-rmsnorm-epilogue.md) on real rank processes: both outputs against
+float64 references (world sizes 1-4, odd shapes, 3-D, bias, fp32/bf16/fp64, every algorithm), bitwise equal on every
+rank; gradients of every input against a float64 autograd reference; bad residual/norm_weight on one rank or all;
+torch.compile."""
 import random
 
 import pytest

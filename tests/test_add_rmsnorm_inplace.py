@@ -1,9 +1,9 @@
-"""gemm_allreduce_add_rmsnorm_ (the in-place variant of issue 13) on real rank processes: `residual` ends up holding
-the new residual stream and the returned `normed` is the norm, both bitwise what the out-of-place op returns and
-within tolerance of float64 (world sizes 1-4, odd shapes, 3-D, bias, fp32/bf16/fp64, every algorithm, the owner-last
-walk on and off); residuals that are views of a wider buffer; residuals that overlap an input and inputs that require
-grad are refused on every rank; torch.compile; a negative control (the engine overwriting the residual instead of
-adding into it) that the checks must catch."""
+"""gemm_allreduce_add_rmsnorm_ (the in-place variant, docs/decisions/0011-add-rmsnorm-epilogue.md) on real rank
+processes: `residual` ends up holding the new residual stream and the returned `normed` is the norm, both bitwise what
+the out-of-place op returns and within tolerance of float64 (world sizes 1-4, odd shapes, 3-D, bias, fp32/bf16/fp64,
+every algorithm, the owner-last walk on and off); residuals that are views of a wider buffer; residuals that overlap an
+input and inputs that require grad are refused on every rank; torch.compile; a negative control (the engine overwriting
+the residual instead of adding into it) that the checks must catch."""
 import random
 
 import pytest

@@ -1,5 +1,5 @@
-"""The benchmarks: their formulas against the seed's published figures, their tables and sweep analysis on
-synthetic data, and every script end to end on tiny odd shapes with real ranks (JSON structure and the error
+"""The benchmarks: their formulas against the published figures of pto-isa's gemm_ar example, their tables and sweep
+analysis on synthetic data, and every script end to end on tiny odd shapes with real ranks (JSON structure and the error
 column checked; no timing assertions: this machine is shared)."""
 import collections
 import json
@@ -23,9 +23,9 @@ RUN_TIMEOUT_S = 400
 REL_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
-# --- formulas (design.md §9) against the seed's 8 x 910B table ---------------------------------------------------
+# --- formulas (docs/decisions/0012-benchmark-measures.md) against pto-isa's gemm_ar example's 8 x 910B table ---
 
-def test_seed_figures_follow_from_the_formulas():
+def test_gemm_ar_example_figures_follow_from_the_formulas():
     compute, comm, pipelined = 371.6e-6, 437.3e-6, 560.6e-6
     sequential = compute + comm  # 808.9 us
     assert metrics.speedup(sequential, pipelined) == pytest.approx(1.443, abs=5e-4)
@@ -42,7 +42,7 @@ def test_overlap_efficiency_edge_cases():
 
 
 def test_gflops_and_bus_bandwidth():
-    assert metrics.gflops(5416, 6144, 1408, 368.1e-6) == pytest.approx(254546, rel=1e-4)  # the seed's compute-only
+    assert metrics.gflops(5416, 6144, 1408, 368.1e-6) == pytest.approx(254546, rel=1e-4)  # the example's compute-only
     # 2 ranks: each moves half the buffer in reduce-scatter and half in all-gather, i.e. the buffer once.
     assert metrics.allreduce_bus_bytes(1000, 1000, 4, 2) == pytest.approx(4e6)
     assert metrics.bus_bandwidth_gbs(1000, 1000, 4, 8, 1e-3) == pytest.approx(2 * 7 / 8 * 4e6 / 1e-3 / 1e9)

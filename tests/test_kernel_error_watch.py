@@ -1,7 +1,8 @@
-"""Issue 9, findings 5 and 6 on the host side, without an NPU: the logic that turns the kernels' ErrorRecord into
-an error raised once (csrc/host/common/kernel_error_watch.cpp, driven by tests/kernel_errors/watch_main.cpp with
-fake records), the cap of TORCH_GEMM_AR_TIMEOUT_S below the AI Core kernel timeout (common/kernel_timeout.h), and
-torch_gemm_ar.check_errors() / the check at interpreter exit (torch_gemm_ar/errors.py) with a fake backend."""
+"""Failure reporting (docs/decisions/0005-bounded-waits-and-failure-reporting.md) on the host side, without an NPU: the
+logic that turns the kernels' ErrorRecord into an error raised once (csrc/host/common/kernel_error_watch.cpp, driven by
+tests/kernel_errors/watch_main.cpp with fake records), the cap of TORCH_GEMM_AR_TIMEOUT_S below the AI Core kernel
+timeout (common/kernel_timeout.h), and torch_gemm_ar.check_errors() / the check at interpreter exit
+(torch_gemm_ar/errors.py) with a fake backend."""
 import os
 import shutil
 import subprocess
@@ -152,6 +153,7 @@ def test_an_unreported_failure_is_raised_at_interpreter_exit(tmp_path, reported)
                                         (21, "waited too long for rank 2 to finish reading its shard")],
                          ids=["rows", "consumed"])
 def test_sequence_parallel_kernel_failures_are_named(watch, code, words):
-    # gemm_ar::kErrTimeoutRows / kErrTimeoutConsumed, recorded by the allgather_gemm kernels (issue 12).
+    # gemm_ar::kErrTimeoutRows / kErrTimeoutConsumed, recorded by the allgather_gemm kernels
+    # (docs/decisions/0010-sequence-parallel-ops.md).
     out = watch("first 4", "call", f"record 1 {code} 1 2 3")
     assert words in out[2] and "NaN" in out[2], out

@@ -174,9 +174,11 @@ def _window_too_small(gar, rank, world):
 
 
 def _failures_after_warmup(gar, rank, world):
-    """Issue 9, findings 4-5: after a warm-up call the ranks agree inside the kernels. Rank 1 calls with another M:
-    every rank's output is NaN and check_errors() raises naming the field; then rank 1 passes a bad bias: it raises
-    at once, the peers' outputs are NaN and their check_errors() names rank 1; then the group works again."""
+    """In-kernel rank agreement and poisoned outputs (docs/decisions/0004-rank-agreement-before-data-moves.md,
+    docs/decisions/0005-bounded-waits-and-failure-reporting.md): after a warm-up call the ranks agree inside the
+    kernels. Rank 1 calls with another M: every rank's output is NaN and check_errors() raises naming the field; then
+    rank 1 passes a bad bias: it raises at once, the peers' outputs are NaN and their check_errors() names rank 1; then
+    the group works again."""
     group = dist.group.WORLD
     a, b, bias, expected = _inputs(rank, world, 200, 256, 300, torch.float16, 700, True, True)
     a, b, bias = a.npu(), b.npu(), bias.npu()

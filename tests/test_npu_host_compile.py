@@ -1,5 +1,6 @@
-"""Check 1 (design.md §8): the NPU host code compiles against torch and the real torch-npu 2.13.0 headers, and every
-torch_npu C++ symbol it uses is exported, with the same mangled name, by the wheel's libtorch_npu.so.
+"""Check 1 (docs/decisions/0009-checking-npu-code-without-hardware.md): the NPU host code compiles against torch and the
+real torch-npu 2.13.0 headers, and every torch_npu C++ symbol it uses is exported, with the same mangled name, by the
+wheel's libtorch_npu.so.
 
 No NPU, CANN or importable torch_npu is needed: the wheel is only read. Its location is TORCH_NPU_ROOT (a directory
 holding torch_npu/include, e.g. from `pip install --no-deps --target <dir> torch-npu==2.13.0`), else an installed

@@ -1,7 +1,7 @@
-"""Issue 9, finding 4: after the first call of a group, a fused NPU call must not synchronise with the device, copy
-from it synchronously, allocate outside the caching allocators, or agree over the process group. This checks the
-translation units of the per-call path, compiled against the real torch-npu 2.13.0 headers (as
-tests/test_npu_host_compile.py does), three ways:
+"""No host synchronisation per call (docs/decisions/0008-npu-call-sequence-without-host-sync.md): after the first call
+of a group, a fused NPU call must not synchronise with the device, copy from it synchronously, allocate outside the
+caching allocators, or agree over the process group. This checks the translation units of the per-call path, compiled
+against the real torch-npu 2.13.0 headers (as tests/test_npu_host_compile.py does), three ways:
 
 1. symbols: no reference to a synchronising or allocating API, and no such inline helper emitted (the units are
    built at -O0, so the inline helpers they use are emitted into them: what the compiler really calls);
@@ -9,8 +9,11 @@ tests/test_npu_host_compile.py does), three ways:
 3. reach: every project function they call that is not itself in a per-call unit is on a short allow-list, each
    with the reason it is safe per call (e.g. comm_state: a cached lookup after the group's setup).
 
+The per-call path must not take a stream from torch_npu's pool either (it can hand out the caller's own stream).
+
 The negative controls inject a `.cpu()`, an `aclrtSynchronizeStream`, a call to the syncing check_all_errors(), a
-blocking `copy_(src)`, a `Work::wait()` and `.to(kCPU)` into a copy of fused_npu.cpp and require the checks to fail.
+blocking `copy_(src)`, a `Work::wait()`, `.to(kCPU)` and a pool stream into a copy of fused_npu.cpp and require the
+checks to fail.
 check_ranks_agree, the one allow-listed exchange, is checked structurally to run only before the group agreed or for
 calls that do not run the kernels (with negative controls that move or loosen the guard)."""
 import concurrent.futures
@@ -33,8 +36,10 @@ PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
 )]
 
 # Demangled undefined symbols that synchronise, copy synchronously, allocate outside the caching allocators or run a
-# collective.
+# collective; and torch_npu's stream pool, whose stream can be the caller's own (the comm kernels have the group's
+# own stream: docs/ascend.md, "Ordering of fused calls").
 DENIED_SYMBOLS = [
+    r"c10_npu::getNPUStreamFromPool", r"c10_npu::getStreamFromPool",
     r"^aclrtSynchronize", r"^aclrtMemcpy$", r"^aclrtMemcpy2d$", r"^aclrtMalloc", r"^aclrtFree",
     r"^HcclAllReduce", r"^HcclAllGather", r"^HcclBarrier",
     r"c10_npu::NPUEvent::synchronize", r"c10_npu::NPUStream::synchronize", r"c10_npu::npuSynchronize",
@@ -177,6 +182,7 @@ INJECTIONS = {
     "work_wait": ("  { c10::intrusive_ptr<c10d::Work> work; if (work) work->wait(); }\n", {"source"}),
     "to_cpu_device": ("  (void)out.to(at::Device(at::kCPU));\n", {"source"}),
     "to_kcpu": ("  (void)out.to(at::kCPU);\n", {"source"}),
+    "pool_stream": ("  (void)c10_npu::getNPUStreamFromPool(call.b.device().index());\n", {"symbols"}),
 }
 
 

@@ -129,7 +129,7 @@ def test_tile_plan_fields_and_accessors_match_reference():
 
 
 def test_tile_plan_defaults_of_the_npu_kernel():
-    # 128 x 256 tiles, base_k 64 with 4 K-slices: K padded to a multiple of 256 (design.md §5).
+    # 128 x 256 tiles, base_k 64 with 4 K-slices: K padded to a multiple of 256 (docs/architecture.md §3.1).
     plan = P.make_tile_plan(1000, 3000, 4100, 128, 256, 64, 4, 32)
     assert (plan.m_tiles, plan.n_tiles, plan.tiles) == (8, 12, 96)
     assert (plan.pad_m, plan.pad_n, plan.pad_k, plan.k_step, plan.stripes) == (1024, 3072, 4352, 256, 4)

@@ -6,8 +6,9 @@ from . import _C
 
 @contextlib.contextmanager
 def fused_engine_mode(overlap: bool = True):
-    """Under overlap=False the CPU fused engine starts communicating only after the whole GEMM: the seed's
-    "sequential" run of the same engine, against which overlap efficiency is measured. Process-wide; every rank
+    """Under overlap=False the CPU fused engine starts communicating only after the whole GEMM: the "sequential
+    (same engine)" row of the benchmarks, against which overlap efficiency is measured
+    (docs/decisions/0012-benchmark-measures.md). Process-wide; every rank
     must use the same mode for a call."""
     previous = _C._set_fused_overlap(bool(overlap))
     try:

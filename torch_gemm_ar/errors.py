@@ -1,4 +1,5 @@
-"""Failures of calls whose kernels run asynchronously (issue 9, finding 5; docs/ascend.md, "Errors").
+"""Failures of calls whose kernels run asynchronously (docs/decisions/0005-bounded-waits-and-failure-reporting.md;
+docs/ascend.md, "Errors").
 
 A fused NPU call returns as soon as its kernels are queued; if they fail (a peer that never came, ranks that called
 with different shapes), the call's output holds NaN and the failure is raised by the next call on that group, by

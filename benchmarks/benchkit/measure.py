@@ -1,5 +1,6 @@
 """One shape, every requested row, one run: probe which rows can run, check each row's result against the float64
-reference, time them all on the same inputs, and summarise with the seed's formulas. Every rank returns the same
+reference, time them all on the same inputs, and summarise with the formulas of
+docs/decisions/0012-benchmark-measures.md. Every rank returns the same
 summary (raw timings of every rank included)."""
 import hashlib
 import os
@@ -121,7 +122,8 @@ def _decided(library, shape: Shape, k: int, group, device) -> Optional[str]:
 
 def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times, settings: Settings,
               one_clock: bool) -> dict:
-    """The JSON-ready result: per row its raw per-rank timings, statistics and the seed's derived numbers."""
+    """The JSON-ready result: per row its raw per-rank timings, statistics and the derived numbers of
+    docs/decisions/0012-benchmark-measures.md."""
     out_rows = {}
     for key, row in rows.items():
         entry = {"label": row.label, "kind": row.kind, "note": row.note or None}
@@ -177,8 +179,9 @@ def _derive(world: int, shape: Shape, rows, out_rows):
         # Only rows that deliver the whole result compete with the baseline.
         whole = row.reference == "reduced"
         entry["speedup_vs_baseline"] = metrics.speedup(t_base, t) if t_base is not None and whole else None
-        # What this row's communication costs: all of a comm-only row; the part after compute of a sequential row;
-        # the whole call of a pipelined row (the seed's "comm done" time). Baselines: see the all_reduce-only row.
+        # What this row's communication costs: all of a comm-only row; the part after compute of a sequential row; the
+        # whole call of a pipelined row ("comm done" in pto-isa's gemm_ar example). Baselines: see the all_reduce-only
+        # row.
         comm = None
         if row.kind == COMM or row.kind == PIPELINED:
             comm = t

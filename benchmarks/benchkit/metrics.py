@@ -1,5 +1,6 @@
-"""The numbers the benchmarks report, in the seed's terms (design.md §9). Pure functions of times in seconds, so they
-can be checked against the seed's published figures without running anything."""
+"""The numbers the benchmarks report, in the terms of pto-isa's gemm_ar example
+(docs/decisions/0012-benchmark-measures.md). Pure functions of times in seconds, so they can be checked against that
+example's published figures without running anything."""
 import random
 import statistics
 from typing import Dict, List, Optional, Sequence
@@ -43,7 +44,7 @@ def paired_speedup(reference_iters: Sequence[float], iters: Sequence[float], res
 
 
 def speedup(reference_s: float, t_s: float) -> float:
-    """reference / t: above 1 means t is faster (the seed's speedup is sequential / pipelined)."""
+    """reference / t: above 1 means t is faster (pto-isa's gemm_ar example's speedup is sequential / pipelined)."""
     return reference_s / t_s
 
 
@@ -52,8 +53,8 @@ def time_saved(sequential_s: float, pipelined_s: float) -> float:
 
 
 def comm_time(sequential_s: float, compute_s: float) -> Optional[float]:
-    """The communication part of a run that communicates only after computing (the seed splits its sequential time
-    this way); None when the difference is not positive, i.e. noise swamps the communication."""
+    """The communication part of a run that communicates only after computing (pto-isa's gemm_ar example splits its
+    sequential time this way); None when the difference is not positive, i.e. noise swamps the communication."""
     t = sequential_s - compute_s
     return t if t > 0 else None
 

@@ -104,12 +104,13 @@ def shape_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-# fused / compute-only, the most a fused call may cost over its GEMM alone (issue 11): fp32 1.08; bf16 and fp16,
-# which CPUs without half-precision matrix units compute in fp32 after a conversion, 1.25.
+# fused / compute-only, the most a fused call may cost over its GEMM alone (docs/decisions/0012-benchmark-measures.md):
+# fp32 1.08; bf16 and fp16, which CPUs without half-precision matrix units compute in fp32 after a conversion, 1.25.
 FUSED_OVER_COMPUTE_TARGETS = {"float32": 1.08, "bfloat16": 1.25, "float16": 1.25}
 
 
-# The engine's GEMM alone (its tiles, no communication) against one plain GEMM (issue 11, item 1).
+# The engine's GEMM alone (its tiles, no communication) against one plain GEMM
+# (docs/decisions/0014-cpu-engine-per-call-geometry.md, docs/decisions/0012-benchmark-measures.md).
 ENGINE_GEMM_TARGET = 1.02
 
 

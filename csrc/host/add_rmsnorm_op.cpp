@@ -1,7 +1,8 @@
-// pto::gemm_allreduce_add_rmsnorm (issue 13): gemm_allreduce followed by the residual add and the next block's
-// RMSNorm. Its schema and its autograd formula; the CPU kernel is cpu/add_rmsnorm_cpu_op.cpp, the fake kernel is in
-// torch_gemm_ar/_registrations.py. Like gemm_allreduce, backward is local: both outputs are replicated, so their
-// gradients are too, and every input gradient is a local product or a row-wise formula.
+// pto::gemm_allreduce_add_rmsnorm (docs/decisions/0011-add-rmsnorm-epilogue.md): gemm_allreduce followed by the
+// residual add and the next block's RMSNorm. Its schema and its autograd formula; the CPU kernel is
+// cpu/add_rmsnorm_cpu_op.cpp, the fake kernel is in torch_gemm_ar/_registrations.py. Like gemm_allreduce, backward is
+// local: both outputs are replicated, so their gradients are too, and every input gradient is a local product or a
+// row-wise formula.
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>

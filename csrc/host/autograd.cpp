@@ -1,5 +1,6 @@
-// The op's autograd formula (design.md §3): a row-parallel linear layer. The forward output is replicated, so the
-// incoming gradient is too, and every gradient is a local product: no communication in backward.
+// The op's autograd formula (docs/decisions/0001-op-family-as-torch-library-ops.md): a row-parallel linear layer. The
+// forward output is replicated, so the incoming gradient is too, and every gradient is a local product: no
+// communication in backward.
 // (torch.library.register_autograd cannot take this schema: bias is a keyword-only tensor.)
 #include <torch/autograd.h>
 #include <torch/library.h>

@@ -1,5 +1,5 @@
-// The ops' schemas (design.md §3). Device implementations register themselves in their own files
-// (cpu/cpu_op.cpp, cpu/cpu_sequence_parallel_op.cpp, npu/npu_op.cpp); the fake kernels live in
+// The ops' schemas (docs/decisions/0001-op-family-as-torch-library-ops.md). Device implementations register themselves
+// in their own files (cpu/cpu_op.cpp, cpu/cpu_sequence_parallel_op.cpp, npu/npu_op.cpp); the fake kernels live in
 // torch_gemm_ar/_registrations.py, the autograd formulas in autograd.cpp and sequence_parallel_autograd.cpp.
 #include <torch/library.h>
 

@@ -1,4 +1,4 @@
-// The add+RMSNorm epilogue of GemmCommKernel (issue 13; gemm_ar/epilogue_args.hpp): once a row band is reduced on
+// The add+RMSNorm epilogue of GemmCommKernel (docs/decisions/0011-add-rmsnorm-epilogue.md; gemm_ar/epilogue_args.hpp): once a row band is reduced on
 // this rank, out = reduced + residual (rounded to the call dtype) and normed = out * rsqrt(mean(out^2) + eps) *
 // weight, the row statistics in fp32.
 //
@@ -129,15 +129,15 @@ class AddRmsNormEpilogue {
     }
   }
 
-  // Finding 5 for the second output: NaN over all of `normed`, after this block's own last store there.
+  // A failed call's poison (docs/decisions/0005-bounded-waits-and-failure-reporting.md) for the second output: NaN over all of `normed`, after this block's own last store there.
   AICORE inline void poison() {
     if (e_.kind != kEpilogueAddRmsNorm || e_.normed == 0) return;
     pipe_barrier(PIPE_ALL);
     InTile nans(kEpilogueRows, kEpilogueCols);
     TASSIGN(nans, ub_ + EpilogueUb::kAux);
     TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID2);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID2);
+    set_event(PIPE_V, PIPE_MTE3, EVENT_ID2);
+    wait_event(PIPE_V, PIPE_MTE3, EVENT_ID2);
     const TilePlan& p = args_.plan;
     for (int64_t row = 0; row < p.m; row += kEpilogueRows) {
       const int64_t rows = p.m - row < kEpilogueRows ? p.m - row : kEpilogueRows;
@@ -146,7 +146,7 @@ class AddRmsNormEpilogue {
         InTile view(static_cast<unsigned>(rows), static_cast<unsigned>(cols));
         TASSIGN(view, ub_ + EpilogueUb::kAux);
         auto dst = nd_view<T>(gm_at<T>(e_.normed, 0) + row * e_.ld_normed + ni * p.base_n, rows, cols, e_.ld_normed);
-        TSTORE(dst, view);
+        store_tile(dst, view);
       }
     }
     pipe_barrier(PIPE_ALL);
@@ -172,8 +172,8 @@ class AddRmsNormEpilogue {
   // Pipe hand-overs inside one block: `to` starts only after `from`'s earlier work is done.
   template <pipe_t From, pipe_t To>
   AICORE inline static void hand_over() {
-    set_flag(From, To, EVENT_ID2);
-    wait_flag(From, To, EVENT_ID2);
+    set_event(From, To, EVENT_ID2);
+    wait_event(From, To, EVENT_ID2);
   }
 
   AICORE inline void run_band() {
@@ -228,7 +228,7 @@ class AddRmsNormEpilogue {
       TCVT(in, x, pto::RoundMode::CAST_RINT);  // the new residual stream, in the call dtype
       hand_over<PIPE_V, PIPE_MTE3>();
       auto out_dst = nd_view<T>(out + col0, rows, cols, args_.ldo);
-      TSTORE(out_dst, in);
+      store_tile(out_dst, in);
       TCVT(x, in, pto::RoundMode::CAST_NONE);  // the statistics see the rounded values, as the reference does
       pipe_barrier(PIPE_V);
       TMUL(x, x, x);
@@ -289,7 +289,7 @@ class AddRmsNormEpilogue {
       TCVT(aux, x, pto::RoundMode::CAST_RINT);
       hand_over<PIPE_V, PIPE_MTE3>();
       auto normed_dst = nd_view<T>(normed + col0, rows, cols, e_.ld_normed);
-      TSTORE(normed_dst, aux);
+      store_tile(normed_dst, aux);
     }
   }
 

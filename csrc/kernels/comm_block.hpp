@@ -1,7 +1,8 @@
 // What every comm kernel's block does around its op's own work (gemm_comm_kernel.cpp, sp_comm_kernel.cpp): attach
 // to the device context, agree with every peer on the call signature before any data moves (call_signature.hpp),
-// and store NaN over `out` when the call fails (issue 9, finding 5); plus the UB staging map and subtile type both
-// kernels move data with.
+// and store NaN over `out` when the call fails; plus the UB staging map and subtile type both kernels move data
+// with. agree() is the line no remote write may cross early: before it a block writes only into its own rank's
+// window, since a peer's window may still be HCCL's until that peer's signature of this call is seen there.
 //
 // An op's block derives from CommBlockBase and adds init_call() (its plan-dependent state), prepare(), run() (false:
 // the call failed, recorded) and poison() (NaN over its `out`, through poison_rows); run_comm_block() calls them in
@@ -44,6 +45,7 @@ class CommBlockBase {
 
   // `usable`: this kernel found its own arguments usable; if not, it says so in word 0 of its signature so that
   // every rank stops. False (error recorded unless another block of this rank failed first) on any difference.
+  // True: every peer's comm kernel has started this call, so this block may write into their windows from now on.
   AICORE inline bool agree(bool usable) {
     int64_t mine[kSignatureWords];
     for (int64_t w = 0; w < kSignatureWords; ++w) mine[w] = args_.signature[w];
@@ -67,8 +69,8 @@ class CommBlockBase {
     SubTile<T> nans(kSubM, kBaseN);
     TASSIGN(nans, kUbMove);
     TEXPANDS(nans, static_cast<T>(__builtin_nanf("")));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    set_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
     const int64_t n = args_.plan.n;
     for (int64_t r0 = 0; r0 < rows; r0 += kSubM) {
       for (int64_t c0 = 0; c0 < n; c0 += kBaseN) {
@@ -77,7 +79,7 @@ class CommBlockBase {
         SubTile<T> view(static_cast<unsigned>(h), static_cast<unsigned>(w));
         TASSIGN(view, kUbMove);
         auto out = nd_view<T>(gm_at<T>(args_.out, 0) + r0 * args_.ldo + c0, h, w, args_.ldo);
-        TSTORE(out, view);
+        store_tile(out, view);
       }
     }
     pipe_barrier(PIPE_ALL);
@@ -97,7 +99,7 @@ class CommBlockBase {
 template <typename Block>
 AICORE inline void run_comm_block(Block& comm, bool usable) {
   if (!comm.attach()) {
-    if (usable) comm.poison();  // the device context does not match: no result will come (finding 5)
+    if (usable) comm.poison();  // the device context does not match: no result will come
     return;
   }
   if (!comm.agree(usable)) {

@@ -4,7 +4,10 @@
 //
 // Every scalar access to GM goes through scalar_load / scalar_store / flush_line. On the device they are plain
 // volatile accesses and dcci; in the simulator they run against sim_data_cache.hpp's per-core non-coherent cache,
-// so a missing flush or invalidate shows up there as a timeout, a corrupt queue or a lost store (design.md §8).
+// so a missing flush or invalidate shows up there as a timeout, a corrupt queue or a lost store (docs/decisions/0007-npu-scalar-cache-discipline.md, docs/decisions/0009-checking-npu-code-without-hardware.md).
+// A simulator build with -DGEMM_AR_PLAIN_SCALARS compiles them as on the device instead (plain volatile accesses,
+// dcci a no-op, no negative controls): tests/test_kernels_device_build.py checks that code the way the device
+// compiler sees it.
 #pragma once
 #include <pto/pto-inst.hpp>
 
@@ -18,6 +21,14 @@
 #include <thread>
 
 #include "sim_data_cache.hpp"
+#endif
+
+// Whether this build models the device for the simulator test: scalar GM accesses through sim_data_cache.hpp and
+// negative controls read from the environment.
+#if defined(__CPU_SIM) && !defined(GEMM_AR_PLAIN_SCALARS)
+#define GEMM_AR_SIM_MODEL 1
+#else
+#define GEMM_AR_SIM_MODEL 0
 #endif
 
 namespace gemm_ar {
@@ -36,14 +47,15 @@ static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied 
 
 // Negative controls of the strict simulator test (tests/test_kernels_sim.py): each re-introduces one known bug so
 // the test can show it catches it. Simulator builds read it from the environment variable
-// GEMM_AR_SIM_NEGATIVE_CONTROL (one binary serves every control); a device build always gets kControlNone.
+// GEMM_AR_SIM_NEGATIVE_CONTROL (one binary serves every control); a device build (or a GEMM_AR_PLAIN_SCALARS one)
+// always gets kControlNone.
 enum NegativeControl : int {
   kControlNone = 0,
-  kControlQueueFlush = 1,        // queue_publish does not flush the tile id's line (finding 1 of issue 9)
+  kControlQueueFlush = 1,        // queue_publish does not flush the tile id's line (docs/decisions/0007-npu-scalar-cache-discipline.md, ready-queue slot)
   kControlDropFlush = 2,         // raise_flag does not write its line back
   kControlDropInvalidate = 3,    // flag_raised reads without dropping its cached copy
-  kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (finding 2)
-  kControlSkipSignatureCheck = 5,   // peers' call signatures are waited for but not compared (finding 4)
+  kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (docs/decisions/0003-epoch-tagged-flags-never-reset.md)
+  kControlSkipSignatureCheck = 5,   // peers' call signatures are waited for but not compared (docs/decisions/0004-rank-agreement-before-data-moves.md)
   kControlSignatureUnflushed = 6,   // the signature words are not written back before their flag
   kControlPayloadUnfenced = 7,      // a reduce-scatter contribution's flag is raised without the release fence
   // One per remaining flush/invalidate site: the site named is left out (tests/test_kernels_sim.py says which the
@@ -68,6 +80,8 @@ enum NegativeControl : int {
   // The add+RMSNorm epilogue of the comm kernel (add_rmsnorm_epilogue.hpp).
   kControlEpilogueAcquire = 24,      // a row band is read after its subtiles' flags without the acquire fence
   kControlEpilogueNoWait = 25,       // a row band is normalised without waiting for its subtiles to be final
+  kControlSignaturePush = 26,        // the signature is pushed into every peer's window (maybe still HCCL's)
+                                     // instead of published in this rank's own (call_signature.hpp)
   // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
   // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
   kControlRsPayloadUnfenced = 40,    // reduce-scatter: contribution flag raised without a fence after the add
@@ -80,8 +94,18 @@ enum NegativeControl : int {
   kControlAgRowAcquire = 46,         // allgather compute: gathered rows loaded after their row-ready flag
   kControlAgNoRowWait = 47,          // allgather compute: peers' rows used without waiting for their flag
   kControlRsZeroUnfenced = 48,       // reduce-scatter: prepared flags raised without a fence after the zeroing
+  // From 60 on: bugs only the optional parts of the simulator's models can see (sim_data_cache.hpp; each passes
+  // with that part off, tests/test_kernels_sim_models.py), or the flag balance check (62).
+  kControlFlagStoredEarly = 60,      // reduce-scatter: a contribution flag's words stored before the release fence
+                                     // after the atomic add (written back after it): eviction shows it
+  kControlSignatureUnfenced = 61,    // publish_signature raises the flag without the release fence after the
+                                     // words' write-back: posted write-backs show it
+  kControlDropWaitFlag = 62,         // compute tile: the last wait_flag(PIPE_M, PIPE_MTE1, EVENT_ID1) left out, its
+                                     // set_flag pending at the kernel's end: the flag balance counts it (always on)
+  kControlMoveTileReused = 63,       // sequence-parallel move(): no MTE3 -> MTE2 hand-over after the stores, so the
+                                     // next TLOAD refills the UB tile they read: asynchronous DMA shows it
 };
-#if defined(__CPU_SIM)
+#if GEMM_AR_SIM_MODEL
 inline int negative_control() {
   static const int control = [] {
     const char* value = std::getenv("GEMM_AR_SIM_NEGATIVE_CONTROL");
@@ -96,20 +120,33 @@ AICORE constexpr inline int negative_control() { return kControlNone; }
 // False only in a simulator run whose negative control removes the site guarded by `control`.
 AICORE inline bool site_kept(int control) { return negative_control() != control; }
 
+// Cache maintenance, dsb and pipe_barrier order the core, not the compiler: without this it may move scalar
+// accesses across them (the poll above the invalidate, the flag store below the write-back).
+AICORE inline void compiler_barrier() { __asm__ __volatile__("" ::: "memory"); }
+
+// dsb(DSB_DDR): this core's earlier GM accesses complete before its later ones; kept in place for the compiler too.
+AICORE inline void ddr_barrier() {
+  compiler_barrier();
+  dsb(DSB_DDR);
+  compiler_barrier();
+}
+
 // dcci(p, SINGLE_CACHE_LINE): writes back and drops p's cache line from p up to the next 64-byte boundary only
 // (AscendC's documented behaviour for an unaligned address), so callers pass the lowest address they need covered.
 AICORE inline void flush_line(const volatile __gm__ void* p) {
-#if defined(__CPU_SIM)
+  compiler_barrier();
+#if GEMM_AR_SIM_MODEL
   sim_cache::dcci_from(p);
 #else
   dcci((__gm__ void*)p, cache_line_t::SINGLE_CACHE_LINE);
 #endif
+  compiler_barrier();
 }
 
 // One scalar word of GM through this core's data cache (memory order: none by itself; see raise_flag).
 template <typename T>
 AICORE inline T scalar_load(const volatile __gm__ T* p) {
-#if defined(__CPU_SIM)
+#if GEMM_AR_SIM_MODEL
   return sim_cache::load<T>(p);
 #else
   return *p;
@@ -118,7 +155,7 @@ AICORE inline T scalar_load(const volatile __gm__ T* p) {
 
 template <typename T>
 AICORE inline void scalar_store(volatile __gm__ T* p, T value) {
-#if defined(__CPU_SIM)
+#if GEMM_AR_SIM_MODEL
   sim_cache::store<T>(p, value);
 #else
   *p = value;
@@ -136,14 +173,37 @@ AICORE inline void invalidate_lines(const volatile __gm__ void* p, int64_t bytes
   }
 }
 
+// Word i of an object's bytes, and its replacement: byte copies, so the compiler knows they touch every field
+// (reading or writing a struct through a uint64_t* is a type pun it may reorder across the fields' own accesses).
+template <typename T>
+AICORE inline uint64_t object_word(const T& object, uint64_t i) {
+  uint64_t word;
+  __builtin_memcpy(&word, static_cast<const uint8_t*>(static_cast<const void*>(&object)) + i * sizeof(uint64_t),
+                   sizeof(uint64_t));
+  return word;
+}
+template <typename T>
+AICORE inline void set_object_word(T* object, uint64_t i, uint64_t word) {
+  __builtin_memcpy(static_cast<uint8_t*>(static_cast<void*>(object)) + i * sizeof(uint64_t), &word,
+                   sizeof(uint64_t));
+}
+
 // The host's KernelArgs copy, read word by word (kernel parameters can only be pointers and scalars).
 AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
   if (site_kept(kControlArgsStale)) invalidate_lines(src, static_cast<int64_t>(sizeof(KernelArgs)));
+  // GM holds the host's bytes, no C++ object: reading them as 64-bit words is no pun.
   const __gm__ uint64_t* from = reinterpret_cast<const __gm__ uint64_t*>(src);
+#if defined(__CPU_SIM) && defined(GEMM_AR_CONTROL_PUNNED_ARGS_LOAD)
+  // Negative control of tests/test_kernels_device_build.py only: the struct filled through a uint64_t* again.
   uint64_t* to = reinterpret_cast<uint64_t*>(dst);
   for (uint64_t i = 0; i < sizeof(KernelArgs) / sizeof(uint64_t); ++i) {
     to[i] = scalar_load(from + i);
   }
+#else
+  for (uint64_t i = 0; i < sizeof(KernelArgs) / sizeof(uint64_t); ++i) {
+    set_object_word(dst, i, scalar_load(from + i));
+  }
+#endif
   if (dst->epoch_counter != 0) {
     // Written by a stream operation after the previous call's kernels ended: drop any cached copy, then read.
     const __gm__ int64_t* counter = reinterpret_cast<const __gm__ int64_t*>(dst->epoch_counter);
@@ -182,11 +242,51 @@ AICORE inline void note_payload_store() {
 #endif
 }
 
+// set_flag / wait_flag as every kernel calls them: pto-isa's on the device; simulator builds also keep the
+// balance per core and (src, dst, event) and complete asynchronous tile stores at the wait (sim_data_cache.hpp).
+AICORE inline void set_event(pipe_t src, pipe_t dst, event_t event) {
+#if GEMM_AR_SIM_MODEL
+  sim_cache::note_set_flag(static_cast<int>(src), static_cast<int>(dst), static_cast<int>(event));
+#endif
+  set_flag(src, dst, event);
+}
+
+AICORE inline void wait_event(pipe_t src, pipe_t dst, event_t event) {
+  wait_flag(src, dst, event);
+#if GEMM_AR_SIM_MODEL
+  sim_cache::note_wait_flag(static_cast<int>(src), static_cast<int>(dst), static_cast<int>(event));
+#endif
+}
+
+// TSTORE of a tile to GM as every kernel issues it: pto-isa's on the device. Simulator builds with
+// GEMM_AR_SIM_ASYNC_DMA queue it (tile and view copied: both are handles) until the next synchronisation point of
+// its pipe, FIXPIPE for an accumulator tile and MTE3 otherwise (sim_data_cache.hpp).
+template <pto::AtomicType Atomic = pto::AtomicType::AtomicNone, typename GmT, typename TileT>
+AICORE inline void store_tile(GmT& dst, TileT& src) {
+#if GEMM_AR_SIM_MODEL
+  const pipe_t pipe = TileT::Loc == pto::TileType::Acc ? PIPE_FIX : PIPE_MTE3;
+  sim_cache::tile_store(static_cast<int>(pipe), [dst, src]() mutable {
+    if constexpr (Atomic == pto::AtomicType::AtomicNone) {
+      TSTORE(dst, src);
+    } else {
+      TSTORE<TileT, GmT, Atomic>(dst, src);
+    }
+  });
+#else
+  if constexpr (Atomic == pto::AtomicType::AtomicNone) {
+    TSTORE(dst, src);
+  } else {
+    TSTORE<TileT, GmT, Atomic>(dst, src);
+  }
+#endif
+}
+
 // Make every earlier store of this core (DMA pipes included) visible in GM before what follows: the release
 // half of "payload before flag".
 AICORE inline void release_fence() {
+  compiler_barrier();
   pipe_barrier(PIPE_ALL);
-  dsb(DSB_DDR);
+  ddr_barrier();
 #if defined(__CPU_SIM)
   __atomic_thread_fence(__ATOMIC_RELEASE);
   sim_cache::payload_unfenced() = false;
@@ -207,14 +307,15 @@ AICORE inline void acquire_fence() {
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
   sim_cache::acquire_pending() = false;
 #endif
+  compiler_barrier();
   pipe_barrier(PIPE_ALL);
-  dsb(DSB_DDR);
+  ddr_barrier();
 }
 
 // A flag is four 32-bit words at the start of its own cache line: the call's 64-bit tag (signal_tag,
 // signal_tag_high) and its complement. Data (ours from another call, or what HCCL's collectives leave in the window)
 // would have to hold exactly that 128-bit pattern to pass for a flag; a word equal to the tag no longer does
-// (issue 9, finding 2). Callers pass signal_tag(epoch); the other words follow from it.
+// (docs/decisions/0003-epoch-tagged-flags-never-reset.md). Callers pass signal_tag(epoch); the other words follow from it.
 // Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
 // so a stale cached copy can never be written back over it, and written back after so the flag leaves this core.
 AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
@@ -227,7 +328,7 @@ AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_
   scalar_store<uint32_t>(flag + 2, ~tag);
   scalar_store<uint32_t>(flag + 3, ~tag_high);
   if (negative_control() != kControlDropFlush) flush_line(flag);
-  dsb(DSB_DDR);
+  ddr_barrier();
 }
 
 // Acquire side: the line is dropped first so the words come from GM, not from this core's stale copy; the caller
@@ -297,10 +398,10 @@ AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t pe
   scalar_store<int32_t>(&rec->block, block);
   scalar_store<int32_t>(&rec->stage, stage);
   if (site_kept(kControlRecordFieldsUnflushed)) flush_line(&rec->tag);  // fields reach GM before the tag
-  dsb(DSB_DDR);
+  ddr_barrier();
   scalar_store<uint32_t>(&rec->tag, tag);
   if (site_kept(kControlRecordTagUnflushed)) flush_line(&rec->tag);
-  dsb(DSB_DDR);
+  ddr_barrier();
   raise_flag(&rec->abort_tag, tag, signal_tag_high(args.epoch));  // abort_tag and pad0[0..2]: one line
 }
 
@@ -337,16 +438,14 @@ AICORE inline bool kernel_header_usable(const KernelArgs& args, int64_t launched
 // Field-by-field equality of two structs of int64_t fields (kernel_args.hpp asserts their sizes).
 template <typename Words>
 AICORE inline bool same_words(const Words& want, const Words& got) {
-  const int64_t* w = reinterpret_cast<const int64_t*>(&want);
-  const int64_t* g = reinterpret_cast<const int64_t*>(&got);
   for (uint64_t i = 0; i < sizeof(Words) / sizeof(int64_t); ++i) {
-    if (w[i] != g[i]) return false;
+    if (object_word(want, i) != object_word(got, i)) return false;
   }
   return true;
 }
 
 // The plan and the operands alone (not who runs it or where the windows are): enough to know `out` and its shape,
-// so that a call refused for its header can still poison its output (finding 5). sp_op: 0 for gemm_allreduce's
+// so that a call refused for its header can still poison its output (docs/decisions/0005-bounded-waits-and-failure-reporting.md). sp_op: 0 for gemm_allreduce's
 // kernels, else the SpOpCode whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
 AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op = 0) {
   const TilePlan& p = args.plan;

@@ -1,10 +1,11 @@
 // GemmCommKernel (vector cores): reduce-scatter every finished tile into its owner's window, all-gather each fully
-// reduced subtile to every rank, and write this rank's result into `out` (design.md §5, comm side).
+// reduced subtile to every rank, and write this rank's result into `out` (docs/architecture.md §3.2 steps 3-5, §3.4 "Push").
 //
 // Comm block c of every rank:
-//  0. agree: block 0 publishes this rank's call signature to every peer, and every block waits for every peer's
-//     signature of this call and compares (call_signature.hpp). A difference, or a rank that rejected its
-//     arguments, stops every rank here, before anything is written into a peer's window.
+//  0. agree: block 0 publishes this rank's call signature in its own window, and every block reads every peer's
+//     signature of this call from that peer's window and compares (call_signature.hpp). A difference, or a rank
+//     that rejected its arguments, stops every rank here. Nothing is written into a peer's window before: until its
+//     signature is seen there, the peer may still be inside an HCCL collective that uses its window.
 //  1. prepare: zeroes the owner-local subtiles it gathers for this rank (ag_subtile(c, j, Q)) in this rank's
 //     reduced buffer, then sets "prepared[me][c] = tag" in every rank's window. Sources add into an owner's subtile
 //     l only after seeing prepared[owner][ag_block_of(l)]: the buffer needs zeros before atomic adds, and bytes
@@ -21,13 +22,13 @@
 //     `out`: block c waits for every subtile of row bands c, c + Q, ... to be final in this rank's window and
 //     writes both outputs of the band (out = reduced + residual, normed), so a row's statistics see all of it.
 //  4. before leaving, it waits to have seen prepared[owner][c] of every owner, even those it did not need, so no
-//     write of this call is still on its way into this rank's window when the next call (maybe another layout)
-//     starts; every other flag addressed to this rank is waited for anyway.
+//     write of this call is still on its way into this rank's window when the next call (maybe another layout) or
+//     an HCCL collective starts; every other flag addressed to this rank is waited for anyway.
 // Every wait is bounded: no progress for wait_timeout_us, or another block's failure, ends the kernel with the
 // reason in the ErrorRecord. Flags are exact-tag (64-bit tag and its complement), per (subtile, source) / per
 // (owner, block) / per subtile, so nothing is reset between calls and shapes may vary (see kernel_args.hpp).
 // A call that fails after its arguments were found usable leaves NaN in `out` (every block that gives up stores NaN
-// over all of `out` after its own last store there; issue 9, finding 5), so a failure cannot pass for a result.
+// over all of `out` after its own last store there), so a failure cannot pass for a result.
 #include <pto/pto-inst.hpp>
 
 #include "add_rmsnorm_epilogue.hpp"
@@ -89,7 +90,7 @@ class CommBlock : public CommBlockBase {
     epilogue_.init_call(&win_, tag_, tag_high_);
   }
 
-  // Finding 5: NaN over every element of `out` (all of it: every rank writes the whole result), and of `normed`
+  // docs/decisions/0005-bounded-waits-and-failure-reporting.md: NaN over every element of `out` (all of it: every rank writes the whole result), and of `normed`
   // when the call has the epilogue.
   AICORE inline void poison() {
     poison_rows<T>(args_.plan.m);
@@ -100,8 +101,8 @@ class CommBlock : public CommBlockBase {
     SubTile<T> zeros(kSubM, kBaseN);
     TASSIGN(zeros, kUbZeros);
     TEXPANDS(zeros, static_cast<T>(0));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    set_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
     const int64_t mine = ag_subtile_count(c_, owned_subtile_count(args_.plan.tiles, world_, me_, args_.plan.stripes),
                                           args_.comm_blocks);
     for (int64_t j = 0; j < mine; ++j) {
@@ -111,7 +112,7 @@ class CommBlock : public CommBlockBase {
       SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(view, kUbZeros);
       auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
-      TSTORE(dst, view);
+      store_tile(dst, view);
       note_payload_store();
     }
     release_fence();
@@ -223,14 +224,18 @@ class CommBlock : public CommBlockBase {
       TASSIGN(tile, kUbMove);
       auto src = nd_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
       TLOAD(tile, src);
-      set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
       note_guarded_access();  // the owner's prepared flag: its zeroing comes first
-      TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
+      store_tile<pto::AtomicType::AtomicAdd>(dst, tile);
       note_payload_store();
-      set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      if (negative_control() == kControlFlagStoredEarly) {  // the flag's words stored now, written back after
+        const uint32_t words[4] = {tag_, tag_high_, ~tag_, ~tag_high_};
+        for (int w = 0; w < 4; ++w) scalar_store<uint32_t>(contrib_flag(owner, l, me_) + w, words[w]);
+      }
       if (negative_control() != kControlPayloadUnfenced) release_fence();
       raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
     }
@@ -292,20 +297,20 @@ class CommBlock : public CommBlockBase {
     auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, pad_n);
     note_guarded_access();  // every contribution flag of this subtile
     TLOAD(tile, src);
-    set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     if (!has_epilogue()) {  // else the epilogue writes `out` (reduced + residual)
       auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
-      TSTORE(out, tile);
+      store_tile(out, tile);
     }
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
       auto dst = nd_view<T>(win_.remote(reduced(me_, s), peer), s.rows, s.cols, pad_n);
-      TSTORE(dst, tile);
+      store_tile(dst, tile);
       note_payload_store();
     }
-    set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
-    wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
     release_fence();
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, l, i, world_));
@@ -320,12 +325,12 @@ class CommBlock : public CommBlockBase {
     auto src = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
     note_guarded_access();  // the owner's arrival flag
     TLOAD(tile, src);
-    set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
-    wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
+    wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID1);
     auto out = nd_view<T>(gm_at<T>(args_.out, 0) + s.row0 * args_.ldo + s.col0, s.rows, s.cols, args_.ldo);
-    TSTORE(out, tile);
-    set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
-    wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    store_tile(out, tile);
+    set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
+    wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID1);
   }
 
   // Names what this block is waiting for, root causes first: a rank that never announced this call (dead or not
@@ -381,7 +386,7 @@ class CommBlock : public CommBlockBase {
 
 // `usable`: kernel_args_usable() passed (a signature-only call never moves data and has nothing to poison).
 // A call whose header is unusable but whose operands are (e.g. no device context): `out` is still known, so it is
-// poisoned rather than left as it was (finding 5).
+// poisoned rather than left as it was (docs/decisions/0005-bounded-waits-and-failure-reporting.md).
 template <uint32_t DType>
 AICORE inline void poison_only(const KernelArgs& args) {
   CommBlock<typename ElemOf<DType>::type> comm(args, 0);

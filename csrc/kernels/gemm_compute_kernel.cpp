@@ -1,5 +1,5 @@
 // GemmComputeKernel (cube cores): this rank's product a @ b (+ bias on one rank), tile by tile, into the scratch's
-// padded partial buffer, each finished tile published in the block's ready queue (design.md §5, compute side).
+// padded partial buffer, each finished tile published in the block's ready queue (docs/architecture.md §3.2 step 2).
 //
 // Block b owns the balanced contiguous range block_range(tiles, P, b) of linear tile indices and walks it in
 // zig-zag order so consecutive tiles share B columns; each tile is one TileComputer::run (tile_computer.hpp).

@@ -4,9 +4,11 @@
 // args_device: device address of a gemm_ar::KernelArgs (csrc/include/gemm_ar/kernel_args.hpp) that stays valid
 // until both kernels have finished; both launches of one call take the same copy.
 // block_dim must equal args.compute_blocks / args.comm_blocks. All comm blocks must be resident at once (they wait
-// on one another across ranks), so comm_blocks <= free AIV cores; compute blocks never wait.
+// on one another across ranks), so comm_blocks <= free AIV cores. The compute kernels of gemm_allreduce and
+// gemm_reduce_scatter never wait; allgather_gemm's waits for rows its comm kernel delivers, so the two kernels of a
+// call must run on different streams (the host gives each group its own comm stream).
 // Launch both kernels for every call on every rank, the comm kernel of call e+1 only after the comm kernel of call
-// e has finished (the fork/join of the op guarantees it), and the compute kernel of call e+1 only after the comm
+// e has finished (the group's order of fused calls guarantees it: npu/fused_call_sequence.h), and the compute kernel of call e+1 only after the comm
 // kernel of call e has finished if they share the scratch.
 #pragma once
 #include <cstdint>

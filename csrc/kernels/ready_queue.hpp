@@ -32,7 +32,7 @@ AICORE inline __gm__ uint32_t* queue_slot(const KernelArgs& args, int64_t block,
 
 // Producer side: call after the tile's TSTORE was issued. The first fence waits for the FIXPIPE store and pushes it
 // to GM. The id is flushed from its own address: the flag's flush starts 16 bytes higher and, dcci covering only up to
-// the next line boundary, would leave the id in this core's cache (issue 9, finding 1). The second fence orders the
+// the next line boundary, would leave the id in this core's cache (docs/decisions/0007-npu-scalar-cache-discipline.md). The second fence orders the
 // id's write-back before the flag.
 AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t j, int64_t tile) {
   release_fence();

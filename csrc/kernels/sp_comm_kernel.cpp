@@ -2,10 +2,11 @@
 // (gemm_ar/sequence_parallel.hpp), with gemm_allreduce's flag discipline (128-bit tag flags on their own lines,
 // release_fence before a flag, acquire_fence after one, bounded waits, error record, NaN over `out` on failure).
 //
-// Both: comm block 0 publishes the call signature and every block compares its peers' (call_signature.hpp; the
-// signature carries the op and its dim, so ranks calling different ops stop here) before anything moves. Before
-// leaving, a block has seen prepared[owner][c] of every owner, so no write of this call into this rank's window is
-// still on its way when the next call starts.
+// Both: comm block 0 publishes the call signature in its own window and every block reads its peers' from theirs
+// and compares (call_signature.hpp; the signature carries the op and its dim, so ranks calling different ops stop
+// here) before anything moves: no block writes into a peer's window before it saw the peer's signature there (the
+// peer may still be inside an HCCL collective until then). Before leaving, a block has seen prepared[owner][c] of
+// every owner, so no write of this call into this rank's window is still on its way when the next call starts.
 //
 // Reduce-scatter (RS only, no all-gather): comm block c
 //  1. zeroes the owner-local subtiles of this rank's chunk it copies out (ag_subtile(c, j, Q)) in its reduced
@@ -186,16 +187,18 @@ class SpCommBlock : public CommBlockBase {
     TASSIGN(tile, kUbMove);
     auto from = nd_view<T>(src, rows, cols, src_ld);
     TLOAD(tile, from);
-    set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+    set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+    wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
     auto to = nd_view<T>(dst, rows, cols, dst_ld);
-    TSTORE(to, tile);
+    store_tile(to, tile);
     if (dst2 != nullptr) {
       auto to2 = nd_view<T>(dst2, rows, cols, dst_ld);
-      TSTORE(to2, tile);
+      store_tile(to2, tile);
     }
-    set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-    wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+    if (site_kept(kControlMoveTileReused)) {  // the stores have read the tile before the next TLOAD refills it
+      set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+    }
   }
 
   // Rows [row0, row0 + rows) x all k columns, in sub_m x base_n pieces.
@@ -231,8 +234,8 @@ class SpCommBlock : public CommBlockBase {
     SubTile<T> zeros(kSubM, kBaseN);
     TASSIGN(zeros, kUbZeros);
     TEXPANDS(zeros, static_cast<T>(0));
-    set_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_flag(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    set_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    wait_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
     const TilePlan& p = args_.plan;
     for (int64_t j = 0; j < own_count(); ++j) {
       const Span s = own_span(ag_subtile(c_, j, args_.comm_blocks));
@@ -240,7 +243,7 @@ class SpCommBlock : public CommBlockBase {
       SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
       TASSIGN(view, kUbZeros);
       auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, p.pad_n);
-      TSTORE(dst, view);
+      store_tile(dst, view);
       note_payload_store();
     }
   }
@@ -277,14 +280,14 @@ class SpCommBlock : public CommBlockBase {
       TASSIGN(tile, kUbMove);
       auto src = nd_view<T>(partial(s), s.rows, s.cols, p.pad_n);
       TLOAD(tile, src);
-      set_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      wait_flag(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
+      wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
       auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
       note_guarded_access();  // the owner's prepared flag: its zeroing comes first
-      TSTORE<SubTile<T>, Gm2D<T, pto::Layout::ND>, pto::AtomicType::AtomicAdd>(dst, tile);
+      store_tile<pto::AtomicType::AtomicAdd>(dst, tile);
       note_payload_store();
-      set_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      wait_flag(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
+      wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
       if (site_kept(kControlRsPayloadUnfenced)) release_fence();
       raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
     }
@@ -403,7 +406,7 @@ AICORE inline void sp_comm_block_main(const KernelArgs& args, int64_t block, boo
 }
 
 AICORE inline void sp_comm_main(__gm__ uint8_t* args_gm, uint32_t op) {
-  KernelArgs args{};  // zeroed: g++ cannot see load_kernel_args fill it through the simulated cache
+  KernelArgs args{};  // zeroed: g++ cannot follow the word-by-word load and warns of uninitialised fields
   load_kernel_args(args_gm, &args);
   const int64_t block = static_cast<int64_t>(get_block_idx());
   const int64_t launched = launched_block_count(args.comm_blocks);

@@ -83,7 +83,7 @@ AICORE inline void compute_sp_items_for(const KernelArgs& args, int64_t block, u
 }
 
 AICORE inline void sp_compute_main(__gm__ uint8_t* args_gm, uint32_t op) {
-  KernelArgs args{};  // zeroed: g++ cannot see load_kernel_args fill it through the simulated cache
+  KernelArgs args{};  // zeroed: g++ cannot follow the word-by-word load and warns of uninitialised fields
   load_kernel_args(args_gm, &args);
   const int64_t block = static_cast<int64_t>(get_block_idx());
   const int64_t launched = launched_block_count(args.compute_blocks);

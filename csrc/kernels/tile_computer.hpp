@@ -101,10 +101,10 @@ class TileComputer {
     if (add_bias) load_bias(col0);
 
     // Both L1 panel buffers and both L0 buffers start free.
-    set_flag(PIPE_MTE1, PIPE_MTE2, EVENT_ID0);
-    set_flag(PIPE_MTE1, PIPE_MTE2, EVENT_ID1);
-    set_flag(PIPE_M, PIPE_MTE1, EVENT_ID0);
-    set_flag(PIPE_M, PIPE_MTE1, EVENT_ID1);
+    set_event(PIPE_MTE1, PIPE_MTE2, EVENT_ID0);
+    set_event(PIPE_MTE1, PIPE_MTE2, EVENT_ID1);
+    set_event(PIPE_M, PIPE_MTE1, EVENT_ID0);
+    set_event(PIPE_M, PIPE_MTE1, EVENT_ID1);
 
     for (int64_t s = 0; s < slices; ++s) {
       const int64_t panel = s / kSlices;
@@ -114,21 +114,21 @@ class TileComputer {
       const int64_t panel_slices =
           (slices - panel * kSlices) < kSlices ? (slices - panel * kSlices) : static_cast<int64_t>(kSlices);
       if (in_panel == 0) {
-        wait_flag(PIPE_MTE1, PIPE_MTE2, panel_ev);
+        wait_event(PIPE_MTE1, PIPE_MTE2, panel_ev);
         load_panel(buf, src, rows, col0, cols, panel * kStepK);
-        set_flag(PIPE_MTE2, PIPE_MTE1, panel_ev);
+        set_event(PIPE_MTE2, PIPE_MTE1, panel_ev);
       }
 
       const int l0 = static_cast<int>(s & 1);
       const event_t l0_ev = l0 == 0 ? EVENT_ID0 : EVENT_ID1;
-      wait_flag(PIPE_M, PIPE_MTE1, l0_ev);
-      if (in_panel == 0) wait_flag(PIPE_MTE2, PIPE_MTE1, panel_ev);
+      wait_event(PIPE_M, PIPE_MTE1, l0_ev);
+      if (in_panel == 0) wait_event(PIPE_MTE2, PIPE_MTE1, panel_ev);
       TEXTRACT(left_[l0], a_panel_[buf], 0, static_cast<uint16_t>(in_panel * kBaseK));
       TEXTRACT(right_[l0], b_panel_[buf], static_cast<uint16_t>(in_panel * kBaseK), 0);
-      if (in_panel == panel_slices - 1) set_flag(PIPE_MTE1, PIPE_MTE2, panel_ev);
+      if (in_panel == panel_slices - 1) set_event(PIPE_MTE1, PIPE_MTE2, panel_ev);
 
-      set_flag(PIPE_MTE1, PIPE_M, l0_ev);
-      wait_flag(PIPE_MTE1, PIPE_M, l0_ev);
+      set_event(PIPE_MTE1, PIPE_M, l0_ev);
+      wait_event(PIPE_MTE1, PIPE_M, l0_ev);
       if (s == 0 && add_bias) {
         TMATMUL_BIAS(acc_, left_[l0], right_[l0], bias_table_);
       } else if (s == 0) {
@@ -136,20 +136,20 @@ class TileComputer {
       } else {
         TMATMUL_ACC(acc_, acc_, left_[l0], right_[l0]);
       }
-      set_flag(PIPE_M, PIPE_MTE1, l0_ev);
+      set_event(PIPE_M, PIPE_MTE1, l0_ev);
     }
 
-    wait_flag(PIPE_MTE1, PIPE_MTE2, EVENT_ID0);
-    wait_flag(PIPE_MTE1, PIPE_MTE2, EVENT_ID1);
-    wait_flag(PIPE_M, PIPE_MTE1, EVENT_ID0);
-    wait_flag(PIPE_M, PIPE_MTE1, EVENT_ID1);
+    wait_event(PIPE_MTE1, PIPE_MTE2, EVENT_ID0);
+    wait_event(PIPE_MTE1, PIPE_MTE2, EVENT_ID1);
+    wait_event(PIPE_M, PIPE_MTE1, EVENT_ID0);
+    if (site_kept(kControlDropWaitFlag)) wait_event(PIPE_M, PIPE_MTE1, EVENT_ID1);
 
     // The whole padded tile goes out: the partial buffer is pad_m x pad_n, so no tail handling here.
     __gm__ T* partial = gm_at<T>(args_.scratch, args_.layout.partial_offset) + row0 * p.pad_n + col0;
     auto dst = nd_view<T>(partial, kBaseM, kBaseN, p.pad_n);
-    set_flag(PIPE_M, PIPE_FIX, EVENT_ID0);
-    wait_flag(PIPE_M, PIPE_FIX, EVENT_ID0);
-    TSTORE(dst, acc_);
+    set_event(PIPE_M, PIPE_FIX, EVENT_ID0);
+    wait_event(PIPE_M, PIPE_FIX, EVENT_ID0);
+    store_tile(dst, acc_);
     note_payload_store();  // queue_publish fences before the slot's flag
   }
 
@@ -160,8 +160,8 @@ class TileComputer {
   AICORE inline void load_bias(int64_t col0) {
     auto src = nd_view<float>(gm_at<float>(args_.bias, 0) + col0, 1, kBaseN, kBaseN);
     TLOAD(bias_row_, src);
-    set_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
-    wait_flag(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
+    set_event(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
+    wait_event(PIPE_MTE2, PIPE_MTE1, EVENT_ID2);
     TMOV(bias_table_, bias_row_);
   }
 

@@ -6,14 +6,27 @@
 //
 //   gemm_ar_sim info        prints "bf16_native 0|1" (g++ < 13 simulates bfloat16_t with a 16-bit float)
 //   gemm_ar_sim run <dir>   runs <dir>/job.txt, writes c<call>_out<rank>.bin, prints one "result" line per call
-//                           and rank: call rank code peer item block (code 0 = success), a
+//                           and rank: call rank code peer item block (code 0 = success; the rank's error
+//                           record as it was right after its kernels of that call), a
 //                           "lost_store_lines N" line (scalar stores no dcci published; sim_data_cache.hpp) and an
 //                           "unfenced_flags N" line (flags raised after an unfenced payload store) and an
-//                           "unfenced_accesses N" line (flag-guarded accesses with no acquire fence after the flag)
+//                           "unfenced_accesses N" line (flag-guarded accesses with no acquire fence after the flag);
+//                           "sync_waits_without_set N" and "sync_sets_unwaited N" lines (pipe events waited for with
+//                           no set, or set and never waited for: a hang or a stale event on the device);
+//                           <dir>/model_counters.txt: what the optional cache-model parts counted (evicted_lines,
+//                           posted_writebacks, unfenced_writebacks, deferred_tile_stores, and the two sync_ counts
+//                           again; sim_data_cache.hpp)
+//
+// Environment options of a run (the simulator test sets them; the cache model's own are in sim_data_cache.hpp):
+// GEMM_AR_SIM_RESIDENT_COMM_BLOCKS=R lets at most R comm blocks of a rank run at once, the others starting as running
+// ones end (a device with fewer free vector cores than blocks); GEMM_AR_SIM_CONCURRENT_CALLS=c runs call c + 1 on a
+// second stream ("lane") of every rank at the same time as call c (a host that did not order two calls of one
+// group): its own KernelArgs buffer, scratch and cores, the same windows and error record; calls c and c + 1 must
+// then not skip a rank, be late or clobber, and the calls after them wait for both.
 //
 // job.txt: "world P Q dtype timeout_us window_offset seed topology [op]", "calls C", then C lines
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
-//          sig_value bad_rank bad_code out_fill via_counter".
+//          sig_value bad_rank bad_code out_fill via_counter hccl_rank hccl_us".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
 // c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
 // starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
@@ -33,6 +46,11 @@
 // out_fill: the byte every output starts as (255: the NaN pattern; 0 to see poison).
 // via_counter 1: the epoch reaches the kernels through KernelArgs::epoch_counter (as on the NPU host, where a graph
 // replay repeats the KernelArgs bytes) while KernelArgs::epoch holds a different wrong value on every rank.
+// hccl_rank >= 0 (HCCL traffic): that rank is still inside an HCCL collective on the communicator when the others
+// start the call: its window from window_offset on holds the collective's bytes (a known pattern) until hccl_us
+// after every other rank started the call, and only then does it launch its kernels; the bytes changed meanwhile
+// (the others wrote into a window HCCL still owned) are printed as "hccl_traffic_clobbered call rank N". The others
+// start the call once the bytes are in place.
 // op (gemm_ar::SpOpCode, default 0 = gemm_allreduce): 1 runs GemmRsComputeKernel/GemmRsCommKernel (m is every
 // rank's full M, out<rank> its m / world rows), 2 runs AgGemmComputeKernel/AgGemmCommKernel (m is each rank's
 // shard, out<rank> world * m rows, and c<call>_gathered<rank>.bin the gathered a the host would return).
@@ -54,6 +72,7 @@
 #include <memory>
 #include <type_traits>
 #include <random>
+#include <semaphore>
 #include <string>
 #include <thread>
 #include <vector>
@@ -84,6 +103,8 @@ struct CallSpec {
   int64_t bad_code;
   int out_fill;
   int via_counter;
+  int hccl_rank;
+  int64_t hccl_us;
 };
 
 constexpr uint32_t kSimAddRmsNorm = 3;  // Job::op of gemm_allreduce with the add+RMSNorm epilogue
@@ -158,7 +179,11 @@ Job read_job(const std::string& dir) {
     CallSpec s{};
     f >> s.m >> s.n >> s.k >> s.b_layout >> s.has_bias >> s.lda >> s.ldb >> s.ldo >> s.epoch >> s.skip_rank >>
         s.clobber_after >> s.late_rank >> s.late_us >> s.sig_rank >> s.sig_word >> s.sig_value >> s.bad_rank >>
-        s.bad_code >> s.out_fill >> s.via_counter;
+        s.bad_code >> s.out_fill >> s.via_counter >> s.hccl_rank >> s.hccl_us;
+    if (s.hccl_rank >= job.world || (s.hccl_rank >= 0 && s.hccl_rank == s.skip_rank)) {
+      std::fprintf(stderr, "hccl_rank must be a rank that takes part in the call\n");
+      std::exit(2);
+    }
     job.calls.push_back(s);
   }
   if (!f) {
@@ -220,17 +245,21 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
 
 // One "kernel launch": block_count threads, each with its block index set as the simulator expects and running as
 // the simulated core whose data cache is cores[b] (kept across launches, as hardware keeps lines across kernels).
+// `resident` (GEMM_AR_SIM_RESIDENT_COMM_BLOCKS): a block starts only once it gets one of the rank's free cores.
 template <typename Kernel>
 std::vector<std::thread> launch(Kernel kernel, int block_count, gemm_ar::KernelArgs* args,
-                                gemm_ar::device::sim_cache::CoreCache* cores) {
+                                gemm_ar::device::sim_cache::CoreCache* cores,
+                                std::counting_semaphore<>* resident = nullptr) {
   std::vector<std::thread> threads;
   for (int b = 0; b < block_count; ++b) {
-    threads.emplace_back([kernel, b, args, cores]() {
+    threads.emplace_back([kernel, b, args, cores, resident]() {
+      if (resident != nullptr) resident->acquire();
       pto::cpu_sim::set_execution_context(static_cast<uint32_t>(b), 0, 1);
       gemm_ar::device::sim_cache::bind_core(&cores[b]);
       kernel(reinterpret_cast<__gm__ uint8_t*>(args));
       cores[b].retire_dirty();  // stores the kernel never published are lost, the lines stay cached
       gemm_ar::device::sim_cache::bind_core(nullptr);
+      if (resident != nullptr) resident->release();
     });
   }
   return threads;
@@ -259,6 +288,15 @@ int run(const std::string& dir) {
     fill_random(windows[r]->ptr, windows[r]->bytes, rng);  // never-zeroed memory, as on the device
     fill_random(scratch[r]->ptr, scratch[r]->bytes, rng);
     fill_random(records[r]->ptr, records[r]->bytes, rng);
+  }
+  // GEMM_AR_SIM_CONCURRENT_CALLS: lane 1 gets its own scratch (the host allocates one per call); scratch, KernelArgs
+  // buffers, cores and epoch counters are indexed by slot = lane * world + rank.
+  const char* concurrent_env = std::getenv("GEMM_AR_SIM_CONCURRENT_CALLS");
+  const int64_t concurrent = concurrent_env != nullptr ? std::atoll(concurrent_env) : -1;
+  const int lanes = concurrent >= 0 && concurrent + 1 < static_cast<int64_t>(job.calls.size()) ? 2 : 1;
+  for (int r = 0; r < world * (lanes - 1); ++r) {
+    scratch.emplace_back(new Aligned(static_cast<size_t>(scratch_bytes)));
+    fill_random(scratch.back()->ptr, scratch.back()->bytes, rng);
   }
   namespace hccl = gemm_ar::npu::hccl_layout;
   std::vector<std::vector<unsigned char>> ring_blocks(world);
@@ -336,28 +374,89 @@ int run(const std::string& dir) {
   struct alignas(64) ArgsSlot {
     gemm_ar::KernelArgs a;
   };
-  std::vector<ArgsSlot> args(world);
+  std::vector<ArgsSlot> args(world * lanes);
   // Each rank's simulated cores (compute blocks, then comm blocks) and their data caches, for the whole run.
   using gemm_ar::device::sim_cache::CoreCache;
-  std::vector<std::unique_ptr<CoreCache[]>> compute_cores(world), comm_cores(world);
-  for (int r = 0; r < world; ++r) {
+  std::vector<std::unique_ptr<CoreCache[]>> compute_cores(world * lanes), comm_cores(world * lanes);
+  for (int r = 0; r < world * lanes; ++r) {
     compute_cores[r].reset(new CoreCache[job.compute_blocks]);
     comm_cores[r].reset(new CoreCache[job.comm_blocks]);
   }
   std::vector<std::vector<std::vector<unsigned char>>> gathered(calls, std::vector<std::vector<unsigned char>>(world));
   std::vector<std::atomic<int>> computed(calls);  // compute kernels finished, per call
   for (auto& n : computed) n.store(0);
-  std::vector<int64_t> counters(world, 0);  // KernelArgs::epoch_counter, one per rank
+  std::vector<int64_t> counters(world * lanes, 0);  // KernelArgs::epoch_counter, one per rank (and lane)
+  // GEMM_AR_SIM_RESIDENT_COMM_BLOCKS: a rank's free cores for its comm blocks.
+  const int resident_cap = std::getenv("GEMM_AR_SIM_RESIDENT_COMM_BLOCKS") != nullptr
+                               ? std::atoi(std::getenv("GEMM_AR_SIM_RESIDENT_COMM_BLOCKS"))
+                               : 0;
+  std::vector<std::unique_ptr<std::counting_semaphore<>>> resident(world);
+  for (auto& cores : resident) {
+    if (resident_cap > 0) cores.reset(new std::counting_semaphore<>(resident_cap));
+  }
+  // GEMM_AR_SIM_CONCURRENT_CALLS: whether this lane runs call c. Lane 1 runs only call concurrent + 1, starting
+  // once lane 0 of its rank starts call `concurrent`; lane 0 skips it and waits for it before its next call.
+  std::vector<std::atomic<int>> lane_gate(world);  // per rank: 1 = lane 0 started call `concurrent`, 2 = lane 1 done
+  for (auto& gate : lane_gate) gate.store(0);
+  const auto lane_runs = [&](size_t c, int r, int lane) {
+    if (lanes == 1) return true;
+    const int64_t i = static_cast<int64_t>(c);
+    if (lane == 1) {
+      if (i != concurrent + 1) return false;
+      while (lane_gate[r].load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+      return true;
+    }
+    if (i == concurrent) lane_gate[r].store(1);
+    if (i == concurrent + 2) {
+      while (lane_gate[r].load() != 2) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return i != concurrent + 1;
+  };
+  // Each rank's error record as its host would read it after the call's kernels (a later call may overwrite it).
+  std::vector<std::vector<gemm_ar::ErrorRecord>> records_after(calls, std::vector<gemm_ar::ErrorRecord>(world));
+  // HCCL traffic (hccl_rank): the rank in the collective fills its window region and holds it; the others wait for
+  // the fill (the collective began before they started the call), then go on while the rank is still "in" it.
+  std::vector<std::atomic<int>> hccl_in_place(calls), hccl_others_started(calls);
+  for (size_t c = 0; c < calls; ++c) {
+    hccl_in_place[c].store(0);
+    hccl_others_started[c].store(0);
+  }
+  std::vector<long long> hccl_clobbered(calls, -1);
+  const auto hccl_traffic = [&](size_t c, int r) {
+    const CallSpec& s = job.calls[c];
+    if (s.hccl_rank < 0) return;
+    if (s.hccl_rank != r) {
+      while (hccl_in_place[c].load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      hccl_others_started[c].fetch_add(1);
+      return;
+    }
+    auto* region = static_cast<unsigned char*>(windows[r]->ptr) + job.window_offset;
+    const size_t bytes = windows[r]->bytes - job.window_offset;
+    std::vector<unsigned char> pattern(bytes);
+    std::mt19937_64 collective(job.seed * 7 + c);
+    fill_random(pattern.data(), bytes, collective);
+    for (size_t i = 0; i < bytes; ++i) __atomic_store_n(region + i, pattern[i], __ATOMIC_RELAXED);
+    hccl_in_place[c].store(1);  // the fill happens-before every other rank's launch of this call
+    const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
+    while (hccl_others_started[c].load() < others) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::this_thread::sleep_for(std::chrono::microseconds(s.hccl_us));
+    long long changed = 0;
+    for (size_t i = 0; i < bytes; ++i) changed += __atomic_load_n(region + i, __ATOMIC_RELAXED) != pattern[i];
+    hccl_clobbered[c] = changed;
+  };
   std::barrier meet(world);
   std::vector<std::thread> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.emplace_back([&, r]() {
-      std::mt19937_64 jitter(job.seed * 7919 + static_cast<uint64_t>(r));
+  for (int slot = 0; slot < world * lanes; ++slot) {
+    const int r = slot % world, lane = slot / world;
+    ranks.emplace_back([&, r, lane, slot]() {
+      std::mt19937_64 jitter(job.seed * 7919 + static_cast<uint64_t>(slot));
       std::mt19937_64 garbage(job.seed * 104729 + static_cast<uint64_t>(r));
       for (size_t c = 0; c < calls; ++c) {
+        if (!lane_runs(c, r, lane)) continue;
         const CallSpec& s = job.calls[c];
         if (s.skip_rank != r) {
-          gemm_ar::KernelArgs& a = args[r].a;
+          hccl_traffic(c, r);  // before this rank launches anything of the call
+          gemm_ar::KernelArgs& a = args[slot].a;
           a = base_args(job, s, r);
           a.a = reinterpret_cast<uint64_t>(a_in[c][r].data());
           a.b = reinterpret_cast<uint64_t>(b_in[c].data());
@@ -366,7 +465,7 @@ int run(const std::string& dir) {
           a.comm_ctx = job.topology == 4 && r == 1 ? 0 : reinterpret_cast<uint64_t>(&contexts[r]);
           a.window_offset = job.window_offset;
           a.window_bytes = window_alloc - job.window_offset;
-          a.scratch = scratch[r]->addr();
+          a.scratch = scratch[slot]->addr();
           a.error = records[r]->addr();
           if (job.epilogue && s.bad_rank != r) {
             a.epilogue.kind = gemm_ar::kEpilogueAddRmsNorm;
@@ -378,8 +477,8 @@ int run(const std::string& dir) {
             a.epilogue.ld_normed = s.ldo;
           }
           if (s.via_counter) {
-            counters[r] = static_cast<int64_t>(s.epoch);  // the host's add_ after the previous call
-            a.epoch_counter = reinterpret_cast<uint64_t>(&counters[r]);
+            counters[slot] = static_cast<int64_t>(s.epoch);  // the host's add_ after the previous call
+            a.epoch_counter = reinterpret_cast<uint64_t>(&counters[slot]);
             a.epoch = s.epoch + 1000u + static_cast<uint32_t>(r);  // what a replay would carry: stale, per rank
           }
           const auto compute_kernel = job.op == gemm_ar::kSpReduceScatter ? GemmRsComputeKernel
@@ -389,8 +488,10 @@ int run(const std::string& dir) {
                                    : job.op == gemm_ar::kSpAllgather   ? AgGemmCommKernel
                                                                        : GemmCommKernel;
           const auto run_compute = [&]() { return launch(compute_kernel, job.compute_blocks, &a,
-                                                         compute_cores[r].get()); };
-          const auto run_comm = [&]() { return launch(comm_kernel, job.comm_blocks, &a, comm_cores[r].get()); };
+                                                         compute_cores[slot].get()); };
+          const auto run_comm = [&]() {
+            return launch(comm_kernel, job.comm_blocks, &a, comm_cores[slot].get(), resident[r].get());
+          };
           if (s.bad_rank == r) {
             std::vector<std::thread> comm = run_comm();
             for (auto& t : comm) t.join();
@@ -426,9 +527,10 @@ int run(const std::string& dir) {
           if (job.op == gemm_ar::kSpAllgather && s.bad_rank != r) {
             // The gathered a the host returns: the scratch's first world * m x k elements.
             const size_t bytes = static_cast<size_t>(world * s.m * s.k) * elem;
-            gathered[c][r].assign(static_cast<unsigned char*>(scratch[r]->ptr),
-                                  static_cast<unsigned char*>(scratch[r]->ptr) + bytes);
+            gathered[c][r].assign(static_cast<unsigned char*>(scratch[slot]->ptr),
+                                  static_cast<unsigned char*>(scratch[slot]->ptr) + bytes);
           }
+          std::memcpy(&records_after[c][r], records[r]->ptr, sizeof(gemm_ar::ErrorRecord));
         }
         if (s.clobber_after) {
           meet.arrive_and_wait();
@@ -444,6 +546,7 @@ int run(const std::string& dir) {
           meet.arrive_and_wait();
         }
       }
+      if (lane == 1) lane_gate[r].store(2);  // lane 0 may go on past the concurrent pair
     });
   }
   for (auto& t : ranks) t.join();
@@ -471,10 +574,27 @@ int run(const std::string& dir) {
   // Accesses guarded by a flag with no acquire fence after the flag was seen (ordering model, sim_data_cache.hpp).
   std::printf("unfenced_accesses %llu\n",
               static_cast<unsigned long long>(gemm_ar::device::sim_cache::unfenced_accesses().load()));
+  std::printf("sync_waits_without_set %llu\nsync_sets_unwaited %llu\n",
+              static_cast<unsigned long long>(gemm_ar::device::sim_cache::sync_waits_without_set().load()),
+              static_cast<unsigned long long>(gemm_ar::device::sim_cache::sync_sets_unwaited().load()));
+  {
+    // The optional cache-model parts (sim_data_cache.hpp) a run turned on by environment, and what they saw.
+    namespace model = gemm_ar::device::sim_cache;
+    std::ofstream counters(dir + "/model_counters.txt");
+    counters << "evicted_lines " << model::evicted_lines().load() << "\nposted_writebacks "
+             << model::posted_writebacks().load() << "\nunfenced_writebacks " << model::unfenced_writebacks().load()
+             << "\nsync_waits_without_set " << model::sync_waits_without_set().load() << "\nsync_sets_unwaited "
+             << model::sync_sets_unwaited().load() << "\ndeferred_tile_stores " << model::deferred_tile_stores().load()
+             << "\n";
+  }
+  for (size_t c = 0; c < calls; ++c) {
+    if (job.calls[c].hccl_rank < 0) continue;
+    std::printf("hccl_traffic_clobbered %zu %d %lld\n", c, job.calls[c].hccl_rank, hccl_clobbered[c]);
+  }
   // Error records are per rank and tagged with the call that wrote them; report each call's own.
   for (size_t c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {
-      const auto* rec = static_cast<const gemm_ar::ErrorRecord*>(records[r]->ptr);
+      const gemm_ar::ErrorRecord* rec = &records_after[c][r];
       const bool mine = job.calls[c].skip_rank != r && rec->tag == gemm_ar::signal_tag(job.calls[c].epoch);
       std::printf("result %zu %d %d %d %lld %d\n", c, r, mine ? rec->code : 0, mine ? rec->peer : -1,
                   mine ? static_cast<long long>(rec->item) : -1LL, mine ? rec->block : -1);

@@ -136,8 +136,7 @@ struct Rank {
   gemm_ar::KernelErrorWatch watch;
   gemm_ar::npu::GroupOrder<Event> order;
   std::mutex group_mutex;              // CommState::mutex
-  std::vector<Stream> comm_pool;       // getNPUStreamFromPool: round robin
-  size_t next_comm = 0;
+  Stream comm_stream;                  // the group's own comm stream (CommState::comm_stream)
   std::mutex live_mutex;
   std::map<int, int> live;  // call index -> its kernels running on the device now
   std::mutex results_mutex;
@@ -273,7 +272,7 @@ void comm_kernel(Job& job, Rank& r, int index, bool inject_failure) {
 void host_call(Job& job, Rank& r, int index, const Stream& caller, int compute_us) {
   std::lock_guard<std::mutex> lock(r.group_mutex);
   r.watch.take_epoch();
-  const Stream comm = r.comm_pool[r.next_comm++ % r.comm_pool.size()];
+  const Stream comm = r.comm_stream;
   const bool inject = job.scenario == "failure" && r.rank == 1 && index == 2;
   EmuRuntime runtime(r);
   Job* j = &job;
@@ -292,7 +291,7 @@ void host_call(Job& job, Rank& r, int index, const Stream& caller, int compute_u
 // Waits for everything queued on the streams, then for every rank to get here.
 void synchronise_and_meet(Job& job, Rank& r, const std::vector<Stream>& own) {
   std::vector<Stream> all = own;
-  all.insert(all.end(), r.comm_pool.begin(), r.comm_pool.end());
+  all.push_back(r.comm_stream);
   EmuRuntime runtime(r);
   for (const Stream& stream : all) runtime.record(stream)->wait_for(kStreamWaitLimit);
   std::unique_lock<std::mutex> lock(job.barrier_mutex);
@@ -361,7 +360,7 @@ int main(int argc, char** argv) {
     rank->rank = r;
     rank->epoch_counter = first_epoch;
     rank->watch = gemm_ar::KernelErrorWatch(first_epoch);
-    rank->comm_pool = {std::make_shared<EmuStream>(), std::make_shared<EmuStream>()};
+    rank->comm_stream = std::make_shared<EmuStream>();
     job.ranks.push_back(std::move(rank));
   }
   std::vector<std::thread> threads;
@@ -370,7 +369,7 @@ int main(int argc, char** argv) {
                          seed + static_cast<uint32_t>(r));
   }
   for (auto& t : threads) t.join();
-  for (auto& rank : job.ranks) rank->comm_pool.clear();  // drains the comm streams
+  for (auto& rank : job.ranks) rank->comm_stream.reset();  // drains the comm stream
   for (auto& rank : job.ranks) {
     for (int i = 0; i < job.calls; ++i) {
       const CallResult& res = rank->results[i];

@@ -1,6 +1,7 @@
-// The add+RMSNorm epilogue of gemm_allreduce_add_rmsnorm (issue 13): the residual add and the next block's RMSNorm
-// right after the reduction. out = reduced + residual (the new residual stream, rounded to the call dtype);
-// normed = out * rsqrt(mean(out^2, -1) + eps) * weight, with the row statistics in fp32 (fp64 for double).
+// The add+RMSNorm epilogue of gemm_allreduce_add_rmsnorm (docs/decisions/0011-add-rmsnorm-epilogue.md): the residual
+// add and the next block's RMSNorm right after the reduction. out = reduced + residual (the new residual stream,
+// rounded to the call dtype); normed = out * rsqrt(mean(out^2, -1) + eps) * weight, with the row statistics in fp32
+// (fp64 for double).
 #pragma once
 #include <ATen/ATen.h>
 

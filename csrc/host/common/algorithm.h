@@ -1,4 +1,4 @@
-// The algorithm names of the op's `algorithm=` argument (design.md §4).
+// The algorithm names of the op's `algorithm=` argument (docs/decisions/0002-algorithms-and-measured-auto.md).
 #pragma once
 #include <cstdint>
 #include <optional>

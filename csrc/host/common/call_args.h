@@ -1,4 +1,4 @@
-// Argument checking and normalisation of one gemm_allreduce call (design.md §1).
+// Argument checking and normalisation of one gemm_allreduce call (the rules of docs/architecture.md §1).
 #pragma once
 #include <ATen/ATen.h>
 

@@ -1,7 +1,7 @@
-// The host's side of the kernels' ErrorRecord (issue 9, finding 5), kept free of torch and torch_npu so that it can
-// be tested anywhere with a fake record: which call of a communicator a record belongs to, whether it was already
-// reported, and the message every report carries. The NPU code feeds it the pinned copy of the device record
-// (refreshed asynchronously after every call) and raises what it returns.
+// The host's side of the kernels' ErrorRecord (docs/decisions/0005-bounded-waits-and-failure-reporting.md), kept free
+// of torch and torch_npu so that it can be tested anywhere with a fake record: which call of a communicator a record
+// belongs to, whether it was already reported, and the message every report carries. The NPU code feeds it the pinned
+// copy of the device record (refreshed asynchronously after every call) and raises what it returns.
 #pragma once
 #include <cstdint>
 #include <string>

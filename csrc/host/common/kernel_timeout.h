@@ -1,7 +1,7 @@
 // The kernels' wait bound against the runtime's AI Core op-execute timeout. When a kernel runs longer than that
 // timeout the runtime kills it, and the ErrorRecord naming the peer that never came is lost, so
 // TORCH_GEMM_AR_TIMEOUT_S is capped below it with a margin (the kernels need a moment to record and poison).
-// Sources (docs/ascend.md, "Timeouts"): CANN reports the effective value in milliseconds through
+// Sources (docs/ascend.md, "Timeouts and stragglers"): CANN reports the effective value in milliseconds through
 // aclrtGetOpExecuteTimeout (CANN 8.5 on); torch_npu 2.13 sets it to 547 s when it initialises a device (CANN's own
 // default on A2/A3 is 1091 s), so 547 s is what to assume where the runtime cannot be asked.
 #pragma once
@@ -10,7 +10,7 @@
 
 namespace gemm_ar {
 
-constexpr int64_t kDocumentedAiCoreTimeoutMs = 547 * 1000;  // torch_npu's; used when the runtime cannot be asked
+constexpr int64_t kAssumedAiCoreTimeoutMs = 547 * 1000;  // torch_npu's; used when the runtime cannot be asked
 
 struct KernelWaitBound {
   int64_t wait_ms;  // what the kernels get

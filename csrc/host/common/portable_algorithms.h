@@ -1,4 +1,5 @@
-// `sequential` and `chunked` (design.md §4): any ProcessGroup (gloo, HCCL, NCCL), any number of hosts.
+// `sequential` and `chunked` (docs/decisions/0002-algorithms-and-measured-auto.md): any ProcessGroup (gloo, HCCL,
+// NCCL), any number of hosts.
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

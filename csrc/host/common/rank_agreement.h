@@ -53,7 +53,7 @@ bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, con
 // (exact in fp32: only its own rank writes a piece), then kAgreementPayloadSlots data slots -- whatever the call,
 // so ranks that disagree still issue collectives of one size (gloo aborts the process on a size mismatch). A call
 // with `call.payload` puts its partial product in the data slots: when every rank agrees, the sum is its result
-// and the call needs no second collective (issue 11 part 3: small outputs over the process group). A payload of
+// and the call needs no second collective (docs/decisions/0004-rank-agreement-before-data-moves.md). A payload of
 // a call whose signatures disagree is dropped with the error.
 std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device);
 

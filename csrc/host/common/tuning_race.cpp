@@ -25,8 +25,9 @@ double budget_seconds() {
 // How much slower than the leader a candidate must be in three rounds of four to leave the race: candidates that
 // cost the same stay in it (either would do; the margin keeps timer jitter from deciding).
 constexpr double kClearlySlower = 1.02;
-// Runs before a candidate may leave: with 3 (two slower rounds of three sufficed then), one burst of load from
-// elsewhere took fused out behind sequential that it beats by 1.24x (issue 11, a quick sweep's M512 K1792).
+// Runs before a candidate may leave (docs/decisions/0002-algorithms-and-measured-auto.md): with 3 (two slower rounds
+// of three sufficed then), one burst of load from elsewhere took fused out behind sequential that it beats by 1.24x
+// (a quick sweep's M512 K1792).
 constexpr int64_t kRunsBeforeLeaving = 4;
 
 // Candidate i's runs, each over the fastest run of its round (1.0: it was the round's fastest). samples[i][r] is

@@ -1,5 +1,6 @@
 // The CPU engine's GEMM alone, for benchmarks: the question "is the engine's tiled GEMM as fast as one plain GEMM"
-// (issue 11, item 1) needs its cost without any communication, which the engine's own modes always include.
+// (docs/decisions/0014-cpu-engine-per-call-geometry.md) needs its cost without any communication, which the engine's
+// own modes always include.
 #pragma once
 #include <ATen/ATen.h>
 

@@ -198,7 +198,9 @@ class CommBlock {
                                         : std::string("gemm_allreduce: internal: call header check did not finish"); },
                    bell_, job_.timeout, &job_.abort);
     }
-    if (!job_.overlap && job_.op != kOpAllgatherGemm) {  // the seed's "sequential": comm after the whole GEMM
+    // Overlap off: comm after the whole GEMM, the "sequential (same engine)" row of
+    // docs/decisions/0012-benchmark-measures.md.
+    if (!job_.overlap && job_.op != kOpAllgatherGemm) {
       bounded_wait([&] { return job_.compute_done.load(std::memory_order_acquire); }, no_progress, [&] { watch(); },
                    [&] { return "gemm_allreduce: the GEMM did not finish in time"; }, bell_, job_.timeout,
                    &job_.abort);

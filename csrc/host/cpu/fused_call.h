@@ -1,11 +1,11 @@
-// One call of the CPU fused engine: the tile protocol of design.md §5 between the rank processes of one host.
-// Compute blocks (the caller's thread and its intra-op team) multiply tiles into this rank's window and publish
-// them in per-block ready queues; comm blocks (engine threads) publish drained tiles to their owners, reduce the
-// subtiles this rank owns in fixed rank order, and copy every other owner's finished subtiles into the output.
-// gemm_reduce_scatter is the same without the copy: tiles are owned by row chunk (the owner's output chunk), and a
-// rank only waits until the owners have reduced its tiles. allgather_gemm: every rank publishes its shard of a in
-// its window; comm blocks copy the peers' shards tile row by tile row while the compute blocks multiply the local
-// rows first, then each peer's rows as they arrive, straight into the output.
+// One call of the CPU fused engine: the tile protocol of docs/architecture.md §3.2 and §3.3 between the rank processes
+// of one host. Compute blocks (the caller's thread and its intra-op team) multiply tiles into this rank's window and
+// publish them in per-block ready queues; comm blocks (engine threads) publish drained tiles to their owners, reduce
+// the subtiles this rank owns in fixed rank order, and copy every other owner's finished subtiles into the output.
+// gemm_reduce_scatter is the same without the copy: tiles are owned by row chunk (the owner's output chunk), and a rank
+// only waits until the owners have reduced its tiles. allgather_gemm: every rank publishes its shard of a in its
+// window; comm blocks copy the peers' shards tile row by tile row while the compute blocks multiply the local rows
+// first, then each peer's rows as they arrive, straight into the output.
 #pragma once
 #include <ATen/ATen.h>
 #include <gemm_ar/layout.hpp>
@@ -46,7 +46,9 @@ inline void ring_every_doorbell(uint8_t* window, int64_t comm_blocks) {
 
 // Debug switches for benchmarks and negative-control tests (torch_gemm_ar._C; never needed in normal use).
 struct EngineSwitches {
-  std::atomic<bool> overlap{true};         // false: comm starts after the whole GEMM (the seed's "sequential")
+  // false: comm starts after the whole GEMM, the "sequential (same engine)" row of
+  // docs/decisions/0012-benchmark-measures.md.
+  std::atomic<bool> overlap{true};
   std::atomic<bool> ignore_epochs{false};  // a deliberate protocol bug: any stale flag counts as ready
   // A deliberate bug for a negative-control test: one process-wide lock held while a group's setup waits for its
   // peers (groups set up from two threads at once can then deadlock across ranks).

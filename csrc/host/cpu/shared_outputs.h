@@ -7,9 +7,9 @@
 // has copied its rows (publish_copies_done): the caller may overwrite or free its output at once. A slot is free
 // again when its tensor is freed; tensors keep their window mapped after the windows grow or the engine is released.
 // All slots held (a caller keeping many outputs), or /dev/shm full: a private output and the bank.
-// Off by default because such an output is not quite an ordinary tensor (design.md §6 asks for one): its storage is
-// not resizable, it counts against /dev/shm, and a fork()ed child shares it with the parent instead of copying it on
-// write.
+// Off by default because such an output is not quite an ordinary tensor
+// (docs/decisions/0006-cpu-engine-shared-memory-windows.md asks for one): its storage is not resizable, it counts
+// against /dev/shm, and a fork()ed child shares it with the parent instead of copying it on write.
 #pragma once
 #include <ATen/ATen.h>
 

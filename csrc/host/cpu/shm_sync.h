@@ -33,7 +33,8 @@ inline void cpu_relax() {
 constexpr int kWaitSpins = 2000;
 // The agreement of an `auto` tuning call spins this long (~10-20 ms) before sleeping: a rank that slept there
 // would start the timed call a futex wake-up (0.1-0.5 ms on a loaded VM) after its peers, and its peers then wait
-// inside the call, so small calls looked twice as slow while tuning as they run back to back (issue 11).
+// inside the call, so small calls looked twice as slow while tuning as they run back to back
+// (docs/decisions/0002-algorithms-and-measured-auto.md).
 constexpr int kAlignSpins = 400'000;
 
 // A doorbell is two words on their own cache line of a window: a sequence number bumped by every ring, and the

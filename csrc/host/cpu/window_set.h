@@ -1,5 +1,6 @@
-// The symmetric windows of one process group on one host: one shared-memory segment per rank, mapped by every rank
-// at the same offsets (design.md §6). Set up and grown collectively through the group's store.
+// The symmetric windows of one process group on one host: one shared-memory segment per rank, mapped by every rank at
+// the same offsets (docs/decisions/0006-cpu-engine-shared-memory-windows.md). Set up and grown collectively through the
+// group's store.
 #pragma once
 #include <sys/types.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -1,6 +1,7 @@
-// The NPU (PrivateUse1) kernel of pto::gemm_allreduce_add_rmsnorm (issue 13): gemm_allreduce's NPU flow, with the
-// residual add and RMSNorm inside the comm kernel when the call runs `fused` (csrc/kernels/add_rmsnorm_epilogue.hpp),
-// and as ATen operations on the reduced tensor after `sequential` / `chunked` (the library's unfused path).
+// The NPU (PrivateUse1) kernel of pto::gemm_allreduce_add_rmsnorm (docs/decisions/0011-add-rmsnorm-epilogue.md):
+// gemm_allreduce's NPU flow, with the residual add and RMSNorm inside the comm kernel when the call runs `fused`
+// (csrc/kernels/add_rmsnorm_epilogue.hpp), and as ATen operations on the reduced tensor after `sequential` /
+// `chunked` (the library's unfused path).
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 

@@ -93,7 +93,7 @@ int64_t aicore_timeout_ms() {
   auto get = reinterpret_cast<GetTimeout>(dlsym(RTLD_DEFAULT, "aclrtGetOpExecuteTimeout"));
   uint32_t ms = 0;
   if (get != nullptr && get(&ms) == ACL_SUCCESS && ms > 0) return static_cast<int64_t>(ms);
-  return kDocumentedAiCoreTimeoutMs;
+  return kAssumedAiCoreTimeoutMs;
 }
 
 int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
@@ -101,6 +101,17 @@ int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
   check_acl(aclrtGetDeviceInfo(static_cast<uint32_t>(device), attribute, &value), kStageCores, name);
   if (value <= 0) throw SetupError(kStageCores, std::string(name) + " reported " + std::to_string(value));
   return value;
+}
+
+// ACL_DEV_ATTR_CUBE_CORE_NUM is documented from CANN 8.5 on; before it, the AI Core count, which A2/A3 count in cube
+// cores (docs/ascend.md, "Review findings, round 2").
+int64_t cube_core_count(int32_t device) {
+  int64_t value = 0;
+  if (aclrtGetDeviceInfo(static_cast<uint32_t>(device), ACL_DEV_ATTR_CUBE_CORE_NUM, &value) == ACL_SUCCESS &&
+      value > 0) {
+    return value;
+  }
+  return device_info(device, ACL_DEV_ATTR_AICORE_CORE_NUM, "aclrtGetDeviceInfo(CUBE_CORE_NUM, then AICORE_CORE_NUM)");
 }
 
 // comm_block_num: the vector cores HCCL may prepare AIV resources for, the device's count (not a constant).
@@ -163,7 +174,7 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     aclrtStream resource_stream = nullptr;
     check_acl(aclrtCreateStream(&resource_stream), kStageResources, "aclrtCreateStream");
     const int32_t device = state.device.index();
-    const int64_t cube = device_info(device, ACL_DEV_ATTR_CUBE_CORE_NUM, "aclrtGetDeviceInfo(CUBE_CORE_NUM)");
+    const int64_t cube = cube_core_count(device);
     const int64_t vector = device_info(device, ACL_DEV_ATTR_VECTOR_CORE_NUM, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
     layout::Mc2TilingV2 tiling = batch_write_tiling(state.hcom_name, vector);
     void* context = nullptr;
@@ -174,6 +185,7 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
                                             std::to_string(static_cast<int>(result)));
     }
     check_acl(aclrtSynchronizeStream(resource_stream), kStageResources, "aclrtSynchronizeStream");
+    check_acl(aclrtCreateStream(&state.comm_stream), kStageResources, "aclrtCreateStream(comm)");
 
     if (state.mesh) {
       // MESH: HCCL's context starts with exactly the fields the kernels read.
@@ -228,7 +240,8 @@ enum AgreementField : int64_t {
   kFields,
 };
 
-// FNV-1a of the host name: equal on ranks of one server (design.md §4: `fused` is for same-host groups).
+// FNV-1a of the host name: equal on ranks of one server, which `fused` requires (the ranks agree on it at setup:
+// docs/decisions/0013-npu-hccl-windows-and-setup.md).
 int64_t host_fingerprint() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0) return 0;
@@ -346,6 +359,13 @@ CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device) {
   const std::string key = group.getGroupName() + "@" + std::to_string(device.index());
   auto found = registry->find(key);
   if (found != registry->end()) return *found->second;
+  // A second device would set the group up again, a collective its peers are not in: refused (HCCL binds a
+  // process group to one device per rank).
+  for (const auto& [other_key, other] : *registry) {
+    TORCH_CHECK_VALUE(other->group_name != group.getGroupName(), "gemm_allreduce: group '", group.getGroupName(),
+                      "' runs its fused calls on ", other->device.str(), " on this rank; got tensors on ",
+                      device.str(), " (use one device per rank and group, as HCCL does)");
+  }
   auto state = std::make_unique<CommState>();
   state->group_name = group.getGroupName();
   state->rank = group.getRank();

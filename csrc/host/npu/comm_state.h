@@ -1,9 +1,10 @@
-// What the fused NPU path keeps per HCCL communicator (design.md §7): the communicator's name and handle, the
-// device context HCCL builds for one-sided window access (windowsIn of every rank), the window size, the block
-// counts, the call epoch, and this rank's kernel error record. Created on first use by a collective setup over the
-// group; never destroyed (HCCL owns the windows for the communicator's lifetime).
+// What the fused NPU path keeps per HCCL communicator (docs/decisions/0013-npu-hccl-windows-and-setup.md): the
+// communicator's name and handle, the device context HCCL builds for one-sided window access (windowsIn of every
+// rank), the window size, the block counts, the call epoch, and this rank's kernel error record. Created on first use
+// by a collective setup over the group; never destroyed (HCCL owns the windows for the communicator's lifetime).
 #pragma once
 #include <ATen/ATen.h>
+#include <acl/acl_base.h>
 #include <hccl/hccl_types.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -55,6 +56,9 @@ struct CommState {
   int32_t comm_blocks = 0;        // agreed over the group (vector cores)
 
   int64_t aicore_timeout_ms = 0;  // the runtime's AI Core op-execute timeout (common/kernel_timeout.h)
+  // The comm kernels' stream, this group's own: a pool stream may be the caller's (allgather_gemm's compute kernel
+  // then waits for rows only the comm kernel queued behind it delivers) or one an HCCL collective runs on.
+  aclrtStream comm_stream = nullptr;
 
   // Per call. Guarded by `mutex`.
   std::mutex mutex;

@@ -5,8 +5,8 @@
 // Two rules live here (docs/ascend.md, "Ordering of fused calls" and "Errors"):
 //  - Per-group order: a call's kernels start only after the previous fused call of the same group finished on the
 //    device, whatever stream or thread queued it. The kernels read the group's device epoch counter when they start
-//    and the previous call adds 1 to it when it ends; two calls of one group running at once would share a tag, so
-//    each call's flags would satisfy the other's waits (silent corruption, or a cross-rank deadlock).
+//    and the previous call adds 1 to it when it ends; two calls of one group running at once would share an epoch (and so
+//    the tag every flag carries), so each call's flags would satisfy the other's waits (silent corruption, or a cross-rank deadlock).
 //  - A failure never shifts a rank's epochs: every call is queued (kernels and the counter increment) before an
 //    earlier call's failure is raised, so every rank counts every call, whenever its copy of the error record
 //    landed, and the next call on the group works.
@@ -33,7 +33,7 @@ struct GroupOrder {
 };
 
 // Queues one fused call of a group: `launch(caller, comm)` queues the compute kernel on `caller` and the comm
-// kernel on `comm` (either may be absent: a signature-only call has no compute kernel). Returns the failure of an
+// kernel on `comm` (a signature-only call queues no compute kernel). Returns the failure of an
 // earlier call that this rank's landed error record shows ("" if none); the caller raises it, after this returns,
 // so the call itself was queued on every rank alike. The caller holds the group's mutex.
 template <class Runtime, class Launch>

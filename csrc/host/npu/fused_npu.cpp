@@ -238,10 +238,19 @@ class NpuStreamRuntime {
 // it was queued (npu/fused_call_sequence.h). Needs state.mutex.
 template <class Launch>
 void queue_in_group_order(CommState& state, const c10_npu::NPUStream& caller, const Launch& launch) {
-  const c10_npu::NPUStream comm = c10_npu::getNPUStreamFromPool(caller.device_index());
+  const c10_npu::NPUStream comm = c10_npu::getStreamFromExternal(state.comm_stream, caller.device_index());
+  TORCH_CHECK(comm != caller, "gemm_allreduce: the current stream is the group's comm stream; fused calls cannot "
+              "be queued from it");
   NpuStreamRuntime runtime(state);
   const std::string earlier = queue_fused_call(runtime, state.order, caller, comm, launch);
   TORCH_CHECK(earlier.empty(), earlier);
+}
+
+// The device whose group state a call uses, the same in check_fused, agree_fused and the launch: the call's
+// tensors' device where the call has them, else the current device (a call whose arguments were rejected).
+at::Device call_device(const CallArgs& call) {
+  if (call.b.defined() && call.b.device().type() == c10::DeviceType::PrivateUse1) return call.b.device();
+  return at::Device(c10::DeviceType::PrivateUse1, c10_npu::current_device());
 }
 
 }  // namespace
@@ -252,7 +261,7 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   }
   // Set up before anything that depends on this rank's arguments: the setup is collective and every rank asks
   // this question on every call, bad arguments or not (op_flow), so all ranks meet in it on the group's first call.
-  CommState& state = comm_state(group, at::Device(c10::DeviceType::PrivateUse1, c10_npu::current_device()));
+  CommState& state = comm_state(group, call_device(call));
   if (!call.error.empty()) return {FusedBlocker::kShape, call.error};  // raised by the agreement that follows
   if (dtype_code(call.dtype) == 0) {
     return {FusedBlocker::kDtype, std::string("the fused NPU kernels take float16 and bfloat16, not ") +
@@ -302,7 +311,7 @@ constexpr KernelPair kAllgatherPair{"gemm_ar_ag_compute", &launch_ag_compute, "g
 // included: their kernels refuse an epilogue).
 at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const KernelPair& pair,
                         const at::Tensor& out, const AddRmsNormOperands* epilogue = nullptr) {
-  const at::Device device = call.b.device();
+  const at::Device device = call_device(call);
   c10_npu::NPUGuard device_guard(device);
   CommState& state = comm_state(group, device);
   TORCH_CHECK(state.unavailable.empty(), call.op_name, ": fused NPU path unavailable: ", state.unavailable);
@@ -360,8 +369,13 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
     keep_alive_on(comm_stream, {args_device, scratch, out});
     if (epilogue != nullptr) keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
   });
-  // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp).
-  if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) wait_and_raise_errors(state);
+  // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp), which a
+  // stream being captured cannot do: raised after queuing, as every rank queued the call.
+  if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) {
+    TORCH_CHECK(!capturing(), call.op_name, ": TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 waits for every call, which a stream "
+                "being captured into a graph cannot; unset it while capturing (check_errors() reports after replays)");
+    wait_and_raise_errors(state);
+  }
   return scratch;
 }
 
@@ -410,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor> run_fused_allgather(const CallArgs& call, c10
 }
 
 std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group) {
-  const at::Device device(c10::DeviceType::PrivateUse1, c10_npu::current_device());
+  const at::Device device = call_device(call);
   CommState& state = comm_state(group, device);  // set up already (check_fused runs first on every call)
   bool agreed = false;
   if (state.unavailable.empty()) {

@@ -1,5 +1,7 @@
-// The `fused` algorithm on Ascend NPUs (design.md §4, §7): the cube GEMM kernel on the caller's stream and the vector
-// reduce-scatter/all-gather kernel on a side stream, both working over HCCL's one-sided windows.
+// The `fused` algorithm on Ascend NPUs (docs/architecture.md §3.4, docs/decisions/0013-npu-hccl-windows-and-setup.md):
+// the cube GEMM kernel on the caller's stream and the vector reduce-scatter/all-gather kernel on the group's own comm
+// stream, both
+// working over HCCL's one-sided windows.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -39,11 +41,12 @@ at::Tensor run_fused_add_rmsnorm(const CallArgs& call, c10d::ProcessGroup& group
 at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& group);
 std::tuple<at::Tensor, at::Tensor> run_fused_allgather(const CallArgs& call, c10d::ProcessGroup& group);
 
-// The NPU's rank agreement (BackendHooks::check_agreement; issue 9, finding 4). The group's first fused call, and
-// every call of another algorithm, exchange signatures over the process group (a host synchronisation). After that,
-// a fused call only puts its signature in the kernel arguments and the comm kernel compares the ranks' signatures
-// through the window before it moves data: no synchronisation, no copy to the host. A rank whose arguments are bad
-// (or whose M is 0) launches a signature-only comm kernel, so that its peers' kernels stop at once, and raises.
+// The NPU's rank agreement (BackendHooks::check_agreement; docs/decisions/0004-rank-agreement-before-data-moves.md).
+// The group's first fused call, and every call of another algorithm, exchange signatures over the process group (a
+// host synchronisation). After that, a fused call only puts its signature in the kernel arguments and the comm kernel
+// compares the ranks' signatures through the window before it moves data: no synchronisation, no copy to the host. A
+// rank whose arguments are bad (or whose M is 0) launches a signature-only comm kernel, so that its peers' kernels
+// stop at once, and raises.
 // Returns every rank's signature when the exchange ran, nothing when the kernels compare.
 std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c10d::ProcessGroup& group);
 

@@ -50,7 +50,8 @@ struct Mc2TilingV2 {
 static_assert(sizeof(Mc2InitTiling) == 64, "Mc2InitTiling must be 64 bytes");
 static_assert(sizeof(Mc2CcTiling) == 280, "Mc2CcTiling must be 280 bytes");
 
-// Values of the tiling this backend requests (the seed's, design.md §7).
+// Values of the tiling this backend requests, those of pto-isa's gemm_ar example
+// (docs/decisions/0013-npu-hccl-windows-and-setup.md).
 constexpr uint32_t kInitTilingVersion = 100;
 constexpr uint8_t kTilingDevType = 4;
 constexpr uint8_t kCcTilingVersion = 1;

@@ -75,7 +75,8 @@ BackendHooks make_npu_backend() {
   hooks.choose_auto = &choose_auto;
   // After the group's first fused call, fused calls agree inside the comm kernel, not over the process group.
   hooks.check_agreement = &agree_fused;
-  // `auto` by measurement, as on CPU, each tuning call timed by events on the device (issue 11).
+  // `auto` by measurement, as on CPU, each tuning call timed by events on the device
+  // (docs/decisions/0002-algorithms-and-measured-auto.md).
   hooks.measured_auto = true;
   hooks.start_device_clock = &start_npu_clock;
   hooks.capturing = &npu_stream_capturing;

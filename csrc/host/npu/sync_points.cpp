@@ -1,6 +1,7 @@
 #include "npu/sync_points.h"
 
 #include <torch_npu/csrc/core/npu/NPUEvent.h>
+#include <torch_npu/csrc/core/npu/NPUFunctions.h>
 #include <torch_npu/csrc/core/npu/NPUGuard.h>
 
 #include <cstring>
@@ -23,7 +24,7 @@ void raise_from_host_copy(CommState& state) {
 }  // namespace
 
 void wait_and_raise_errors(CommState& state) {
-  state.error_copied->synchronize();
+  if (state.error_copied) state.error_copied->synchronize();
   raise_from_host_copy(state);
 }
 
@@ -32,7 +33,8 @@ void check_all_errors() {
     if (!state->unavailable.empty() || !state->error_device.defined()) continue;
     c10_npu::NPUGuard guard(state->device);
     std::lock_guard<std::mutex> lock(state->mutex);
-    // A blocking copy on the current stream: after everything queued there, kernels of captured graphs included.
+    // Every stream of the device, not only the current one: calls queued from other streams or threads included.
+    c10_npu::device_synchronize();
     state->error_host.copy_(state->error_device, /*non_blocking=*/false);
     raise_from_host_copy(*state);
   }

@@ -1,6 +1,6 @@
-// The only places where the NPU backend waits for the device after setup (issue 9, findings 4 and 5): kept out of
-// the per-call translation units (fused_npu.cpp, npu_op.cpp), which tests/test_npu_per_call_sync.py checks for
-// synchronising calls.
+// The only places where the NPU backend waits for the device after setup
+// (docs/decisions/0008-npu-call-sequence-without-host-sync.md): kept out of the per-call translation units
+// (fused_npu.cpp, npu_op.cpp), which tests/test_npu_per_call_sync.py checks for synchronising calls.
 #pragma once
 #include "npu/comm_state.h"
 

@@ -1,7 +1,7 @@
-// The optional epilogue of gemm_allreduce's fused NPU kernels (issue 13): what the comm kernel does with a row band
-// once all of its columns are reduced on this rank. Carried by KernelArgs::epilogue (kernel_args.hpp); the host
-// fills it only for gemm_allreduce_add_rmsnorm, every other call (the sequence-parallel ones included) leaves it
-// zero (kEpilogueNone), and the sequence-parallel kernels refuse arguments that carry one.
+// The optional epilogue of gemm_allreduce's fused NPU kernels (docs/decisions/0011-add-rmsnorm-epilogue.md): what the
+// comm kernel does with a row band once all of its columns are reduced on this rank. Carried by KernelArgs::epilogue
+// (kernel_args.hpp); the host fills it only for gemm_allreduce_add_rmsnorm, every other call (the sequence-parallel
+// ones included) leaves it zero (kEpilogueNone), and the sequence-parallel kernels refuse arguments that carry one.
 //
 // kEpilogueAddRmsNorm: out = reduced + residual (rounded to the call dtype: the new residual stream);
 // normed = out * rsqrt(mean(out^2, -1) + eps) * norm_weight, row statistics in fp32. Every rank normalises its own

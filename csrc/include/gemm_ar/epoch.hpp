@@ -1,6 +1,6 @@
-// Helpers for never-reset, epoch-tagged uint32 counters (design.md §5, per-call hygiene): a counter that gets
-// `per_call` increments in every call it takes part in has reached call e's target once it has advanced
-// e * per_call past its start. Counters wrap modulo 2^32; comparisons are wrap-safe as long as no waiter lags
+// Helpers for never-reset, epoch-tagged uint32 counters (docs/decisions/0003-epoch-tagged-flags-never-reset.md): a
+// counter that gets `per_call` increments in every call it takes part in has reached call e's target once it has
+// advanced e * per_call past its start. Counters wrap modulo 2^32; comparisons are wrap-safe as long as no waiter lags
 // the counter by 2^31 or more increments.
 #pragma once
 #include <cstdint>

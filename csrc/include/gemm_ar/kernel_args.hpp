@@ -23,12 +23,18 @@
 // reduced buffer does need zeros before the atomic adds: each owner zeroes its own subtiles at the start of its
 // comm kernel and then announces it per (owner, comm block) with a "prepared" flag in every rank's window; a source
 // adds into an owner's subtile only after seeing it.
-// Shapes may differ between calls, so regions move; two rules keep one call's writes out of another call's data:
-//  - "prepared" flags are the only writes a rank can receive for call e+1 while it is still in call e (everything
-//    else needs its own participation in e+1 first). They live in a region whose place does not depend on the
-//    shape, in two banks by epoch parity: consecutive calls must use epochs of different parity (a counter does).
-//  - before a comm block leaves a call it has seen every flag of the call addressed to it (including the prepared
-//    flags it did not need), so no write of call e is still in flight when call e+1 starts.
+// Two rules keep every remote write of a call inside that call on the target rank, out of the data of other calls
+// (shapes may differ, so regions move) and out of HCCL's collectives (which use the same windows between ours):
+//  - entry: a rank writes into a peer's window only after it saw the peer's signature of this call in the peer's
+//    own window (call_signature.hpp): the peer's comm kernel of this call has started, so its earlier stream work,
+//    HCCL's included, has ended. No write of call e+1 reaches a rank still in call e or in a collective before it.
+//  - exit: before a comm block leaves a call it has seen every flag of the call addressed to it (including the
+//    prepared flags it did not need), so no write of call e is still in flight when the rank moves on.
+// Signature slots and prepared flags have a place that does not depend on the shape, in two banks by epoch parity
+// (consecutive calls must use epochs of different parity: a counter does). The signature slots need the banks: a
+// rank publishes its signature of call e+1 in its own window while a peer may still read its slot of call e there
+// (call_signature.hpp says why it never reads one two calls newer). The prepared flags are kept within their call
+// by the two rules alone.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +56,7 @@ constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
 constexpr int64_t kFlagStride = kCacheLine;         // one flag per cache line: AICore flushes whole lines
 constexpr int64_t kQueueSlotBytes = 32;             // ready-queue slot: tile id, ~id, 2 spare words, then a flag
-// The call signature every rank publishes to every peer before any data moves (issue 9, finding 4): the host's
+// The call signature every rank publishes in its own window for its peers to read before any data moves: the host's
 // CallSignature words (common/rank_agreement.h), word 0 the rank's own error code (0: arguments valid). The kernel
 // compares them word by word and knows no other meaning.
 constexpr int64_t kSignatureWords = 16;
@@ -59,7 +65,7 @@ constexpr int64_t kSignatureSlotBytes = kFlagStride + 2 * kSignatureWords * stat
 // Word 0 a rank publishes when its kernel finds its own KernelArgs unusable (host codes are small integers).
 constexpr int64_t kSignatureKernelRejected = 1001;
 
-// NPU tile sizes (design.md §5); the kernels are compiled for exactly these.
+// NPU tile sizes (docs/architecture.md §3.1); the kernels are compiled for exactly these.
 constexpr int64_t kNpuBaseM = 128;
 constexpr int64_t kNpuBaseN = 256;
 constexpr int64_t kNpuBaseK = 64;
@@ -74,7 +80,8 @@ enum DTypeCode : uint32_t {
 // Memory order of b (the logical [K, N] weight).
 enum BLayoutCode : uint32_t {
   kBRowMajor = 0,   // b[k * ldb + n]: a plain [K, N] tensor
-  kBTransposed = 1, // b[n * ldb + k]: weight.t() of an nn.Linear weight [N, K] (the seed's "DN"), never copied
+  // b[n * ldb + k]: weight.t() of an nn.Linear weight [N, K] ("DN" in pto-isa's gemm_ar example), never copied
+  kBTransposed = 1,
 };
 
 // The device context HCCL returns on MESH topologies (HcclAllocComResourceByTiling): the kernels read rankId,
@@ -92,10 +99,11 @@ struct CommContext {
 // Where everything lives. Window offsets are relative to windows_in[rank] + KernelArgs::window_offset and are the
 // same on every rank; scratch offsets are relative to KernelArgs::scratch (plain device memory, this rank only).
 struct KernelLayout {
-  // window (remote ranks write here)
+  // window (remote ranks write here, except into the signature slots, which they only read)
   int64_t prepared_offset, prepared_bytes; // [epoch & 1][owner][comm block] flags: "my subtiles are zeroed";
                                            // first, sized by world and kMaxCommBlocks only: never moves
-  int64_t signature_offset, signature_bytes; // [epoch & 1][source] signature slots; sized by world: never moves
+  int64_t signature_offset, signature_bytes; // [epoch & 1][source] signature slots: rank `source` writes its own in
+                                             // its own window, read by peers; sized by world: never moves
   int64_t reduced_offset, reduced_bytes;   // pad_m x pad_n output dtype: RS atomic adds, then AG copies
   int64_t contrib_offset, contrib_bytes;   // [owner-local subtile][source] flags: "source added its part"
   int64_t arrival_offset, arrival_bytes;   // [tile * stripes + stripe] flags: "the owner delivered this subtile"
@@ -185,7 +193,7 @@ struct KernelArgs {
 
 static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(RowChunks) % sizeof(int64_t) == 0 &&
                   sizeof(KernelLayout) % sizeof(int64_t) == 0,
-              "the kernels compare plans, chunks and layouts field by field as int64_t arrays");
+              "the kernels compare plans, chunks and layouts 64-bit word by 64-bit word");
 
 GEMM_AR_FN int64_t dtype_bytes(uint32_t dtype) {
   return (dtype == kDTypeFloat16 || dtype == kDTypeBFloat16) ? 2 : 0;
@@ -213,8 +221,8 @@ GEMM_AR_FN int64_t signature_region_bytes(int64_t world) { return 2 * world * kS
 GEMM_AR_FN int64_t fixed_window_bytes(int64_t world) {
   return align_up(signature_region_offset(world) + signature_region_bytes(world), kWindowAlign);
 }
-// The slot in a window where rank `source` publishes its signature of call `epoch` (banked by parity like the
-// prepared flags: a peer may publish call e+1 while this rank is still in call e).
+// The slot where rank `source` publishes its signature of call `epoch`: in its own window, read by peers from there
+// (banked by parity: it may publish call e+1 while a peer still reads its slot of call e).
 GEMM_AR_FN int64_t signature_slot_offset(int64_t world, uint32_t epoch, int64_t source) {
   const int64_t bank = static_cast<int64_t>(epoch & 1u);
   return signature_region_offset(world) + (bank * world + source) * kSignatureSlotBytes;

@@ -1,5 +1,5 @@
 // Byte layout of one rank's symmetric window. Every rank computes it from the same parameters, so a region's
-// offset is the same in every window and remote addresses are window_base[peer] + offset (design.md §7).
+// offset is the same in every window and remote addresses are window_base[peer] + offset (docs/architecture.md §3.3).
 #pragma once
 #include <cstdint>
 
@@ -12,7 +12,9 @@ namespace gemm_ar {
 
 constexpr int64_t kWindowAlign = 512;  // start of every region (DMA-friendly, keeps regions on separate lines)
 constexpr int64_t kCacheLine = 64;     // one doorbell per line, queue strides a multiple of it
-constexpr int64_t kHeaderBytes = 512;  // the engine's own bookkeeping: epochs, two call signatures, abort record
+constexpr int64_t kHeaderBytes = 512;  // the CPU engine's call header (cpu/call_header.h): this rank's two call
+                                       // signatures with their epochs, in its own window, read by peers; the
+                                       // last call it abandoned
 constexpr int64_t kCounterBytes = 4;   // every flag, counter, doorbell and queue entry is a uint32
 
 // Rounds x >= 0 up to a multiple of a > 0.

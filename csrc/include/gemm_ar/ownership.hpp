@@ -1,5 +1,5 @@
 // Which rank owns (reduces and broadcasts) each tile, and the owner-local numbering of its subtiles used for
-// the ready/final counters (design.md §5).
+// the ready/final counters (docs/architecture.md §3.1).
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,7 @@
-// The NPU kernel plans of the sequence-parallel ops (issue 12): gemm_reduce_scatter (GEMM + reduce-scatter along
-// dim 0 of the output, RS-only: no all-gather phase) and allgather_gemm (all-gather of a along dim 0, then GEMM).
-// Shared by the host (csrc/host/npu), the kernels (csrc/kernels/sp_*_kernel.cpp) and the simulator harness.
+// The NPU kernel plans of the sequence-parallel ops (docs/decisions/0010-sequence-parallel-ops.md): gemm_reduce_scatter
+// (GEMM + reduce-scatter along dim 0 of the output, RS-only: no all-gather phase) and allgather_gemm (all-gather of a
+// along dim 0, then GEMM). Shared by the host (csrc/host/npu), the kernels (csrc/kernels/sp_*_kernel.cpp) and the
+// simulator harness.
 //
 // Both ops tile their M output rows as `world` row chunks of m_sub rows (row_chunks.hpp, make_row_chunked_plan:
 // KernelArgs::plan is the whole M = world * m_sub, KernelArgs::chunks says where the chunks are), chunk g being

@@ -1,5 +1,5 @@
 // Row zig-zag walk over the tile grid: odd tile rows are visited right to left, so consecutive tiles share
-// their B column panel at each row turn (design.md §5).
+// their B column panel at each row turn (docs/architecture.md §3.1).
 #pragma once
 #include <cstdint>
 

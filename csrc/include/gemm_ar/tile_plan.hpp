@@ -1,5 +1,5 @@
 // How the padded M x N output is cut into base_m x base_n tiles, each tile into sub_m-row stripes (subtiles),
-// and how K is stepped (design.md §5). Shapes are runtime values.
+// and how K is stepped (docs/architecture.md §3.1). Shapes are runtime values.
 #pragma once
 #include <cstdint>
 
