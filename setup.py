@@ -20,7 +20,12 @@ def _rel(pattern):
 
 # The units that hold the Python bindings (torch/extension.h, pybind11: the costliest headers); every other unit
 # goes into the library's build unit.
-BINDING_SOURCES = ("csrc/host/python_module.cpp", "csrc/host/protocol_bindings.cpp")
+BINDING_SOURCES = ("csrc/host/python_module.cpp", "csrc/host/testing/test_hook_bindings.cpp")
+
+# TORCH_GEMM_AR_BUILD_TEST_HOOKS=1: the test build, with the negative controls' faults (csrc/host/common/test_hooks.h)
+# and their bindings (csrc/host/testing). Only tests/hooked_build.py asks for it, into a directory of its own; the
+# product never has them (docs/decisions/0015-test-hooks.md).
+TEST_HOOKS = os.environ.get("TORCH_GEMM_AR_BUILD_TEST_HOOKS", "0") == "1"
 
 
 def _unity_sources(sources):
@@ -28,7 +33,7 @@ def _unity_sources(sources):
     parse per unit and torch/extension.h ~45 s, which dominated the per-file build (9 min on 2 cores, ~1 min this
     way). The sources stay one job per file; TORCH_GEMM_AR_UNITY_BUILD=0 builds them one by one (incremental
     rebuilds while developing). A unit is rewritten only when its list changes, so rebuilds stay incremental."""
-    out_dir = os.path.join(ROOT, "build", "unity")
+    out_dir = os.path.join(ROOT, "build", "unity-test-hooks" if TEST_HOOKS else "unity")
     os.makedirs(out_dir, exist_ok=True)
     groups = {"bindings": [s for s in sources if s in BINDING_SOURCES],
               "library": [s for s in sources if s not in BINDING_SOURCES]}
@@ -45,6 +50,8 @@ def _unity_sources(sources):
 
 
 cpu_sources = _rel("csrc/host/*.cpp") + _rel("csrc/host/common/*.cpp") + _rel("csrc/host/cpu/*.cpp")
+if TEST_HOOKS:
+    cpu_sources += _rel("csrc/host/testing/*.cpp")
 if os.environ.get("TORCH_GEMM_AR_UNITY_BUILD", "1") != "0":
     cpu_sources = _unity_sources(cpu_sources)
 
@@ -72,7 +79,8 @@ cpu_extension = CppExtension(
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-ffp-contract=off"],
     libraries=["rt"],
     # The auto tuner's cache is per library version and per build of its sources.
-    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"'), ("TORCH_GEMM_AR_SOURCE_HASH", f'"{_source_hash()}"')],
+    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"'), ("TORCH_GEMM_AR_SOURCE_HASH", f'"{_source_hash()}"')]
+    + ([("TORCH_GEMM_AR_TEST_HOOKS", None)] if TEST_HOOKS else []),
 )
 
 setup(
@@ -89,7 +97,7 @@ setup(
         "bench": ["matplotlib"],
         "npu": ["torch_npu"],
     },
-    ext_modules=[cpu_extension] + build_npu.npu_extensions(ROOT),
+    ext_modules=[cpu_extension] + ([] if TEST_HOOKS else build_npu.npu_extensions(ROOT)),
     cmdclass={"build_ext": BuildExtension},
     zip_safe=False,
 )

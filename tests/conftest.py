@@ -18,17 +18,19 @@ if "TORCH_GEMM_AR_TUNE_CACHE" not in os.environ:
 
 
 class _Pools:
-    """One live RankPool per world size, shared by the tests of a session; replaced after a failure."""
+    """One live RankPool per world size, shared by the tests of a session; replaced after a failure. `native`: the
+    ranks load that build of torch_gemm_ar._C (the test build, `hooked_ranks`)."""
 
-    def __init__(self):
+    def __init__(self, native=None):
         self._pools = {}
+        self._native = native
 
     def __call__(self, world: int) -> RankPool:
         pool = self._pools.get(world)
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close(force=True)
-            pool = self._pools[world] = RankPool(world)
+            pool = self._pools[world] = RankPool(world, native=self._native)
         return pool
 
     def close(self):
@@ -59,6 +61,17 @@ def npu_objects(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ranks():
     pools = _Pools()
+    yield pools
+    pools.close()
+
+
+@pytest.fixture(scope="session")
+def hooked_ranks():
+    """As `ranks`, with the test build of torch_gemm_ar._C in every rank (tests/hooked_build.py): for the negative
+    controls, whose faults exist only there. Built at first use (about a minute on 2 cores), cached under build/."""
+    from hooked_build import hooked_extension_path
+
+    pools = _Pools(native=hooked_extension_path())
     yield pools
     pools.close()
 

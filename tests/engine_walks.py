@@ -8,7 +8,8 @@ from scoped_env import scoped_env
 
 
 def walk_env(owner_last: bool) -> scoped_env:
-    """The engine settings of one way; owner_last=False also needs _C._set_owner_last(False) where comm runs inline."""
+    """The engine settings of one way; owner_last=False also needs the engine option owner_last=False where comm runs
+    inline."""
     return scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0" if owner_last else "1")
 
 

@@ -12,16 +12,16 @@ def raises(fn, *fragments, exc=Exception):
     return message
 
 
-def error_of_a_fused_call_with(setter, value, env, a_shape, b_shape):
-    """One fused gemm_allreduce of random a_shape x b_shape inputs under the environment `env`, with an engine switch
-    set to `value` by `setter` (a `_C._set_*` that returns the old value, which is restored after). Ranks pass values
+def error_of_a_fused_call_with(option, value, env, a_shape, b_shape):
+    """One fused gemm_allreduce of random a_shape x b_shape inputs under the environment `env`, with an engine option
+    (by name, or a `_C._set_*` setter: scoped_env.engine_switch) set to `value`, restored after. Ranks pass values
     that differ; returns the call's ValueError message, or "" if the call passed."""
     import torch
     import torch_gemm_ar
     from scoped_env import engine_switch
 
     try:
-        with engine_switch(setter, value, **env):
+        with engine_switch(option, value, **env):
             torch_gemm_ar.gemm_allreduce(torch.randn(*a_shape), torch.randn(*b_shape), algorithm="fused")
     except ValueError as e:
         return str(e)

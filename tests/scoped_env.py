@@ -20,9 +20,16 @@ class scoped_env:
 
 
 @contextlib.contextmanager
-def engine_switch(setter, value, **env):
-    """An engine switch set for the length of a `with` block, under the environment `env`: `setter` is one of the
-    extension's `_C._set_*` test switches, which return the value they replace (restored after)."""
+def engine_switch(option, value, **env):
+    """An engine option (csrc/host/cpu/engine_options.h, by name) or another `_C._set_*` setter that returns the value
+    it replaces, set to `value` for the length of a `with` block under the environment `env` (restored after)."""
+    if isinstance(option, str):
+        from torch_gemm_ar import _C
+
+        def setter(v):
+            return _C._set_engine_option(option, v)
+    else:
+        setter = option
     previous = setter(value)
     try:
         with scoped_env(**env):

@@ -26,7 +26,8 @@ def both_geometries_checked(rank, world, seed, dtype, owner_last):
 
 def both_geometries_here(rank, world, seed, dtype, owner_last):
     # One tile row per rank (test_fewer_b_reorders.py) would replace the full-width geometry for natively computed bf16.
-    previous = (_C._set_owner_last(owner_last), _C._set_row_epilogue_geometry(True), _C._set_fewer_b_reorders(0))
+    previous = (_C._set_engine_option("owner_last", owner_last), _C._set_engine_option("row_epilogue_geometry", True),
+                _C._set_engine_option("fewer_b_reorders", 0))
     eps = 1e-5
     digests = []
     try:
@@ -41,7 +42,7 @@ def both_geometries_here(rank, world, seed, dtype, owner_last):
             assert _C._row_epilogue_geometry(m, n, world)[1] >= n, what + ": the full-width geometry does not apply"
             results = {}
             for wide in (True, False):
-                _C._set_row_epilogue_geometry(wide)
+                _C._set_engine_option("row_epilogue_geometry", wide)
                 out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank], b, residual, w, eps=eps,
                                                                        bias=bias, algorithm="fused")
                 in_place = residual.clone()
@@ -59,9 +60,9 @@ def both_geometries_here(rank, world, seed, dtype, owner_last):
             out, normed = results[True][:2]
             digests.append(digest(out) + digest(normed))
     finally:
-        _C._set_owner_last(previous[0])
-        _C._set_row_epilogue_geometry(previous[1])
-        _C._set_fewer_b_reorders(previous[2])
+        _C._set_engine_option("owner_last", previous[0])
+        _C._set_engine_option("row_epilogue_geometry", previous[1])
+        _C._set_engine_option("fewer_b_reorders", previous[2])
     return digests
 
 

@@ -12,13 +12,14 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from expect import raises
+from hooked_build import hooked
 from inputs import ODD_SHAPES, TOLERANCE, assert_matches, digest
 from test_add_rmsnorm import compile_step_inputs, odd_case, rms_norm64
 from torch_gemm_ar import _C
 
 
 def in_place_matches_out_of_place(rank, world, seed, algorithm, dtype, owner_last=True, strided=False):
-    previous = _C._set_owner_last(owner_last)
+    previous = _C._set_engine_option("owner_last", owner_last)
     digests = []
     eps = 1e-5
     try:
@@ -46,7 +47,7 @@ def in_place_matches_out_of_place(rank, world, seed, algorithm, dtype, owner_las
                 assert bool((wide[..., 0] == 7).all() and (wide[..., n + 1:] == 7).all()), what + ": wrote outside"
             digests.append(digest(residual) + digest(normed))
     finally:
-        _C._set_owner_last(previous)
+        _C._set_engine_option("owner_last", previous)
     return digests
 
 
@@ -74,18 +75,16 @@ def test_a_strided_residual_is_written_in_place(ranks, world, algorithm):
 def overwritten_not_added(rank, world, seed):
     """The deliberate bug: the engine overwrites the residual with the sum instead of adding into it. The same
     comparison as the real test must fail."""
-    previous = _C._set_add_into_residual(False)
-    try:
-        in_place_matches_out_of_place(rank, world, seed, "fused", torch.float32)
-    except AssertionError:
-        return "caught"
-    finally:
-        _C._set_add_into_residual(previous)
+    with hooked("overwrite_residual", True):
+        try:
+            in_place_matches_out_of_place(rank, world, seed, "fused", torch.float32)
+        except AssertionError:
+            return "caught"
     return "missed"
 
 
-def test_negative_control_residual_overwritten(ranks):
-    assert ranks(2).run(overwritten_not_added, random.randrange(1 << 30)) == ["caught", "caught"]
+def test_negative_control_residual_overwritten(hooked_ranks):
+    assert hooked_ranks(2).run(overwritten_not_added, random.randrange(1 << 30)) == ["caught", "caught"]
 
 
 def refused(rank, world):

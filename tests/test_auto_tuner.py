@@ -13,6 +13,7 @@ import torch
 
 import torch_gemm_ar
 from expect import raises
+from hooked_build import hooked
 from scoped_env import scoped_env
 from inputs import TOLERANCE, reference, shard, weight
 from torch_gemm_ar import _C, tuning
@@ -294,17 +295,14 @@ def test_ranks_whose_tuning_drifts_apart_raise_then_retune_together(ranks, tmp_p
 
 
 def tune_with_deferred_clock(rank, world, seed, cache_path, calls):
-    previous = _C._set_deferred_tuner_clock(1)
-    try:
+    with hooked("deferred_tuner_clock", 1):
         return tune_by_calls(rank, world, seed, cache_path, calls)[0]
-    finally:
-        _C._set_deferred_tuner_clock(previous)
 
 
-def test_a_device_clock_read_at_the_next_call_tunes_alike(ranks, tmp_path):
+def test_a_device_clock_read_at_the_next_call_tunes_alike(hooked_ranks, tmp_path):
     """The NPU's path (each tuning call's clock read at the bucket's next call), run on the host's clock."""
     reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
-    decisions = ranks(2).run(tune_with_deferred_clock, random.randrange(1 << 20), str(tmp_path / "t.json"),
+    decisions = hooked_ranks(2).run(tune_with_deferred_clock, random.randrange(1 << 20), str(tmp_path / "t.json"),
                              tuning_calls(reps) + 1)
     assert all(len(d) == 1 for d in decisions), decisions
     assert decisions[0][0]["algorithm"] == decisions[1][0]["algorithm"], decisions
@@ -316,22 +314,19 @@ def test_a_device_clock_read_at_the_next_call_tunes_alike(ranks, tmp_path):
 
 def unreadable_clock_on_rank_1(rank, world, seed, cache_path):
     fresh_tuner(cache_path)
-    previous = _C._set_deferred_tuner_clock(2 if rank == 1 else 1)
     errors = []
-    try:
+    with hooked("deferred_tuner_clock", 2 if rank == 1 else 1):
         for i in range(4):
             try:
                 checked_auto_call(rank, world, seed + i, 100, 40, 90)
             except RuntimeError as e:
                 errors.append((i, type(e).__name__, str(e)))
-    finally:
-        _C._set_deferred_tuner_clock(previous)
     checked_auto_call(rank, world, seed + 9, 100, 40, 90)  # the group goes on afterwards
     return errors
 
 
-def test_a_device_clock_that_cannot_be_read_raises_on_every_rank(ranks, tmp_path):
-    results = ranks(2).run(unreadable_clock_on_rank_1, random.randrange(1 << 20), str(tmp_path / "t.json"))
+def test_a_device_clock_that_cannot_be_read_raises_on_every_rank(hooked_ranks, tmp_path):
+    results = hooked_ranks(2).run(unreadable_clock_on_rank_1, random.randrange(1 << 20), str(tmp_path / "t.json"))
     # The first tuning call's clock is read by the second call: that call raises on both ranks, not only rank 1.
     for rank, errors in enumerate(results):
         assert errors and errors[0][0] == 1, (rank, errors)
@@ -343,23 +338,18 @@ def test_a_device_clock_that_cannot_be_read_raises_on_every_rank(ranks, tmp_path
 def tune_with_a_late_rank(rank, world, seed, cache_path, delay_us, from_last_start):
     """Rank 1 starts every tuning run `delay_us` late, as a rank woken late from the previous collective does; rank
     0 starts at once and waits inside the call (fused, and sequential's all_reduce) for rank 1."""
-    previous_delay = _C._set_tuner_start_delay_us(delay_us if rank == 1 else 0)
-    previous_mode = _C._set_tuner_from_last_start(from_last_start)
-    try:
+    with hooked("tuner_start_delay_us", delay_us if rank == 1 else 0), hooked("tuner_own_time", not from_last_start):
         reps = int(os.environ.get("TORCH_GEMM_AR_AUTOTUNE_REPS", "3"))
         return tune_by_calls(rank, world, seed, cache_path, tuning_calls(reps))[0]
-    finally:
-        _C._set_tuner_start_delay_us(previous_delay)
-        _C._set_tuner_from_last_start(previous_mode)
 
 
 @pytest.mark.parametrize("from_last_start", [True, False], ids=["from_last_start", "negative_control_slowest_rank"])
-def test_a_late_rank_does_not_count_in_the_candidates_times(ranks, tmp_path, from_last_start):
+def test_a_late_rank_does_not_count_in_the_candidates_times(hooked_ranks, tmp_path, from_last_start):
     """Tuning counts a run from its last rank's start to its last rank's end (one host, one monotonic clock), so a
     late rank's delay is in no candidate's time. Negative control: the slowest rank's own time (the old measure)
     includes the wait for the late rank in every candidate."""
     delay_us = 300_000  # far above a call of this size (K=40, N=90, M<=128: well under a millisecond unloaded)
-    results = ranks(2).run(tune_with_a_late_rank, random.randrange(1 << 20), str(tmp_path / "t.json"), delay_us,
+    results = hooked_ranks(2).run(tune_with_a_late_rank, random.randrange(1 << 20), str(tmp_path / "t.json"), delay_us,
                            from_last_start)
     (decision,) = results[0]
     assert decision["algorithm"] == results[1][0]["algorithm"]
@@ -409,17 +399,17 @@ def check_race(results, runs):
 # round and 3 rounds take 4 s (the warm-up counts against the budget); with 5.5 s of budget a fourth round still fits
 # (1 s), a fifth does not.
 @pytest.mark.parametrize("budget_ms,runs", [(0, 3), (5_500, 4), (60_000, 6)], ids=["no_budget", "budget", "max_reps"])
-def test_candidates_that_cost_the_same_race_within_the_budget(ranks, tmp_path, budget_ms, runs):
-    results = ranks(2).run(race, str(tmp_path / "t.json"), budget_ms, 3, 6, "*", 500_000, 5)
+def test_candidates_that_cost_the_same_race_within_the_budget(hooked_ranks, tmp_path, budget_ms, runs):
+    results = hooked_ranks(2).run(race, str(tmp_path / "t.json"), budget_ms, 3, 6, "*", 500_000, 5)
     decision, _ = check_race(results, {"fused": runs, "sequential": runs})
     assert all(500_000 < t < 600_000 for t in decision["candidate_us"].values()), decision["candidate_us"]
 
 
-def test_a_clearly_slower_candidate_leaves_the_race(ranks, tmp_path):
+def test_a_clearly_slower_candidate_leaves_the_race(hooked_ranks, tmp_path):
     """With a minute of budget and up to 40 runs, a candidate 100 ms slower than the others (calls well under a
     millisecond) runs the 4 times a candidate runs before it may leave the race, and is not chosen. Its negative
     control is the test above: there every candidate is padded alike, and none leaves the race."""
-    results = ranks(2).run(race, str(tmp_path / "t.json"), 60_000, 3, 40, "sequential", 100_000)
+    results = hooked_ranks(2).run(race, str(tmp_path / "t.json"), 60_000, 3, 40, "sequential", 100_000)
     for calls, still_tuning, decisions, messages in results:
         (decision,) = decisions
         runs = decision["candidate_runs"]

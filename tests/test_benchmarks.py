@@ -205,16 +205,17 @@ class StubLibrary:
         self.calls, self.overlap = [], None
         if with_mode:
             import contextlib
+            import types
 
             @contextlib.contextmanager
-            def fused_engine_mode(overlap=True):
+            def override(overlap=True):
                 self.overlap = overlap
                 try:
                     yield
                 finally:
                     self.overlap = None
 
-            self.fused_engine_mode = fused_engine_mode
+            self.engine_options = types.SimpleNamespace(override=override)
 
     def gemm_allreduce(self, a, b, group=None, *, bias=None, algorithm="auto"):
         self.calls.append((algorithm, self.overlap))
@@ -241,7 +242,7 @@ def test_same_engine_sequential_row(with_mode):
         assert rows["fused_sequential"].note == ""
     else:
         assert lib.calls == [("sequential", None), ("fused", None)]
-        assert "fused_engine_mode" in rows["fused_sequential"].note
+        assert "engine_options" in rows["fused_sequential"].note
     assert rows["fused"].sequential_ref == "fused_sequential"
 
 

@@ -124,12 +124,11 @@ def crossed_first_calls(rank, world, process_wide_lock):
     """Rank 0 sets up group A first, rank 1 group B first (the other group's thread starts 1 s later): with one
     process-wide setup lock held while waiting for peers this order deadlocks every time; with per-group setup it
     must not. Returns each thread's error text (None when it succeeded)."""
-    from torch_gemm_ar import _C
+    from hooked_build import hooked
 
     groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
     first = rank % 2  # the group this rank's first thread sets up at once
-    previous = _C._set_process_wide_setup_lock(process_wide_lock)
-    try:
+    with hooked("process_wide_setup_lock", process_wide_lock):
         def caller(i):
             def body():
                 if i != first:
@@ -139,15 +138,15 @@ def crossed_first_calls(rank, world, process_wide_lock):
 
         with scoped_env(TORCH_GEMM_AR_TIMEOUT_S="6"):
             errors = run_threads([caller(0), caller(1)], timeout_s=60)
-    finally:
-        _C._set_process_wide_setup_lock(previous)
     return [None if e is None else str(e) for e in errors]
 
 
 def test_crossed_setup_order_never_deadlocks():
+    from hooked_build import hooked_extension_path
     from rank_pool import RankPool
 
-    pool = RankPool(2)  # own ranks: the negative control leaves groups that timed out in setup
+    # Own ranks of the test build: the negative control leaves groups that timed out in setup.
+    pool = RankPool(2, native=hooked_extension_path())
     try:
         assert pool.run(crossed_first_calls, False, timeout_s=120) == [[None, None]] * 2
         # Negative control: the bug the issue reported (a process-wide lock while waiting) deadlocks this order.

@@ -33,12 +33,12 @@ def test_tile_walk_matches_float64(m, k, n, transposed, dtype, ranks):
     want = reference([a], b, bias)
     tol = TOLERANCE[dtype]
     with scoped_env(**ranks):
-        previous = (_C._set_wide_row_panels(True), _C._set_packed_b(True))
+        previous = (_C._set_engine_option("wide_row_panels", True), _C._set_engine_option("packed_b", True))
         try:
             for wide in (True, False):
                 for packed in (True, False):
-                    _C._set_wide_row_panels(wide)
-                    _C._set_packed_b(packed)
+                    _C._set_engine_option("wide_row_panels", wide)
+                    _C._set_engine_option("packed_b", packed)
                     before = _C._packed_b_panels()
                     out = _C._engine_tile_walk(a, b, bias, 2)
                     what = f"wide={wide} packed={packed}"
@@ -49,8 +49,8 @@ def test_tile_walk_matches_float64(m, k, n, transposed, dtype, ranks):
                     assert _C._packed_b_panels() - before == expected_panels(ranks, m, n, dtype, wide_applies,
                                                                              packed), what
         finally:
-            _C._set_wide_row_panels(previous[0])
-            _C._set_packed_b(previous[1])
+            _C._set_engine_option("wide_row_panels", previous[0])
+            _C._set_engine_option("packed_b", previous[1])
 
 
 def test_bad_arguments_raise_naming_them():

@@ -18,7 +18,8 @@ import torch_gemm_ar
 from expect import error_of_a_fused_call_with
 from inputs import (TOLERANCE, assert_matches, assert_matches_sum_of_partials, bias_vector, digest, reference, shard,
                     weight)
-from scoped_env import scoped_env
+from hooked_build import hooked
+from scoped_env import engine_switch, scoped_env
 from stress_call import fused_call_is_right
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
 from torch_gemm_ar import _C
@@ -73,12 +74,12 @@ def each_switch_mode():
         like = torch.empty(0, dtype=dtype)
         native = _C._reorders_b_per_product(like)
         for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
-            _C._set_fewer_b_reorders(mode)
+            _C._set_engine_option("fewer_b_reorders", mode)
             yield dtype, like, mode, takes
 
 
 def test_which_calls_take_them(one_core_env):
-    previous = _C._set_fewer_b_reorders(NATIVE_HALF)
+    previous = _C._set_engine_option("fewer_b_reorders", NATIVE_HALF)
     try:
         for dtype, like, mode, takes in each_switch_mode():
             for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
@@ -96,18 +97,19 @@ def test_which_calls_take_them(one_core_env):
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
         assert not _C._reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match="mode must be 0, 1 or 2"):
-            _C._set_fewer_b_reorders(3)
+            _C._set_engine_option("fewer_b_reorders", 3)
         with pytest.raises(ValueError, match="op must be"):
             _C._call_geometry("matmul", 2, 2, 2, torch.empty(0), 2)
     finally:
-        _C._set_fewer_b_reorders(previous)
+        _C._set_engine_option("fewer_b_reorders", previous)
 
 
 def fewer_b_reorder_calls(rank, world, seed, owner_last):
     digests = []
     eps = 1e-5
     with scoped_env(**ONE_CORE):
-        previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_owner_last(owner_last))
+        previous = (_C._set_engine_option("fewer_b_reorders", EVERY_DTYPE),
+                    _C._set_engine_option("owner_last", owner_last))
         try:
             for case, (m, k, n) in enumerate(CALLS):
                 one_product = _C._prefers_one_product(m, k)
@@ -150,8 +152,8 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                                                msg=lambda s: f"{label} normed: {s}")
                     digests.append(digest(summed) + digest(normed))
         finally:
-            _C._set_fewer_b_reorders(previous[0])
-            _C._set_owner_last(previous[1])
+            _C._set_engine_option("fewer_b_reorders", previous[0])
+            _C._set_engine_option("owner_last", previous[1])
     return digests
 
 
@@ -164,7 +166,7 @@ def test_fewer_tile_rows_match_float64_and_ranks_agree(ranks, world, owner_last)
 
 def empty_outputs(rank, world):
     with scoped_env(**ONE_CORE):
-        previous = _C._set_fewer_b_reorders(EVERY_DTYPE)
+        previous = _C._set_engine_option("fewer_b_reorders", EVERY_DTYPE)
         try:
             for dtype in (torch.float32, torch.bfloat16):
                 out = torch_gemm_ar.gemm_allreduce(torch.ones(5, 3, dtype=dtype), torch.ones(3, 0, dtype=dtype),
@@ -174,19 +176,19 @@ def empty_outputs(rank, world):
                                                     algorithm="fused")
                 assert torch.equal(full, torch.full((5, 4), 3.0 * world, dtype=dtype)), full
         finally:
-            _C._set_fewer_b_reorders(previous)
+            _C._set_engine_option("fewer_b_reorders", previous)
     return True
 
 
 def test_empty_outputs_keep_working(ranks, one_core_env):
     """N=0 (and the tile walk's M=0) make no tiles: the geometries must not turn them into an invalid plan."""
     assert ranks(2).run(empty_outputs) == [True, True]
-    previous = _C._set_fewer_b_reorders(EVERY_DTYPE)
+    previous = _C._set_engine_option("fewer_b_reorders", EVERY_DTYPE)
     try:
         assert _C._engine_tile_walk(torch.ones(0, 3), torch.ones(3, 4), None, 2).shape == (0, 4)
         assert _C._engine_tile_walk(torch.ones(5, 3), torch.ones(3, 0), None, 2).shape == (5, 0)
     finally:
-        _C._set_fewer_b_reorders(previous)
+        _C._set_engine_option("fewer_b_reorders", previous)
 
 
 def random_call(rng):
@@ -208,19 +210,13 @@ def one_product_stress(rank, world, seed, calls, ignore_epochs=False, one_shot=F
     rng = random.Random(seed)
     wrong = 0
     before = _C._one_product_calls()
-    with scoped_env(**ONE_CORE):
-        previous = (_C._set_fewer_b_reorders(EVERY_DTYPE), _C._set_ignore_epochs(ignore_epochs),
-                    _C._set_one_shot(one_shot))
-        try:
-            for step in range(calls):
-                m, k, n, dtype, with_bias = random_call(rng)
-                if rank == step % world and step % 5 == 0:
-                    time.sleep(0.002)
-                wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias, step % 2 == 0)
-        finally:
-            _C._set_fewer_b_reorders(previous[0])
-            _C._set_ignore_epochs(previous[1])
-            _C._set_one_shot(previous[2])
+    with engine_switch("fewer_b_reorders", EVERY_DTYPE, **ONE_CORE), engine_switch("one_shot", one_shot), \
+            hooked("ignore_epochs", ignore_epochs):
+        for step in range(calls):
+            m, k, n, dtype, with_bias = random_call(rng)
+            if rank == step % world and step % 5 == 0:
+                time.sleep(0.002)
+            wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias, step % 2 == 0)
     return wrong, _C._one_product_calls() - before
 
 
@@ -233,15 +229,15 @@ def test_one_product_back_to_back_stress(ranks, world, calls, one_shot):
 
 
 @pytest.mark.parametrize("one_shot", [False, True])
-def test_negative_control_stress_catches_stale_partials(ranks, one_shot):
+def test_negative_control_stress_catches_stale_partials(hooked_ranks, one_shot):
     """With any earlier call's flag taken as this call's (a deliberate protocol bug), a rank reduces partials its
     peer has not written yet: the same stress test must report wrong results."""
-    results = ranks(2).run(one_product_stress, random.randrange(1 << 30), 300, True, one_shot, timeout_s=600)
+    results = hooked_ranks(2).run(one_product_stress, random.randrange(1 << 30), 300, True, one_shot, timeout_s=600)
     assert sum(wrong for wrong, _ in results) > 0, f"the stress test did not notice stale partials: {results}"
 
 
 def mixed_switch(rank, world):
-    return error_of_a_fused_call_with(_C._set_fewer_b_reorders, EVERY_DTYPE if rank == 0 else NEVER, ONE_CORE,
+    return error_of_a_fused_call_with("fewer_b_reorders", EVERY_DTYPE if rank == 0 else NEVER, ONE_CORE,
                                       (600, 8), (8, 1100))
 
 

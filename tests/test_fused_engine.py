@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import torch_gemm_ar
-from torch_gemm_ar.engine_mode import ignore_epochs_for_testing
+from hooked_build import hooked
 from inputs import TOLERANCE, bias_vector, reference, shard, weight
 from scoped_env import scoped_env
 
@@ -57,18 +57,18 @@ def test_back_to_back_stress(ranks, world, calls, comm_threads):
 
 
 def stress_ignoring_epochs(rank, world, seed, calls, comm_threads):
-    with ignore_epochs_for_testing():
+    with hooked("ignore_epochs", True):
         return stress(rank, world, seed, calls, slow_rank=1, comm_threads=comm_threads)
 
 
 @pytest.mark.parametrize("comm_threads", ["0", "1"])
-def test_negative_control_stress_catches_ignored_epochs(ranks, comm_threads):
+def test_negative_control_stress_catches_ignored_epochs(hooked_ranks, comm_threads):
     """With a deliberate protocol bug (stale flags of earlier calls count as ready) the same stress test must
     report wrong results: evidence that it would catch a real ordering bug."""
-    wrong = ranks(2).run(stress_ignoring_epochs, random.randrange(1 << 30), 300, comm_threads, timeout_s=600)
+    wrong = hooked_ranks(2).run(stress_ignoring_epochs, random.randrange(1 << 30), 300, comm_threads, timeout_s=600)
     assert sum(wrong) > 0, "the stress test did not notice a protocol that ignores epochs"
     # The engine is fine again once the bug is switched off.
-    assert ranks(2).run(stress, random.randrange(1 << 30), 50) == [0, 0]
+    assert hooked_ranks(2).run(stress, random.randrange(1 << 30), 50) == [0, 0]
 
 
 def alternate_groups(rank, world, seed):

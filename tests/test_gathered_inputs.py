@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_gemm_ar
+from hooked_build import hooked
 from scoped_env import scoped_env
 from test_auto_tuner import fresh_tuner
 from inputs import TOLERANCE
@@ -73,7 +74,7 @@ def test_offered_by_shape(one_core_env):
 def tune_slowing(rank, world, seed, cache_path, dtype, bias, slow):
     """A fresh tuner decides the bucket of M with `slow` slowed ("!name": every candidate but that one)."""
     fresh_tuner(cache_path)
-    _C._set_tuner_slow_candidate(slow, SLOW_US)
+    _C._set_tuner_slow_candidate(slow, SLOW_US)  # the test build's (hooked_ranks)
     try:
         tuning.warm_up_until_tuned(lambda: checked_call(rank, world, seed, M, K, N, dtype, bias))
     finally:
@@ -95,9 +96,9 @@ def decided_and_run(rank, world, seed, cache_path, dtype, bias, slow):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-def test_decided_everywhere_runs_and_is_right(ranks, tmp_path, world, dtype, bias):
-    results = ranks(world).run(decided_and_run, random.randrange(1 << 20), str(tmp_path / "tune.json"), dtype, bias,
-                               "!" + GATHERED)
+def test_decided_everywhere_runs_and_is_right(hooked_ranks, tmp_path, world, dtype, bias):
+    results = hooked_ranks(world).run(decided_and_run, random.randrange(1 << 20), str(tmp_path / "tune.json"), dtype,
+                                      bias, "!" + GATHERED)
     decisions = [d for d, _, _ in results]
     assert all(len(d) == 1 for d in decisions), decisions
     chosen = {d[0]["algorithm"] for d in decisions}
@@ -110,9 +111,9 @@ def test_decided_everywhere_runs_and_is_right(ranks, tmp_path, world, dtype, bia
         assert ran == calls  # the decided flow is the one that ran, at every M of the bucket
 
 
-def test_negative_control_a_slow_flow_is_not_decided(ranks, tmp_path):
-    results = ranks(2).run(decided_and_run, random.randrange(1 << 20), str(tmp_path / "tune.json"), torch.float32,
-                           False, GATHERED)
+def test_negative_control_a_slow_flow_is_not_decided(hooked_ranks, tmp_path):
+    results = hooked_ranks(2).run(decided_and_run, random.randrange(1 << 20), str(tmp_path / "tune.json"),
+                                  torch.float32, False, GATHERED)
     for decisions, ran, _ in results:
         assert GATHERED in decisions[0]["candidate_us"] and decisions[0]["algorithm"] != GATHERED, decisions
         assert ran == 0
@@ -126,10 +127,9 @@ def stress(rank, world, seed, cache_path, calls, late):
     with scoped_env(**ONE_CORE):
         tune_slowing(rank, world, seed, cache_path, torch.float32, False, "!" + GATHERED)
         assert tuning.decision_for(M, K, N, torch.float32) == GATHERED
-        previous = _C._set_gathered_inputs_late(late)
         rng = random.Random(seed + rank)
         wrong = 0
-        try:
+        with hooked("gathered_inputs_late", late):
             for i in range(calls):
                 if rank == 1 and rng.random() < 0.5:
                     time.sleep(rng.random() * 2e-3)
@@ -141,32 +141,31 @@ def stress(rank, world, seed, cache_path, calls, late):
                 torch.distributed.all_reduce(flags)
                 if flags.item():
                     break
-        finally:
-            _C._set_gathered_inputs_late(previous)
         return wrong
 
 
-def test_stress_fresh_inputs_every_call(ranks, tmp_path):
-    assert ranks(2).run(stress, random.randrange(1 << 20), str(tmp_path / "tune.json"), 300, False,
+def test_stress_fresh_inputs_every_call(hooked_ranks, tmp_path):
+    assert hooked_ranks(2).run(stress, random.randrange(1 << 20), str(tmp_path / "tune.json"), 300, False,
                         timeout_s=300) == [0, 0]
 
 
-def test_negative_control_inputs_published_after_their_flags_are_caught(ranks, tmp_path):
+def test_negative_control_inputs_published_after_their_flags_are_caught(hooked_ranks, tmp_path):
     """The stress test can fail: with this rank's inputs published after the flags that announce them, some call
     multiplies a peer's inputs of the call before."""
-    wrong = ranks(2).run(stress, random.randrange(1 << 20), str(tmp_path / "tune.json"), 2000, True, timeout_s=300)
+    wrong = hooked_ranks(2).run(stress, random.randrange(1 << 20), str(tmp_path / "tune.json"), 2000, True,
+                                timeout_s=300)
     assert sum(wrong) > 0, wrong
 
 
 def without_the_flow(rank, world, seed, cache_path):
-    previous = _C._set_tune_gathered_inputs(False)
+    previous = _C._set_engine_option("tune_gathered_inputs", False)
     try:
         with scoped_env(**ONE_CORE):
             fresh_tuner(cache_path)
             tuning.warm_up_until_tuned(lambda: checked_call(rank, world, seed, M, K, N, torch.float32, False))
             return tuning.decisions()
     finally:
-        _C._set_tune_gathered_inputs(previous)
+        _C._set_engine_option("tune_gathered_inputs", previous)
 
 
 def test_the_switch_removes_the_candidate(ranks, tmp_path):
@@ -183,16 +182,16 @@ def decided_then_cached(rank, world, seed, cache_path):
         return [(d["algorithm"], d["source"]) for d in tuning.decisions()], _C._gathered_inputs_calls() - before
 
 
-def test_the_decision_comes_back_from_the_tune_cache(ranks, tmp_path):
+def test_the_decision_comes_back_from_the_tune_cache(hooked_ranks, tmp_path):
     cache = str(tmp_path / "tune.json")
-    for decisions, ran in ranks(2).run(decided_then_cached, random.randrange(1 << 20), cache):
+    for decisions, ran in hooked_ranks(2).run(decided_then_cached, random.randrange(1 << 20), cache):
         assert decisions == [(GATHERED, "cache")] and ran == 1, decisions
     with open(cache) as f:
         assert f'"{GATHERED}"' in f.read()
 
 
 def switch_differs(rank, world):
-    previous = _C._set_tune_gathered_inputs(rank != 0)
+    previous = _C._set_engine_option("tune_gathered_inputs", rank != 0)
     try:
         with scoped_env(**ONE_CORE):
             fresh_tuner(os.path.join("/tmp", f"unused-{os.getpid()}.json"))
@@ -201,13 +200,13 @@ def switch_differs(rank, world):
     except ValueError as e:
         return str(e)
     finally:
-        _C._set_tune_gathered_inputs(previous)
+        _C._set_engine_option("tune_gathered_inputs", previous)
         _C._tuner_clear_memory()
 
 
 def test_ranks_that_differ_in_the_switch_get_an_error_not_a_hang(ranks):
     for message in ranks(2).run(switch_differs, timeout_s=120):
-        assert message is not None and "switches" in message, message
+        assert message is not None and "engine's options" in message, message
 
 
 def tile_env_differs(rank, world):
@@ -229,4 +228,4 @@ def tile_env_differs(rank, world):
 
 def test_ranks_that_differ_in_the_tile_from_the_environment_get_an_error(ranks):
     for message in ranks(2).run(tile_env_differs, timeout_s=120):
-        assert message is not None and "switches" in message, message
+        assert message is not None and "engine's options" in message, message

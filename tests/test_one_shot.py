@@ -13,6 +13,7 @@ import torch_gemm_ar
 from torch_gemm_ar import _C
 from expect import error_of_a_fused_call_with
 from inputs import assert_matches, bias_vector, digest, reference, shard, weight
+from hooked_build import hooked
 from scoped_env import scoped_env
 from stress_call import fused_call_is_right
 
@@ -33,13 +34,13 @@ def four_byte_partials(dtype) -> bool:
 
 
 def fused(a, b, bias, one_shot: bool):
-    previous = _C._set_one_shot(one_shot)
+    previous = _C._set_engine_option("one_shot", one_shot)
     try:
         before = _C._one_shot_calls()
         out = torch_gemm_ar.gemm_allreduce(a, b, bias=bias, algorithm="fused")
         return out, _C._one_shot_calls() - before
     finally:
-        _C._set_one_shot(previous)
+        _C._set_engine_option("one_shot", previous)
 
 
 def one_shot_against_two_phase(rank, world, seed):
@@ -88,7 +89,7 @@ def add_rmsnorm_both_ways(rank, world, seed):
                 what = f"M={m} K={k} N={n} {dtype} world {world}"
                 outs = {}
                 for one_shot in (True, False):
-                    previous = _C._set_one_shot(one_shot)
+                    previous = _C._set_engine_option("one_shot", one_shot)
                     try:
                         before = _C._one_shot_calls()
                         out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank], b, residual, norm_weight,
@@ -100,7 +101,7 @@ def add_rmsnorm_both_ways(rank, world, seed):
                         outs[one_shot] = (out, normed, in_place, normed_)
                         counts.append((m, k, n, one_shot and four_byte_partials(dtype), _C._one_shot_calls() - before))
                     finally:
-                        _C._set_one_shot(previous)
+                        _C._set_engine_option("one_shot", previous)
                 for x, y in zip(outs[True], outs[False]):
                     assert torch.equal(x, y), f"{what}: one-shot and two-phase results differ"
                 want = reference(shards, b) + residual.double()
@@ -139,17 +140,13 @@ def stress(rank, world, seed, calls, single_bank=False):
     results, of one-shot calls, and of calls with 4-byte partials (those that may take one shot)."""
     wrong = eligible = 0
     before = _C._one_shot_calls()
-    previous = _C._set_one_shot_single_bank(single_bank)
-    try:
-        with scoped_env(**INLINE):
-            for step in range(calls):
-                m, k, n, dtype, with_bias = random_call(seed, step)
-                eligible += four_byte_partials(dtype)
-                if rank == step % world and step % 7 == 0:
-                    time.sleep(0.001)
-                wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias)
-    finally:
-        _C._set_one_shot_single_bank(previous)
+    with hooked("one_shot_single_bank", single_bank), scoped_env(**INLINE):
+        for step in range(calls):
+            m, k, n, dtype, with_bias = random_call(seed, step)
+            eligible += four_byte_partials(dtype)
+            if rank == step % world and step % 7 == 0:
+                time.sleep(0.001)
+            wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias)
     return wrong, _C._one_shot_calls() - before, eligible
 
 
@@ -161,19 +158,19 @@ def test_one_shot_back_to_back_stress(ranks, world, calls):
     assert all(one_shot > eligible // 2 for _, one_shot, eligible in results), results
 
 
-def test_negative_control_stress_catches_a_single_bank(ranks):
+def test_negative_control_stress_catches_a_single_bank(hooked_ranks):
     """With the partials in one bank whatever the call's parity, a rank's next call overwrites partials a slower
     peer still reads: the same stress test must report wrong results."""
     # Rounds of 1500 calls until one notices, at most 6000 calls: where bf16 is computed natively only the fp32 calls
     # take one shot, and on a quiet 2-core VM 3000 calls in one go missed the bug in two runs of three.
-    pool, seen = ranks(2), []
+    pool, seen = hooked_ranks(2), []
     for _ in range(4):
         seen.append(pool.run(stress, random.randrange(1 << 30), 1500, True, timeout_s=600))
         if sum(wrong for wrong, _, _ in seen[-1]) > 0:
             break
     assert sum(wrong for wrong, _, _ in seen[-1]) > 0, f"the stress test did not notice a single bank: {seen}"
     # Fine again once the bug is switched off.
-    assert [wrong for wrong, _, _ in ranks(2).run(stress, random.randrange(1 << 30), 100)] == [0, 0]
+    assert [wrong for wrong, _, _ in pool.run(stress, random.randrange(1 << 30), 100)] == [0, 0]
 
 
 def mixed_comm_threads(rank, world):
@@ -200,8 +197,7 @@ def after_failed_calls(rank, world, seed, calls, skip_previous_call_wait=False):
     rng = random.Random(seed)
     n = 4096 if world == 2 else 2048  # (world - 1) x 256 x n x 4 bytes: at the one-shot limit
     wrong = 0
-    previous = _C._set_skip_previous_call_wait(skip_previous_call_wait)
-    try:
+    with hooked("skip_previous_call_wait", skip_previous_call_wait):
         with scoped_env(**INLINE):
             for step in range(calls):
                 m, k = rng.randint(200, 256), rng.randint(1, 4)
@@ -222,8 +218,6 @@ def after_failed_calls(rank, world, seed, calls, skip_previous_call_wait=False):
                 want = reference(shards, b)
                 for got in (out, again):
                     wrong += not torch.allclose(got.double(), want, rtol=3e-5, atol=1e-4)
-    finally:
-        _C._set_skip_previous_call_wait(previous)
     return wrong
 
 
@@ -233,13 +227,13 @@ def test_one_shot_after_calls_that_failed_on_their_own(ranks, world, calls):
     assert wrong == [0] * world, f"wrong results per rank: {wrong}"
 
 
-def test_negative_control_stress_catches_a_bank_written_too_early(ranks):
+def test_negative_control_stress_catches_a_bank_written_too_early(hooked_ranks):
     """Without the check that every peer has started the previous call, a rank whose previous call raised at once
     writes into its window while a slower peer still reads its one-shot data: the test above must then fail (wrong
     results, or a peer that misses its flags and times out)."""
     from rank_pool import RankFailure
 
-    pool = ranks(3)
+    pool = hooked_ranks(3)
     try:
         wrong = pool.run(after_failed_calls, random.randrange(1 << 30), 150, True, timeout_s=600)
     except RankFailure as failure:  # a rank waited for a flag its peer had already overwritten
@@ -251,9 +245,9 @@ def test_negative_control_stress_catches_a_bank_written_too_early(ranks):
 
 
 def mixed_switches(rank, world):
-    return error_of_a_fused_call_with(_C._set_one_shot, rank == 0, INLINE, (3, 8), (8, 16))
+    return error_of_a_fused_call_with("one_shot", rank == 0, INLINE, (3, 8), (8, 16))
 
 
-def test_ranks_that_differ_in_an_engine_switch_get_an_error_not_a_hang(ranks):
+def test_ranks_that_differ_in_an_engine_option_get_an_error_not_a_hang(ranks):
     for message in ranks(2).run(mixed_switches, timeout_s=120):
-        assert "switches" in message, message
+        assert "engine's options" in message, message

@@ -27,7 +27,7 @@ def packed_and_unpacked(rank, world, seed, dtype, owner_last):
 
 
 def packed_and_unpacked_here(rank, world, seed, dtype, owner_last):
-    previous = (_C._set_packed_b(True), _C._set_owner_last(owner_last))
+    previous = (_C._set_engine_option("packed_b", True), _C._set_engine_option("owner_last", owner_last))
     digests = []
     try:
         for case, (m, k, n, with_bias, transposed, three_d) in enumerate(SHAPES):
@@ -39,11 +39,11 @@ def packed_and_unpacked_here(rank, world, seed, dtype, owner_last):
             before = _C._packed_b_panels()
             packed = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
             packed_panels = _C._packed_b_panels() - before
-            _C._set_packed_b(False)
+            _C._set_engine_option("packed_b", False)
             before = _C._packed_b_panels()
             plain = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
             assert _C._packed_b_panels() == before, what + ": switched off, panels were still packed"
-            _C._set_packed_b(True)
+            _C._set_engine_option("packed_b", True)
             # fp32 GEMMs (bf16 too where this CPU computes it in fp32) pack each of B's column panels once.
             if dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype)):
                 assert packed_panels == -(-n // 512), f"{what}: {packed_panels} panels packed"
@@ -51,8 +51,8 @@ def packed_and_unpacked_here(rank, world, seed, dtype, owner_last):
             assert_matches(plain, ref, dtype, k, world, what + " at::mm")
             digests.append(digest(packed))
     finally:
-        _C._set_packed_b(previous[0])
-        _C._set_owner_last(previous[1])
+        _C._set_engine_option("packed_b", previous[0])
+        _C._set_engine_option("owner_last", previous[1])
     return digests
 
 

@@ -1,6 +1,7 @@
-"""The tile-protocol headers (csrc/include/gemm_ar), through their _C.protocol bindings, against independent
-Python formulations on many seeded random configurations; plus compile checks of the headers themselves
-(C++17/C++20 cleanliness, every function carrying GEMM_AR_FN, no exceptions/heap/STL containers)."""
+"""The tile-protocol headers (csrc/include/gemm_ar), through their bindings (gemm_ar_protocol, which the tests build
+from tests/protocol_module), against independent Python formulations on many seeded random configurations; plus
+compile checks of the headers themselves (C++17/C++20 cleanliness, every function carrying GEMM_AR_FN, no
+exceptions/heap/STL containers)."""
 import os
 import random
 import re
@@ -9,11 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+from protocol_module_build import protocol_module
 
-from torch_gemm_ar import _C
-
-P = _C.protocol
+P = protocol_module()
 ROOT = Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "csrc" / "include"
 HEADER_DIR = INCLUDE / "gemm_ar"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_gemm_ar
-from torch_gemm_ar.engine_mode import ignore_epochs_for_testing
+from hooked_build import hooked
 from inputs import TOLERANCE, assert_matches
 from test_sequence_parallel_ops import SIZES, allgather_grads, layouts, randn, reduce_scatter_grads
 from scoped_env import scoped_env
@@ -219,17 +219,17 @@ def test_stress_with_several_compute_blocks(ranks):
 
 
 def stress_ignoring_epochs(rank, world, seed, calls, comm_threads, **stress_args):
-    with ignore_epochs_for_testing():
+    with hooked("ignore_epochs", True):
         return stress(rank, world, seed, calls, comm_threads, slow_rank=1, **stress_args)
 
 
 @pytest.mark.parametrize("comm_threads", ["0", "1"])
-def test_negative_control_stress_catches_ignored_epochs(ranks, comm_threads):
+def test_negative_control_stress_catches_ignored_epochs(hooked_ranks, comm_threads):
     """With a deliberate protocol bug (stale flags of earlier calls count as ready: a shard row or a reduced tile is
     read before its rank wrote it) the same stress test must report wrong results."""
-    wrong = ranks(2).run(stress_ignoring_epochs, random.randrange(1 << 30), 400, comm_threads, timeout_s=900)
+    wrong = hooked_ranks(2).run(stress_ignoring_epochs, random.randrange(1 << 30), 400, comm_threads, timeout_s=900)
     assert sum(wrong) > 0, "the stress test did not notice a protocol that ignores epochs"
-    assert ranks(2).run(stress, random.randrange(1 << 30), 60, comm_threads) == [0, 0]
+    assert hooked_ranks(2).run(stress, random.randrange(1 << 30), 60, comm_threads) == [0, 0]
 
 
 def owner_last_case(rank, world, seed, op, dtype, shape, dim, k, n, with_bias):
@@ -278,7 +278,7 @@ def owner_last_against_comm_block(rank, world, seed, calls, ways=(True, False)):
                 op = rng.choice(["rs", "ar", "ar_norm"])
                 results = []
                 for owner_last in ways:
-                    _C._set_owner_last(owner_last)
+                    _C._set_engine_option("owner_last", owner_last)
                     outs, wants = owner_last_case(rank, world, seed + step, op, dtype, shape, dim, k, n, with_bias)
                     tol = TOLERANCE[dtype]
                     for out, want in zip(outs, wants):
@@ -286,7 +286,7 @@ def owner_last_against_comm_block(rank, world, seed, calls, ways=(True, False)):
                     results.append(torch.cat([o.reshape(-1) for o in outs]))
                 bad += not all(torch.equal(results[0], other) for other in results[1:])
         finally:
-            _C._set_owner_last(True)
+            _C._set_engine_option("owner_last", True)
     return bad
 
 
@@ -297,14 +297,14 @@ def test_owner_last_reduce_scatter_is_bitwise_the_comm_block_way(ranks, world):
 
 
 def owner_last_ignoring_epochs(rank, world, seed, calls):
-    with ignore_epochs_for_testing():
+    with hooked("ignore_epochs", True):
         return owner_last_against_comm_block(rank, world, seed, calls, ways=(True,))
 
 
-def test_negative_control_owner_last_reads_stale_partials(ranks):
+def test_negative_control_owner_last_reads_stale_partials(hooked_ranks):
     """With stale tile flags counted as ready, the owner-last reduction reads peers' partials of an earlier call:
     the same check must see wrong results."""
-    bad = ranks(2).run(owner_last_ignoring_epochs, random.randrange(1 << 30), 300, timeout_s=600)
+    bad = hooked_ranks(2).run(owner_last_ignoring_epochs, random.randrange(1 << 30), 300, timeout_s=600)
     assert sum(bad) > 0, "the owner-last check did not notice a reduction that ignores epochs"
 
 

@@ -21,7 +21,7 @@ from torch_gemm_ar import _C
 
 
 def test_the_rule(one_core_env):
-    previous = _C._set_fewer_b_reorders(NATIVE_HALF)
+    previous = _C._set_engine_option("fewer_b_reorders", NATIVE_HALF)
     try:
         for dtype, like, mode, takes in each_switch_mode():
             for m, n, world in ((2048, 1024, 2), (3 * 517, 700, 3)):
@@ -38,7 +38,7 @@ def test_the_rule(one_core_env):
         with pytest.raises(ValueError, match="multiple of world"):
             _C._call_geometry("allgather_gemm", 1001, 8, 8, torch.empty(0), 2)
     finally:
-        _C._set_fewer_b_reorders(previous)
+        _C._set_engine_option("fewer_b_reorders", previous)
 
 
 @contextlib.contextmanager
@@ -47,7 +47,7 @@ def engine_rules(mode=EVERY_DTYPE):
     `mode` (EVERY_DTYPE: one tile row per rank's chunk in every dtype)."""
     saved_tile = os.environ.pop("TORCH_GEMM_AR_CPU_TILE", None)
     try:
-        with engine_switch(_C._set_fewer_b_reorders, mode, **ONE_CORE):
+        with engine_switch("fewer_b_reorders", mode, **ONE_CORE):
             yield
     finally:
         if saved_tile is not None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import torch_gemm_ar
 from inputs import TOLERANCE
+from hooked_build import hooked
 from scoped_env import engine_switch
 from test_gathered_inputs import per_rank_inputs
 from torch_gemm_ar import _C
@@ -103,9 +104,8 @@ def overwritten_at_once(rank, world, seed, calls, no_wait):
     import time
 
     m, k, n = 1100, 64, 1024  # 4.3 MiB outputs: the slot path (not one-shot); each owner has several stripes
-    previous = _C._set_shared_output_no_wait(no_wait), _C._set_peer_copy_delay_us(2000 if rank == 1 else 0)
     wrong = in_slots = 0
-    try:
+    with hooked("shared_output_no_wait", no_wait), hooked("peer_copy_delay_us", 2000 if rank == 1 else 0):
         with output_slots():
             for i in range(calls):
                 a, b, c = per_rank_inputs(seed + i, world, m, k, n, torch.float32, False)
@@ -119,20 +119,17 @@ def overwritten_at_once(rank, world, seed, calls, no_wait):
                     out.fill_(float("nan"))
                 else:
                     wrong += not close(out, reference(a, b, c, False), torch.float32, k, world)
-    finally:
-        _C._set_shared_output_no_wait(previous[0])
-        _C._set_peer_copy_delay_us(previous[1])
     return wrong, in_slots
 
 
-def test_a_caller_may_overwrite_its_output_at_once(ranks):
-    assert ranks(2).run(overwritten_at_once, random.randrange(1 << 20), 20, False, timeout_s=300) == [(0, 20)] * 2
+def test_a_caller_may_overwrite_its_output_at_once(hooked_ranks):
+    assert hooked_ranks(2).run(overwritten_at_once, random.randrange(1 << 20), 20, False, timeout_s=300) == [(0, 20)] * 2
 
 
-def test_negative_control_an_owner_that_returns_before_its_peers_copied_is_caught(ranks):
+def test_negative_control_an_owner_that_returns_before_its_peers_copied_is_caught(hooked_ranks):
     """The test above can fail: without the owner's wait for its peers' copies, some peer copies rows that their
     owner's caller has already overwritten."""
-    results = ranks(2).run(overwritten_at_once, random.randrange(1 << 20), 20, True, timeout_s=300)
+    results = hooked_ranks(2).run(overwritten_at_once, random.randrange(1 << 20), 20, True, timeout_s=300)
     assert results[0][1] == 20 and results[1][0] > 0, results
 
 
@@ -146,7 +143,7 @@ def slots_differ(rank, world):
 
 def test_ranks_that_differ_in_the_slots_get_an_error_not_a_hang(ranks):
     for message in ranks(2).run(slots_differ, timeout_s=120):
-        assert message is not None and "switches" in message, message
+        assert message is not None and "engine's options" in message, message
 
 
 def private_by_default(rank, world, seed):

@@ -72,19 +72,19 @@ def check_decided(results, family, calls_after):
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_faster_family_is_decided_and_runs(ranks, tmp_path, world, dtype):
+def test_the_faster_family_is_decided_and_runs(hooked_ranks, tmp_path, world, dtype):
     family = other_family(dtype, world=world)
     assert family, "the test shape must have another tile family"
-    results = ranks(world).run(tune_with, random.randrange(1 << 20), str(tmp_path / "tune.json"), dtype,
-                               "!" + family, 3)
+    results = hooked_ranks(world).run(tune_with, random.randrange(1 << 20), str(tmp_path / "tune.json"), dtype,
+                                      "!" + family, 3)
     assert check_decided(results, family, 3) == family
 
 
-def test_negative_control_a_slow_family_is_not_decided(ranks, tmp_path):
+def test_negative_control_a_slow_family_is_not_decided(hooked_ranks, tmp_path):
     """The check above can fail: slowed instead, the other family loses."""
     family = other_family(torch.float32)
-    results = ranks(2).run(tune_with, random.randrange(1 << 20), str(tmp_path / "tune.json"), torch.float32,
-                           family, 2)
+    results = hooked_ranks(2).run(tune_with, random.randrange(1 << 20), str(tmp_path / "tune.json"), torch.float32,
+                                  family, 2)
     assert check_decided(results, family, 2) != family
 
 
@@ -103,10 +103,10 @@ def decided_then_cached(rank, world, seed, cache_path, family):
         return tuning.decisions(), _C._one_product_calls() - before
 
 
-def test_a_decided_family_comes_back_from_the_tune_cache(ranks, tmp_path):
+def test_a_decided_family_comes_back_from_the_tune_cache(hooked_ranks, tmp_path):
     family = other_family(torch.float32)
     cache = str(tmp_path / "tune.json")
-    results = ranks(2).run(decided_then_cached, random.randrange(1 << 20), cache, family)
+    results = hooked_ranks(2).run(decided_then_cached, random.randrange(1 << 20), cache, family)
     for decisions, one_products in results:
         assert [(d["algorithm"], d["source"]) for d in decisions] == [(family, "cache")], decisions
         assert one_products == (2 if family == "fused/few-products" else 0)
@@ -115,14 +115,14 @@ def test_a_decided_family_comes_back_from_the_tune_cache(ranks, tmp_path):
 
 
 def without_the_family(rank, world, seed, cache_path):
-    previous = _C._set_tune_tile_family(False)
+    previous = _C._set_engine_option("tune_tile_family", False)
     try:
         with scoped_env(**ONE_CORE):
             fresh_tuner(cache_path)
             tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N))
             return tuning.decisions()
     finally:
-        _C._set_tune_tile_family(previous)
+        _C._set_engine_option("tune_tile_family", previous)
 
 
 def test_the_switch_removes_the_candidate(ranks, tmp_path):
@@ -149,8 +149,8 @@ def test_a_buckets_candidates_do_not_depend_on_its_first_call(ranks, tmp_path):
     assert all(family in candidates for per_rank in seen for candidates in per_rank), seen
 
 
-def switch_differs(rank, world, setter):
-    previous = getattr(_C, setter)(rank != 0)
+def switch_differs(rank, world, option):
+    previous = _C._set_engine_option(option, rank != 0)
     try:
         with scoped_env(**ONE_CORE):
             fresh_tuner(os.path.join("/tmp", f"unused-{os.getpid()}.json"))
@@ -159,16 +159,16 @@ def switch_differs(rank, world, setter):
     except ValueError as e:
         return str(e)
     finally:
-        getattr(_C, setter)(previous)
+        _C._set_engine_option(option, previous)
         _C._tuner_clear_memory()
 
 
-@pytest.mark.parametrize("setter", ["_set_tune_tile_family", "_set_wide_row_panels", "_set_one_product"])
-def test_ranks_that_differ_in_a_geometry_switch_get_an_error_not_a_hang(ranks, setter):
+@pytest.mark.parametrize("option", ["tune_tile_family", "wide_row_panels", "one_product"])
+def test_ranks_that_differ_in_a_geometry_option_get_an_error_not_a_hang(ranks, option):
     """A tuning run of a forced tile family takes a configuration the agreement does not compare field by field: the
-    switches it depends on (and the one that adds the candidate) are agreed on instead."""
-    for message in ranks(2).run(switch_differs, setter, timeout_s=120):
-        assert message is not None and ("switches" in message or "tile" in message), message
+    options it depends on (and the one that adds the candidate) are agreed on instead."""
+    for message in ranks(2).run(switch_differs, option, timeout_s=120):
+        assert message is not None and ("options" in message or "tile" in message), message
 
 
 def bad_algorithm(rank, world):

@@ -62,14 +62,15 @@ def both_geometries(rank, world, seed, dtype, owner_last):
     digests = []
     with scoped_env(**ONE_CORE):
         # Column panels (test_fewer_b_reorders.py) would replace both geometries for natively computed bf16.
-        previous = (_C._set_owner_last(owner_last), _C._set_wide_row_panels(True), _C._set_fewer_b_reorders(0))
+        previous = (_C._set_engine_option("owner_last", owner_last), _C._set_engine_option("wide_row_panels", True),
+                    _C._set_engine_option("fewer_b_reorders", 0))
         try:
             for case, (op, m, k, n) in enumerate(LONG_CALLS[world]):
                 cols = tile_cols(m, n, world)
                 what = f"{op} {dtype} M={m} K={k} N={n} world={world} owner_last={owner_last} rank={rank}"
                 assert cols > 512, what + f": the wide geometry does not apply ({cols} columns)"
                 for wide in (True, False):
-                    _C._set_wide_row_panels(wide)
+                    _C._set_engine_option("wide_row_panels", wide)
                     before = _C._packed_b_panels()
                     out, want = one_call(rank, world, seed + case, op, m, k, n, dtype)
                     panels = _C._packed_b_panels() - before
@@ -80,9 +81,9 @@ def both_geometries(rank, world, seed, dtype, owner_last):
                     if op == "ar":
                         digests.append(digest(out))
         finally:
-            _C._set_owner_last(previous[0])
-            _C._set_wide_row_panels(previous[1])
-            _C._set_fewer_b_reorders(previous[2])
+            _C._set_engine_option("owner_last", previous[0])
+            _C._set_engine_option("wide_row_panels", previous[1])
+            _C._set_engine_option("fewer_b_reorders", previous[2])
     return digests
 
 

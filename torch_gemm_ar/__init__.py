@@ -23,12 +23,11 @@ from ._ops import (
     ALGORITHMS, allgather_gemm, gemm_allreduce, gemm_allreduce_add_rmsnorm, gemm_allreduce_add_rmsnorm_,
     gemm_reduce_scatter, group_name_of,
 )
-from .engine_mode import fused_engine_mode
-from . import nn, tuning
+from . import engine_options, nn, tuning
 from .tuning import tune
 
 __all__ = [
-    "ALGORITHMS", "allgather_gemm", "check_errors", "fused_engine_mode", "gemm_allreduce",
+    "ALGORITHMS", "allgather_gemm", "check_errors", "gemm_allreduce",
     "gemm_allreduce_add_rmsnorm", "gemm_allreduce_add_rmsnorm_", "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
 ]
 __version__ = "0.1.0"

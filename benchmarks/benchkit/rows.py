@@ -179,12 +179,12 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
                               "reduced", reduce_bytes, sequential_ref="sequential")
 
     if "fused_sequential" in keys:
-        mode = getattr(lib, "fused_engine_mode", None)
-        if mode is not None:
+        options = getattr(lib, "engine_options", None)
+        if options is not None:
             fused = library_call("fused")
 
             def fused_without_overlap(i: int) -> torch.Tensor:
-                with mode(overlap=False):
+                with options.override(overlap=False):
                     return fused(i)
 
             rows["fused_sequential"] = Row("fused_sequential", "sequential (same engine)",
@@ -193,7 +193,7 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
             rows["fused_sequential"] = Row(
                 "fused_sequential", "sequential (same engine)*", SEQUENTIAL, library_call("sequential"), "reduced",
                 reduce_bytes,
-                note="* torch_gemm_ar.fused_engine_mode is not in this build: this row is algorithm='sequential'")
+                note="* torch_gemm_ar.engine_options is not in this build: this row is algorithm='sequential'")
 
     if "fused" in keys:
         rows["fused"] = Row("fused", "fused", PIPELINED, library_call("fused"), "reduced",

@@ -17,7 +17,12 @@
 #include "cpu/shared_outputs.h"
 #include "cpu/tile_kernels.h"
 
-namespace gemm_ar { void bind_protocol(pybind11::module_& m); }  // csrc/host/protocol_bindings.cpp
+#include "common/test_hooks.h"
+#include "cpu/engine_options.h"
+
+#ifdef TORCH_GEMM_AR_TEST_HOOKS
+namespace gemm_ar::test_hooks { void bind(pybind11::module_& m); }  // csrc/host/testing/test_hook_bindings.cpp
+#endif
 
 namespace {
 
@@ -86,48 +91,60 @@ void reduce_rows_for_test(const std::vector<at::Tensor>& partials, at::Tensor& o
   gemm_ar::cpu::set_avx512_reduce(previous);
 }
 
+void check_option_value(const std::string&, bool) {}
+void check_option_value(const std::string& name, int64_t v) {  // fewer_b_reorders, the one integer option
+  TORCH_CHECK_VALUE(v >= 0 && v <= 2, "engine option '", name, "' must be 0, 1 or 2; got ", v);
+}
+
+// _engine_options() -> {name: value}; _set_engine_option(name, value) -> the old value. One pair for every option of
+// cpu/engine_options.h (torch_gemm_ar.engine_options wraps them).
+void bind_engine_options(pybind11::module_& m) {
+  m.def("_engine_options", [] {
+    pybind11::dict out;
+    const auto& o = gemm_ar::cpu::engine_options();
+#define GEMM_AR_ENGINE_OPTION_READ(type, name, initial, what) out[#name] = gemm_ar::cpu::option(o.name);
+    GEMM_AR_ENGINE_OPTION_LIST(GEMM_AR_ENGINE_OPTION_READ)
+#undef GEMM_AR_ENGINE_OPTION_READ
+    return out;
+  }, "CPU engine: every option (cpu/engine_options.h) and its value in this process");
+  m.def("_set_engine_option", [](const std::string& name, pybind11::object value) -> pybind11::object {
+    auto& o = gemm_ar::cpu::engine_options();
+#define GEMM_AR_ENGINE_OPTION_SET(type, name_, initial, what)                                                    \
+    if (name == #name_) {                                                                                        \
+      const type v = value.cast<type>();                                                                         \
+      check_option_value(name, v);                                                                               \
+      return pybind11::cast(o.name_.exchange(v, std::memory_order_relaxed));                                     \
+    }
+    GEMM_AR_ENGINE_OPTION_LIST(GEMM_AR_ENGINE_OPTION_SET)
+#undef GEMM_AR_ENGINE_OPTION_SET
+    std::string known;
+#define GEMM_AR_ENGINE_OPTION_NAME(type, name_, initial, what) known += std::string(known.empty() ? "" : ", ") + #name_;
+    GEMM_AR_ENGINE_OPTION_LIST(GEMM_AR_ENGINE_OPTION_NAME)
+#undef GEMM_AR_ENGINE_OPTION_NAME
+    TORCH_CHECK_VALUE(false, "unknown engine option '", name, "'; the options are: ", known);
+  }, pybind11::arg("name"), pybind11::arg("value"),
+     "CPU engine: sets one option (process-wide, from the next call; set it alike on every rank: ranks that differ "
+     "get an error naming the engine's options) and returns its old value");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch-gemm-ar native extension: pto::gemm_allreduce and its engines";
-  gemm_ar::bind_protocol(m);
-  auto& switches = gemm_ar::cpu::engine_switches();
-  m.def("_set_fused_overlap", [&switches](bool on) { return switches.overlap.exchange(on); },
-        "CPU fused engine: False runs communication only after the whole GEMM (benchmarks); returns the old value");
-  m.def("_set_owner_last", [&switches](bool on) { return switches.owner_last.exchange(on); },
-        "CPU fused engine: False makes the owner on one core per rank reduce in its comm block, as with comm threads "
-        "(tests, benchmarks); returns the old value");
-  m.def("_set_add_into_residual", [&switches](bool on) { return switches.add_into_residual.exchange(on); },
-        "CPU fused engine: False is a deliberate bug for negative-control tests (the in-place add+RMSNorm overwrites "
-        "the residual with the sum); returns the old value");
-  m.def("_set_row_epilogue_geometry", [&switches](bool on) { return switches.row_epilogue_geometry.exchange(on); },
-        "CPU fused engine: False keeps the default tile geometry for add+RMSNorm calls (benchmarks, tests); returns "
-        "the old value");
+  bind_engine_options(m);
+#ifdef TORCH_GEMM_AR_TEST_HOOKS
+  gemm_ar::test_hooks::bind(m);
+#endif
+  m.attr("_test_build") = gemm_ar::test_hooks::kEnabled;
   m.def("_row_epilogue_geometry", geometry_of(&gemm_ar::cpu::row_epilogue_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of an add+RMSNorm call of M x N on `world` local "
         "ranks (tests)");
-  m.def("_set_wide_row_panels", [&switches](bool on) { return switches.wide_row_panels.exchange(on); },
-        "CPU fused engine: False keeps the default tile geometry for gemm_allreduce and gemm_reduce_scatter calls on "
-        "one-core ranks (benchmarks, tests); returns the old value");
   m.def("_wide_row_geometry", geometry_of(&gemm_ar::cpu::wide_row_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of a gemm_allreduce or gemm_reduce_scatter call of "
         "M x N on `world` local ranks (tests)");
-  m.def("_set_fewer_b_reorders", [&switches](int mode) {
-          TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "_set_fewer_b_reorders: mode must be 0, 1 or 2; got ", mode);
-          return switches.fewer_b_reorders.exchange(mode);
-        },
-        "CPU fused engine: which calls on one-core ranks take the geometries with fewer tile rows (gemm_allreduce: "
-        "one tile row per rank, or for short calls with a long K one tile row in column panels; add+RMSNorm: one tile "
-        "row per rank; gemm_reduce_scatter and allgather_gemm: one tile row per rank's chunk): 1 (the default) "
-        "those whose products reorder B per call (bf16/fp16 computed natively) and gemm_allreduce calls with K > 2M "
-        "from M = 512, 0 none, 2 every call (benchmarks, tests); returns the old value");
   m.def("_is_long_k_call", &gemm_ar::cpu::is_long_k_call, pybind11::arg("m"), pybind11::arg("k"),
         "CPU fused engine: whether a gemm_allreduce of [M, K] x [K, N] takes the fewer-product geometries in every "
         "dtype (tests)");
-  m.def("_set_one_product", [&switches](bool on) { return switches.one_product.exchange(on); },
-        "CPU fused engine: False makes calls whose geometry multiplies the whole partial in one GEMM call (products "
-        "that reorder B per call, one core per rank) multiply tile by tile (benchmarks, tests); returns the old "
-        "value");
   m.def("_column_panel_geometry", geometry_of(&gemm_ar::cpu::column_panel_geometry),
         "CPU fused engine: (tile rows, tile columns, stripe rows) of column_panel_geometry for a call of M x N on "
         "`world` local ranks (tests)");
@@ -163,36 +180,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_avx512_reduce", &gemm_ar::cpu::set_avx512_reduce, pybind11::arg("on"),
         "CPU engine: False makes the owner's reduction run the portable loop where it would run the AVX-512 one "
         "(A/B benchmarks); returns the old value");
-  m.def("_set_tune_tile_family", [&switches](bool on) { return switches.tune_tile_family.exchange(on); },
-        pybind11::arg("on"),
-        "CPU engine: False keeps `auto` from timing fused with the tile family the geometry rules did not pick (set "
-        "it alike on every rank: ranks that differ get an error naming the engine's switches); returns the old value");
-  m.def("_set_tune_gathered_inputs", [&switches](bool on) { return switches.tune_gathered_inputs.exchange(on); },
-        pybind11::arg("on"),
-        "CPU engine: False keeps `auto` from timing fused/gathered-inputs (set it alike on every rank: ranks that "
-        "differ get an error naming the engine's switches); returns the old value");
   m.def("_suits_gathered_inputs",
         [](int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           return gemm_ar::cpu::suits_gathered_inputs(m, k, n, like.scalar_type(), world);
         },
         pybind11::arg("m"), pybind11::arg("k"), pybind11::arg("n"), pybind11::arg("like"), pybind11::arg("world"),
         "CPU engine: whether `auto` times fused/gathered-inputs for a gemm_allreduce bucket of this largest M");
-  m.def("_set_gathered_inputs_late", [&switches](bool on) { return switches.gathered_inputs_late.exchange(on); },
-        "CPU fused engine: a deliberate protocol bug for negative-control tests (the gathered-inputs flow publishes "
-        "a rank's inputs after the flags that announce them)");
   m.def("_gathered_inputs_calls", &gemm_ar::cpu::gathered_inputs_call_count,
         "CPU fused engine: gemm_allreduce calls this process ran with the gathered-inputs flow (tests)");
   m.def("_set_shared_output_slots", &gemm_ar::cpu::set_shared_output_slots, pybind11::arg("slots"),
         "CPU engine: output slots per window from the next call (TORCH_GEMM_AR_SHARED_OUTPUTS; 0: every output "
         "private). Set it alike on every rank (ranks that differ get an error naming the engine's switches); returns "
         "the old value");
-  m.def("_set_shared_output_no_wait", [&switches](bool on) { return switches.shared_output_no_wait.exchange(on); },
-        pybind11::arg("on"),
-        "CPU fused engine: a deliberate protocol bug for negative-control tests (an owner whose output is in a window "
-        "slot returns before its peers have copied its rows); returns the old value");
-  m.def("_set_peer_copy_delay_us", [&switches](int us) { return switches.peer_copy_delay_us.exchange(us); },
-        pybind11::arg("us"),
-        "CPU fused engine, tests: sleep this long before each copy of a peer's rows; returns the old value");
   m.def("_shared_output_calls", &gemm_ar::cpu::shared_output_call_count,
         "CPU fused engine: gemm_allreduce calls whose output this process put in a window slot (tests)");
   m.def("_shared_output_slots", &gemm_ar::cpu::shared_output_slots,
@@ -209,22 +208,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU engine: whether the owner's reduction runs its AVX-512 loop on this CPU (fp32 and bf16)");
   m.def("_reorders_b_per_product", [](const at::Tensor& t) { return gemm_ar::reorders_b_per_product(t.scalar_type()); },
         "Whether this CPU's product of t's dtype reorders B per call (bf16/fp16 computed natively; tests)");
-  m.def("_set_one_shot", [&switches](bool on) { return switches.one_shot.exchange(on); },
-        "CPU fused engine: False makes small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather "
-        "instead of the one-shot reduction (benchmarks, tests); returns the old value");
-  m.def("_set_one_shot_single_bank", [&switches](bool on) { return switches.one_shot_single_bank.exchange(on); },
-        "CPU fused engine: True is a deliberate bug for negative-control tests (one-shot calls ignore the bank "
-        "parity); returns the old value");
-  m.def("_set_skip_previous_call_wait", [&switches](bool on) { return switches.skip_previous_call_wait.exchange(on); },
-        "CPU fused engine: True is a deliberate bug for negative-control tests (calls write into the windows without "
-        "checking that peers have started the previous call); returns the old value");
   m.def("_one_shot_calls", &gemm_ar::cpu::one_shot_call_count,
         "CPU fused engine: gemm_allreduce calls this process reduced in one shot (tests)");
   m.def("_one_product_calls", &gemm_ar::cpu::one_product_call_count,
         "CPU fused engine: calls this process multiplied in one GEMM call (tests)");
-  m.def("_set_packed_b", [&switches](bool on) { return switches.packed_b.exchange(on); },
-        "CPU fused engine: False multiplies every tile through at::mm instead of B's panels packed once per call "
-        "(benchmarks, tests); returns the old value");
   m.def("_engine_tile_walk", &gemm_ar::cpu::engine_tile_walk, pybind11::arg("a"), pybind11::arg("b"),
         pybind11::arg("bias") = std::nullopt, pybind11::arg("world") = 1,
         "CPU fused engine: a @ b (+ bias) multiplied as a gemm_allreduce call on `world` local ranks multiplies it "
@@ -235,12 +222,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU computes GEMMs of t's dtype in fp32 (no half-precision matrix instructions)");
   m.def("_packed_b_panels", &gemm_ar::cpu::packed_b_panel_count,
         "how many B panels this process packed for the CPU engine's tiles (tests)");
-  m.def("_set_ignore_epochs", [&switches](bool on) { return switches.ignore_epochs.exchange(on); },
-        "CPU fused engine: a deliberate protocol bug for negative-control tests (stale flags count as ready)");
-  m.def("_set_process_wide_setup_lock", [&switches](bool on) { return switches.process_wide_setup_lock.exchange(on); },
-        "CPU fused engine: a deliberate bug for negative-control tests (one setup at a time in the process)");
-  m.def("_set_deferred_tuner_clock", [&switches](int mode) { return switches.deferred_tuner_clock.exchange(mode); },
-        "tests: 1 times auto's tuning calls as the NPU does (a clock read at the next call), 2 makes reading it fail");
   m.def("_sequential_partial_calls", &gemm_ar::sequential_partial_calls,
         "how many sequential partial products this process computed (tests)");
   m.def("_agreement_payload_calls", &gemm_ar::agreement_payload_calls,
@@ -273,21 +254,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_tuner_in_progress", [&tuner](const std::string& group_name) { return tuner.in_progress(group_name); },
         "auto tuner: whether a shape bucket of the group (\"\": any group) is being tuned");
   m.def("_tuner_clear_memory", [&tuner] { tuner.clear_memory(); }, "tests: forget in-memory decisions");
-  m.def("_set_tuner_start_delay_us", [&tuner](int64_t us) { return tuner.set_start_delay_us(us); },
-        "tests: this rank starts every tuning run `us` late (a late rank); returns the old value");
-  m.def("_set_tuner_slow_candidate", [&tuner](const std::string& algorithm, int64_t us) {
-    const bool all_but = !algorithm.empty() && algorithm[0] == '!';
-    const auto parsed = gemm_ar::parse_tuned_algorithm(all_but ? algorithm.substr(1) : algorithm);
-    TORCH_CHECK_VALUE(parsed.has_value() || (!all_but && (algorithm.empty() || algorithm == "*")),
-                      "unknown algorithm '", algorithm, "'");
-    const int code = !parsed.has_value() ? (algorithm == "*" ? gemm_ar::AutoTuner::kEveryCandidate : -1)
-                     : all_but           ? gemm_ar::AutoTuner::kAllBut - static_cast<int>(*parsed)
-                                         : static_cast<int>(*parsed);
-    tuner.set_slow_candidate(code, us);
-  }, "tests: every tuning run of `algorithm` (\"*\": of every candidate; \"!name\": of every candidate but that one) "
-     "takes `us` longer (\"\": none)");
-  m.def("_set_tuner_from_last_start", [&tuner](bool on) { return tuner.set_from_last_start(on); },
-        "tests: False counts tuning runs by the slowest rank's own time (a negative control); returns the old value");
   m.def("_set_tuner_logger", [&tuner](pybind11::object fn) {
     // Kept alive for the process (never released: decisions may be logged during interpreter shutdown).
     auto* callback = new pybind11::object(std::move(fn));

@@ -16,6 +16,7 @@
 
 #include "common/host_clock.h"
 #include "common/settings.h"
+#include "common/test_hooks.h"
 #include "common/tune_cache_file.h"
 #include "common/tuning_race.h"
 
@@ -140,10 +141,6 @@ struct AutoTuner::State {
   std::string fingerprint = host_fingerprint();
   std::vector<TunerDecision> decisions;
   std::function<void(const std::string&)> logger;
-  std::atomic<int64_t> start_delay_us{0};
-  std::atomic<bool> from_last_start{true};
-  std::atomic<int> slow_algorithm{-1};
-  std::atomic<int64_t> slow_us{0};
 };
 
 AutoTuner::AutoTuner() : state_(new State()) {}
@@ -308,7 +305,7 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       }
     } else {
       bucket.samples[bucket.order[bucket.position]].push_back(
-          run_seconds(all, st.from_last_start.load(std::memory_order_relaxed)));
+          run_seconds(all, /*from_last_start=*/!test_hooks::tuner_own_time()));
       if (++bucket.position == bucket.order.size()) {
         if (race_over(bucket)) {
           const size_t winner = trusted_leader(bucket);
@@ -434,24 +431,15 @@ bool AutoTuner::in_progress(const std::string& group_name) const {
   return false;
 }
 
-int64_t AutoTuner::set_start_delay_us(int64_t us) { return state_->start_delay_us.exchange(us); }
-bool AutoTuner::set_from_last_start(bool on) { return state_->from_last_start.exchange(on); }
-int64_t AutoTuner::start_delay_us() const { return state_->start_delay_us.load(std::memory_order_relaxed); }
-
-void AutoTuner::set_slow_candidate(int algorithm, int64_t us) {
-  state_->slow_us.store(us, std::memory_order_relaxed);
-  state_->slow_algorithm.store(algorithm, std::memory_order_relaxed);
-}
-
 int64_t AutoTuner::slowdown_us(const CallArgs& call, c10d::ProcessGroup& group) const {
-  const int slow = state_->slow_algorithm.load(std::memory_order_relaxed);
+  const int64_t slow = test_hooks::tuner_slow_candidate();
   if (slow == -1) return 0;  // none (kEveryCandidate is -2)
   std::lock_guard<std::mutex> lock(state_->mutex);
   const TuneBucket* bucket = state_->find(group, call.tune_bucket);
   if (bucket == nullptr || bucket->decided || bucket->order.empty()) return 0;
   const int running = static_cast<int>(bucket->candidates[bucket->order[bucket->position]]);
   const bool is_slow = slow == kEveryCandidate || running == slow || (slow <= kAllBut && running != kAllBut - slow);
-  return is_slow ? state_->slow_us.load(std::memory_order_relaxed) : 0;
+  return is_slow ? test_hooks::tuner_slow_us() : 0;
 }
 
 std::vector<TunerDecision> AutoTuner::decisions() const {

@@ -63,18 +63,12 @@ class AutoTuner {
   std::string cache_path() const;
   void clear_memory();  // tests: forget every in-memory decision (the file stays)
 
-  // Tests: delay this rank's start of every tuning run (a late rank), and count runs by the slowest rank's own time
-  // instead (the old measure, a negative control). Both return the old value.
-  int64_t set_start_delay_us(int64_t us);
-  bool set_from_last_start(bool on);
-  int64_t start_delay_us() const;
-  // Tests: every tuning run of `algorithm` takes `us` longer (a candidate that is clearly slower); -1: none;
-  // kEveryCandidate: all of them (candidates that cost the same).
+  // The test hook tuner_slow_candidate (common/test_hooks.h): an algorithm's code, every candidate
+  // (kEveryCandidate: candidates that cost the same) or every candidate but algorithm a (kAllBut - a: one clearly
+  // faster).
   static constexpr int kEveryCandidate = -2;
-  // kAllBut - a: every candidate but algorithm a (a candidate that is clearly faster).
   static constexpr int kAllBut = -100;
-  void set_slow_candidate(int algorithm, int64_t us);
-  // How much longer the tuning call about to run must take (set_slow_candidate), 0 normally.
+  // How much longer the tuning call about to run must take under that hook; always 0 in the product.
   int64_t slowdown_us(const CallArgs& call, c10d::ProcessGroup& group) const;
 
  private:

@@ -10,6 +10,7 @@
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
+#include "common/test_hooks.h"
 
 namespace gemm_ar {
 
@@ -77,7 +78,7 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
     return out;
   }
   AutoTuner& tuner = AutoTuner::instance();
-  if (const int64_t delay = tuner.start_delay_us(); delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+  if (const int64_t delay = test_hooks::tuner_start_delay_us(); delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
   const int64_t start = monotonic_us();
   if (const int64_t slower = tuner.slowdown_us(call, group); slower > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(slower));

@@ -15,18 +15,19 @@ namespace {
 
 const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm",
                                                    "tile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
-                                                   "geometry switches)",
+                                                   "geometry options)",
                                                    "tile columns (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
-                                                   "geometry switches)",
+                                                   "geometry options)",
                                                    "subtile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
-                                                   "geometry switches)",
+                                                   "geometry options)",
                                                    "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
                                                    "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
                                                    "op",
                                                    "the op's parameter (scatter_dim/gather_dim and a's rows from "
                                                    "it on, or eps)",
                                                    kTuneStepFieldName,
-                                                   "the CPU engine's switches (torch_gemm_ar._C._set_*)"};
+                                                   "the CPU engine's options (torch_gemm_ar.engine_options, "
+                                                   "TORCH_GEMM_AR_SHARED_OUTPUTS)"};
 
 // The sequence-parallel ops compare their sharded dim together with the rows of one chunk along it and the dims
 // after it (K excluded): [2, 6, K] and [4, 3, K] along dim 1 agree on M but not on how rows interleave by rank.

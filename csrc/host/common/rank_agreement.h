@@ -18,7 +18,7 @@ enum SignatureField : int64_t {
   kSigTileM, kSigTileN, kSigSubM, kSigComputeBlocks, kSigCommBlocks,  // fused-engine configuration (0 otherwise)
   kSigOp, kSigShardDim,  // which op (OpKind) and its parameter: scatter/gather dim, or eps's bits (add+RMSNorm)
   kSigTuneStep,          // `auto` tuning step of the call's bucket (-1: not tuning): ranks must be at the same one
-  kSigEngineMode,        // CPU engine: its process-wide switches that change how a call uses the windows (0 otherwise)
+  kSigEngineMode,        // CPU engine: its process-wide options that change how a call uses the windows (0 otherwise)
   kSigComparedFields,
   // Carried, not compared: what each rank tells the others for `auto` tuning (common/auto_tuner.h).
   kSigTuneCached = kSigComparedFields,  // this rank's cached decision for the bucket (-1: none)

@@ -15,9 +15,9 @@ bool is_long_k_call(int64_t m, int64_t k) { return m >= 512 && k > 2 * m; }
 
 namespace {
 
-// Whether the geometry rules give this call the few-product family (the engine switches included).
+// Whether the geometry rules give this call the few-product family (the engine options included).
 bool rules_take_few_products(int64_t op, int64_t m, int64_t k, at::ScalarType dtype) {
-  const int fewer = engine_switches().fewer_b_reorders.load();
+  const int64_t fewer = option(engine_options().fewer_b_reorders);
   return fewer == 2 ||
          (fewer == 1 && (reorders_b_per_product(dtype) || (op == kOpGemmAllreduce && is_long_k_call(m, k))));
 }
@@ -54,7 +54,7 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
     fewer.one_product = fewer.one_product && prefers_one_product(m, k);
     return fewer;
   };
-  if (op == kOpGemmAllreduceAddRmsnorm && engine_switches().row_epilogue_geometry.load()) {
+  if (op == kOpGemmAllreduceAddRmsnorm && option(engine_options().row_epilogue_geometry)) {
     return fewer_b_reorders ? with_product_rule(tile_row_per_rank_geometry(config, m, n, world))
                             : row_epilogue_geometry(config, m, n, world);
   }
@@ -73,7 +73,7 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
     per_rank.one_product = per_rank.one_product && op == kOpAllgatherGemm;  // not where the geometry kept `config`
     return per_rank;
   }
-  if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && engine_switches().wide_row_panels.load()) {
+  if ((op == kOpGemmAllreduce || op == kOpGemmReduceScatter) && option(engine_options().wide_row_panels)) {
     return wide_row_geometry(config, m, n, world);
   }
   return config;
@@ -81,19 +81,19 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
 
 bool gathers_in_one_product(const EngineConfig& config) {
   return config.one_product && config.comm_inline && config.compute_blocks == 1 &&
-         engine_switches().one_product.load();
+         option(engine_options().one_product);
 }
 
 bool multiplies_in_one_product(const EngineConfig& config) {
   // The same, in the owner-last walk (where the owner reduces in the compute block).
-  return gathers_in_one_product(config) && engine_switches().owner_last.load();
+  return gathers_in_one_product(config) && option(engine_options().owner_last);
 }
 
 void use_packed_panels(LocalGemm& gemm, const TilePlan& plan, int64_t compute_blocks,
                        std::optional<PackedBPanels>& panels) {
   // Worth it from two tile rows on. One compute thread only: the packed GEMM threads as oneMKL is told, not as
   // ATen's parallel regions are.
-  if (!engine_switches().packed_b.load() || compute_blocks != 1 || plan.m_tiles < 2) return;
+  if (!option(engine_options().packed_b) || compute_blocks != 1 || plan.m_tiles < 2) return;
   panels.emplace(gemm.b(), plan.base_n, plan.base_m);
   if (panels->usable()) gemm.use_panels(&*panels);
 }

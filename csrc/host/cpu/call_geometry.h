@@ -14,7 +14,7 @@
 namespace gemm_ar::cpu {
 
 // The engine's configuration for one call of `op` (OpKind) of [M, K] x [K, N] in `dtype` on `world` local ranks: the
-// settings (engine_config) with the op's own tile geometry where the engine switches allow it. Where the call's
+// settings (engine_config) with the op's own tile geometry where the engine options allow it. Where the call's
 // products reorder B per call (reorders_b_per_product): add+RMSNorm tile_row_per_rank_geometry, gemm_allreduce
 // tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; the same for a long-K
 // gemm_allreduce in any dtype (is_long_k_call); gemm_reduce_scatter and allgather_gemm tile_row_per_rank_geometry
@@ -53,7 +53,7 @@ bool is_long_k_call(int64_t m, int64_t k);
 bool prefers_one_product(int64_t m, int64_t k);
 
 // Whether a call of `config` multiplies this rank's whole partial in one GEMM call where the owner reduces in the
-// compute block (EngineConfig::one_product, under the engine switches); the engine adds the call's own conditions
+// compute block (EngineConfig::one_product, under the engine options); the engine adds the call's own conditions
 // (CallJob::one_product).
 bool multiplies_in_one_product(const EngineConfig& config);
 

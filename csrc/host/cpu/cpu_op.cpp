@@ -7,9 +7,11 @@
 
 #include "common/op_flow.h"
 #include "common/rank_agreement.h"
+#include "common/test_hooks.h"
 #include "cpu/auto_policy.h"
 #include "cpu/call_geometry.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/engine_options.h"
 #include "cpu/fused_engine.h"
 #include "cpu/gathered_inputs.h"
 
@@ -27,13 +29,13 @@ FusedEngine& engine_of_this_call(c10d::ProcessGroup& group) {
 
 namespace {
 
-// EngineSwitches::deferred_tuner_clock: the NPU's deferred tuning clock, run on the host for the tests.
+// The test hook deferred_tuner_clock: the NPU's deferred tuning clock, run on the host for the tests.
 class DeferredHostClock final : public DeviceClock {
  public:
   explicit DeferredHostClock(bool fails) : fails_(fails), start_(std::chrono::steady_clock::now()) {}
   void stop() override { stop_ = std::chrono::steady_clock::now(); }
   double seconds() override {
-    TORCH_CHECK(!fails_, "the call's kernels did not finish (a deliberate failure: _set_deferred_tuner_clock(2))");
+    TORCH_CHECK(!fails_, "the call's kernels did not finish (a deliberate failure: the test hook deferred_tuner_clock=2)");
     return std::chrono::duration<double>(stop_ - start_).count();
   }
 
@@ -43,7 +45,7 @@ class DeferredHostClock final : public DeviceClock {
 };
 
 std::unique_ptr<DeviceClock> start_deferred_host_clock() {
-  const int mode = engine_switches().deferred_tuner_clock.load(std::memory_order_relaxed);
+  const int64_t mode = test_hooks::deferred_tuner_clock();
   if (mode == 0) return nullptr;  // the host's own timing
   return std::make_unique<DeferredHostClock>(mode == 2);
 }
@@ -77,11 +79,11 @@ BackendHooks make_cpu_backend() {
     int64_t bucket_m = 1;
     while (bucket_m < call.m) bucket_m <<= 1;
     const int world = static_cast<int>(group.getSize());
-    if (engine_switches().tune_tile_family.load()) {
+    if (option(engine_options().tune_tile_family)) {
       const Algorithm other = other_tile_family(bucket_m, call.k, call.n, call.dtype, world);
       if (other != Algorithm::Auto) variants.push_back(other);
     }
-    if (engine_switches().tune_gathered_inputs.load() &&
+    if (option(engine_options().tune_gathered_inputs) &&
         suits_gathered_inputs(bucket_m, call.k, call.n, call.dtype, world)) {
       variants.push_back(Algorithm::FusedGatheredInputs);
     }

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/test_hooks.h"
 #include "cpu/fused_call.h"
 #include "cpu/fused_engine.h"
 #include "cpu/output_pool.h"
@@ -176,7 +177,7 @@ std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
   release(released);
   GroupReaper::start();
   std::unique_lock<std::mutex> whole_process;
-  if (engine_switches().process_wide_setup_lock.load()) {
+  if (test_hooks::process_wide_setup_lock()) {
     static std::mutex one_setup_at_a_time;  // the negative control's bug, never the default
     whole_process = std::unique_lock<std::mutex>(one_setup_at_a_time);
   }

@@ -10,17 +10,13 @@
 #include <stdexcept>
 #include <thread>
 
+#include "common/test_hooks.h"
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
 #include "cpu/shared_outputs.h"
 #include "cpu/tile_kernels.h"
 
 namespace gemm_ar::cpu {
-
-EngineSwitches& engine_switches() {
-  static EngineSwitches switches;
-  return switches;
-}
 
 void CallJob::subtile_final(int64_t mi, int64_t stripe, int64_t row0, int64_t rows) {
   const int64_t done = row_block_done[mi * plan.stripes + stripe].fetch_add(1, std::memory_order_acq_rel) + 1;
@@ -352,7 +348,7 @@ class CommBlock {
     if (item.owner != me_) {
       // The owner's rows: in its output where it has one in a window slot (the word is ordered by the final flag's
       // acquire in ready()), otherwise in its bank.
-      if (const int delay = engine_switches().peer_copy_delay_us.load(std::memory_order_relaxed); delay > 0)
+      if (const int64_t delay = test_hooks::peer_copy_delay_us(); delay > 0)
         std::this_thread::sleep_for(std::chrono::microseconds(delay));
       const uint32_t slot = read_output_slot(job_.windows[item.owner], job_.bank);
       const uint8_t* source = job_.region(item.owner, bank_offset);

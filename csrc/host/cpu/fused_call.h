@@ -22,6 +22,7 @@
 
 #include "common/local_gemm.h"
 #include "common/rank_agreement.h"
+#include "cpu/engine_options.h"
 #include "cpu/shm_sync.h"
 #include "cpu/window_set.h"
 
@@ -43,68 +44,6 @@ inline void ring_every_doorbell(uint8_t* window, int64_t comm_blocks) {
   for (int64_t c = 0; c < comm_blocks; ++c) doorbell(window, c).ring();
   doorbell(window, kMainDoorbell).ring();
 }
-
-// Debug switches for benchmarks and negative-control tests (torch_gemm_ar._C; never needed in normal use).
-struct EngineSwitches {
-  // false: comm starts after the whole GEMM, the "sequential (same engine)" row of
-  // docs/decisions/0012-benchmark-measures.md.
-  std::atomic<bool> overlap{true};
-  std::atomic<bool> ignore_epochs{false};  // a deliberate protocol bug: any stale flag counts as ready
-  // A deliberate bug for a negative-control test: one process-wide lock held while a group's setup waits for its
-  // peers (groups set up from two threads at once can then deadlock across ranks).
-  std::atomic<bool> process_wide_setup_lock{false};
-  // Tests of the NPU's tuning clock on the host: 1 times tuning calls with a DeviceClock read at the bucket's next
-  // call (the NPU path, on the host's clock); 2 as 1, but reading the clock fails (kernels that never finished).
-  std::atomic<int> deferred_tuner_clock{0};
-  // false: on one core per rank the owner reduces through the comm block as with comm threads (tests and
-  // benchmarks compare the two ways; see CallJob::owner_reduces_in_compute).
-  std::atomic<bool> owner_last{true};
-  // false: a deliberate bug for a negative-control test: the in-place add+RMSNorm overwrites the residual with the
-  // reduced sum instead of adding into it (CallJob::out_holds_addend).
-  std::atomic<bool> add_into_residual{true};
-  // false: add+RMSNorm calls keep the engine's default tile geometry (A/B benchmarks, tests of both geometries;
-  // see row_epilogue_geometry).
-  std::atomic<bool> row_epilogue_geometry{true};
-  // false: gemm_allreduce and gemm_reduce_scatter calls keep the default tile geometry on one-core ranks (A/B
-  // benchmarks, tests of both geometries; see wide_row_geometry).
-  std::atomic<bool> wide_row_panels{true};
-  // false: tiles multiply through at::mm even where B's panels could be packed once (A/B benchmarks, tests).
-  std::atomic<bool> packed_b{true};
-  // Which calls on one-core ranks take the geometries that multiply fewer tile rows (call_geometry.h): 1 those whose
-  // products reorder B per call (reorders_b_per_product) and long-K gemm_allreduce calls (is_long_k_call), 0 none,
-  // 2 every call (tests of the geometries on CPUs without such products).
-  std::atomic<int> fewer_b_reorders{1};
-  // false: small gemm_allreduce calls on one-core ranks reduce-scatter and all-gather like larger ones instead of
-  // the one-shot reduction (A/B benchmarks, tests of both ways; see CallJob::one_shot).
-  std::atomic<bool> one_shot{true};
-  // false: calls whose geometry asks for one GEMM per call (EngineConfig::one_product) multiply tile by tile
-  // (A/B benchmarks, tests of both ways; see CallJob::one_product).
-  std::atomic<bool> one_product{true};
-  // false: `auto` races fused only with the geometry rules' tiles (tests, A/B runs; see other_tile_family).
-  std::atomic<bool> tune_tile_family{true};
-  // false: `auto` does not time the gathered-inputs flow (CallArgs::fused_family 3, cpu/gathered_inputs.h).
-  std::atomic<bool> tune_gathered_inputs{true};
-  // true: a deliberate bug for a negative-control test: the gathered-inputs flow publishes this rank's inputs only
-  // after the tile flags that tell peers they are there (a fast peer then multiplies the previous call's inputs).
-  std::atomic<bool> gathered_inputs_late{false};
-  // true: a deliberate bug for a negative-control test: one-shot calls put their partials in bank 0 whatever the
-  // call's parity (a rank's next call then overwrites partials that a slower peer still reads).
-  std::atomic<bool> one_shot_single_bank{false};
-  // true: a deliberate bug for a negative-control test: calls write into the windows without checking that every
-  // peer has started the previous call (after a one-shot call and a call that raised at once, a slower peer may still
-  // read this rank's data of the one-shot call).
-  std::atomic<bool> skip_previous_call_wait{false};
-  // Output slots per window (cpu/shared_outputs.h; 0: every output private): TORCH_GEMM_AR_SHARED_OUTPUTS until set
-  // (-1: not read yet). Read it through shared_output_slots().
-  std::atomic<int> output_slots{-1};
-  // true: a deliberate bug for a negative-control test: an owner whose output is in a slot returns without waiting
-  // for its peers to copy its rows (a caller that overwrites the output at once then corrupts the peers' results).
-  std::atomic<bool> shared_output_no_wait{false};
-  // Tests: a rank sleeps this long before each copy of a peer's rows (so that an owner which returned before its
-  // peers copied, shared_output_no_wait, is caught every time). Timing only: not agreed between ranks.
-  std::atomic<int> peer_copy_delay_us{0};
-};
-EngineSwitches& engine_switches();
 
 // A subtile one comm block handles: its owner reduces it, every other rank copies it once final (gemm_allreduce)
 // or only waits until it is (gemm_reduce_scatter). For allgather_gemm: a tile row of a peer's shard to copy.

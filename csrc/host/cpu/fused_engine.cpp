@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "common/settings.h"
+#include "common/test_hooks.h"
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
 #include "cpu/gathered_inputs.h"
@@ -29,21 +30,14 @@ constexpr int64_t kSlotAlignment = 4096;
   TORCH_CHECK(false, message);
 }
 
-// The switches (EngineSwitches) that decide how a call uses the windows, one bit each: ranks must agree on them (a
-// rank reducing in one shot and a rank reducing in two phases would read each other's stale data).
+// What decides how a call uses the windows, beyond the call itself: ranks must agree on it (a rank reducing in one
+// shot and a rank reducing in two phases would read each other's stale data). Every engine option, since a tuning
+// run of a forced tile family takes a configuration that the agreement does not compare field by field (it compares
+// the rules' one) and tune_tile_family decides the candidates `auto` races; whether a tile comes from the environment
+// (it turns the geometry rules and the forced families off); the output slots per window.
 int64_t engine_mode_bits() {
-  const EngineSwitches& s = engine_switches();
-  // The geometry switches too: a tuning run of a forced tile family takes a configuration that the agreement does not
-  // compare field by field (it compares the rules' one), so every input of call_config must be agreed on; and
-  // tune_tile_family decides the candidates `auto` races. A tile from the environment turns the geometry rules and the
-  // forced families off (the agreement compares the rules' tile, which may equal it).
-  return int64_t{s.overlap.load()} | int64_t{s.owner_last.load()} << 1 | int64_t{s.one_shot.load()} << 2 |
-         int64_t{s.one_shot_single_bank.load()} << 3 | int64_t{s.skip_previous_call_wait.load()} << 4 |
-         int64_t{s.wide_row_panels.load()} << 5 | int64_t{s.row_epilogue_geometry.load()} << 6 |
-         int64_t{s.one_product.load()} << 7 | int64_t{s.tune_tile_family.load()} << 8 |
-         int64_t{s.fewer_b_reorders.load() & 3} << 9 | int64_t{s.tune_gathered_inputs.load()} << 11 |
-         int64_t{s.gathered_inputs_late.load()} << 12 | int64_t{tile_from_environment()} << 13 |
-         int64_t{s.shared_output_no_wait.load()} << 14 | int64_t{shared_output_slots()} << 15;
+  return engine_options_signature() | int64_t{tile_from_environment()} << kEngineOptionSignatureBits |
+         int64_t{shared_output_slots()} << (kEngineOptionSignatureBits + 1);
 }
 
 // The row chunks of a sequence-parallel call (row_chunks.hpp): a's rows from the sharded dim on make one chunk of
@@ -142,7 +136,7 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
   signature_ = call_signature(call, chosen);
   // A tuning call (auto, resolved after the agreement) may run fused: its engine configuration is compared too (the
   // rules' one; a tuning run of a forced tile family takes that family's in run(), the same on every rank because
-  // every input of call_config, the geometry switches included, is in this signature).
+  // every input of call_config, the geometry options included, is in this signature).
   if (is_fused(chosen) || chosen == Algorithm::Auto) {
     signature_[kSigTileM] = config_.base_m;
     signature_[kSigTileN] = config_.base_n;
@@ -359,8 +353,8 @@ int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const Local
   job.signature = signature_;
   job.group_name = group_name_;
   job.timeout = wait_timeout();
-  job.overlap = engine_switches().overlap.load();
-  job.ignore_epochs = engine_switches().ignore_epochs.load();
+  job.overlap = option(engine_options().overlap);
+  job.ignore_epochs = test_hooks::ignore_epochs();
   // A rank may leave a call before its peers have read all of its data: a one-shot call ends once this rank has its
   // peers' partials, and a call that raises on its own arguments waits for nobody. So before this call writes into
   // the window (shard, partials, flags, bank), every peer must have started the previous call, so finished the one
@@ -378,7 +372,7 @@ int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const Local
 }
 
 void FusedEngine::wait_for_previous_call(const CallJob& job) {
-  if (engine_switches().skip_previous_call_wait.load()) return;
+  if (test_hooks::skip_previous_call_wait()) return;
   // A peer that has published its header of call e - 1 (or of e, in windows grown for this call: nobody reads old
   // data there) has finished call e - 2.
   auto started = [&](int r) {
@@ -431,12 +425,12 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
-  // The data flow: the same inputs on every rank (the agreed call, the engine switches, the plan) give the same
+  // The data flow: the same inputs on every rank (the agreed call, the engine options, the plan) give the same
   // choice, except where this rank's output goes (a free slot or not), which only this rank's peers need to know.
   auto choose_flow = [&](CallJob& j) -> int64_t {
-    const EngineSwitches& switches = engine_switches();
+    const EngineOptions& options = engine_options();
     // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
-    j.owner_reduces_in_compute = config_.comm_inline && switches.overlap.load() && switches.owner_last.load();
+    j.owner_reduces_in_compute = config_.comm_inline && option(options.overlap) && option(options.owner_last);
     j.gathered_inputs = config_.gathered_inputs && j.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
                         j.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
                         j.partial_dtype == call.dtype &&
@@ -450,7 +444,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
     // AMX). It decides how the window is used.
     const int64_t one_shot_reads = call.m * call.n * j.partial_elem * (world_ - 1);
     j.one_shot = j.owner_reduces_in_compute && !j.gathered_inputs && j.op == kOpGemmAllreduce && world_ > 1 &&
-                 j.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && switches.one_shot.load();
+                 j.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && option(options.one_shot);
     j.one_product = multiplies_in_one_product(config_) && j.owner_reduces_in_compute && !j.gathered_inputs &&
                     j.op == kOpGemmAllreduce && j.chunks.count == 1;
     // Peers copy the owners' rows from their outputs (in the owner-last walk, where the owner writes them once and
@@ -475,7 +469,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // Every gemm_allreduce call says where its rows are (peers may read the word of this parity from an older call).
   if (!scatter) publish_output_slot(windows_->base(rank_), job.bank, job.out_in_slot ? slot + 1 : kRowsInBank);
   job.out = static_cast<uint8_t*>(out.data_ptr());
-  job.out_holds_addend = add_into.defined() && engine_switches().add_into_residual.load();
+  job.out_holds_addend = add_into.defined() && !test_hooks::overwrite_residual();
   job.row_epilogue = row_epilogue;
   if (job.gathered_inputs) count_gathered_inputs_call();
   std::optional<PackedBPanels> panels;  // outlives the call's products

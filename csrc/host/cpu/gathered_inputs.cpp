@@ -38,9 +38,9 @@ bool suits_gathered_inputs(int64_t m, int64_t k, int64_t n, at::ScalarType dtype
   const bool as_is = dtype == at::kFloat || reorders_b_per_product(dtype);
   if (!as_is || world < 2 || m <= 0 || n <= 0 || k < 0 || m * n < 65536 || 8 * k * (m + n) > m * n) return false;
   // As FusedEngine::run sets CallJob::gathered_inputs (the call's own conditions hold for a gemm_allreduce).
-  const EngineSwitches& switches = engine_switches();
-  return call_config(kOpGemmAllreduce, m, k, n, dtype, world, 3).gathered_inputs && switches.owner_last.load() &&
-         switches.overlap.load();
+  const EngineOptions& options = engine_options();
+  return call_config(kOpGemmAllreduce, m, k, n, dtype, world, 3).gathered_inputs && option(options.owner_last) &&
+         option(options.overlap);
 }
 
 void publish_gathered_inputs(const CallJob& job) {

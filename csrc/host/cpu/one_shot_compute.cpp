@@ -22,6 +22,7 @@
 #include <atomic>
 #include <vector>
 
+#include "common/test_hooks.h"
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
@@ -43,7 +44,7 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
   uint32_t* count = window_word(job.region(job.rank, queue_count_offset(w, 0)));
   const Doorbell queue_bell = doorbell(job.windows[job.rank], queue_comm_block(0, job.comm_blocks));
   const auto partial_options = at::TensorOptions().dtype(job.partial_dtype);
-  const int64_t bank = engine_switches().one_shot_single_bank.load() ? 0 : job.bank;
+  const int64_t bank = test_hooks::one_shot_single_bank() ? 0 : job.bank;
   auto bank_entry = [&](int r, int64_t padded_row, int64_t col0) {
     return job.region(r, reduced_entry_offset(w, bank, padded_row, col0, p.pad_n, job.partial_elem));
   };

@@ -15,6 +15,7 @@
 
 #include <vector>
 
+#include "common/test_hooks.h"
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
 #include "cpu/gathered_inputs.h"
@@ -72,7 +73,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
   std::vector<const uint8_t*> sources(job.world);
   try {
     // Before any tile flag: a peer that sees one may read the inputs (gathered_inputs_late breaks this on purpose).
-    const bool late_inputs = job.gathered_inputs && engine_switches().gathered_inputs_late.load();
+    const bool late_inputs = job.gathered_inputs && test_hooks::gathered_inputs_late();
     if (job.gathered_inputs && !late_inputs) publish_gathered_inputs(job);
     if (job.one_product && p.m > 0) {
       multiply_whole_partial(job, job.region(job.rank, partial_entry_offset(w, 0, 0, p.pad_n, job.partial_elem)));

@@ -5,17 +5,20 @@
 #include <atomic>
 
 #include "common/settings.h"
+#include "common/test_hooks.h"
 #include "cpu/call_waits.h"
 
 namespace gemm_ar::cpu {
 namespace {
 
 std::atomic<int64_t> slot_output_calls{0};
+// Output slots per window: TORCH_GEMM_AR_SHARED_OUTPUTS until set (-1: not read yet).
+std::atomic<int> output_slots{-1};
 
 }  // namespace
 
 int shared_output_slots() {
-  std::atomic<int>& slots = engine_switches().output_slots;
+  std::atomic<int>& slots = output_slots;
   int value = slots.load();
   if (value < 0) {
     // First use: the environment's choice, unless another thread set one meanwhile.
@@ -30,7 +33,7 @@ int set_shared_output_slots(int slots) {
   TORCH_CHECK_VALUE(slots >= 0 && slots <= kMaxOutputSlots, "shared output slots must be in [0, ", kMaxOutputSlots,
                     "]; got ", slots);
   const int previous = shared_output_slots();
-  engine_switches().output_slots.store(slots);
+  output_slots.store(slots);
   return previous;
 }
 
@@ -95,7 +98,7 @@ void publish_copies_done(uint8_t* window, uint32_t epoch) {
 }
 
 void wait_for_peer_copies(const CallJob& job) {
-  if (engine_switches().shared_output_no_wait.load()) return;
+  if (test_hooks::shared_output_no_wait()) return;
   // Exactly this call: a peer's word only moves forward, and it cannot pass call e before this rank starts e + 1.
   auto copied = [&](int r) { return load_acquire(window_word(job.windows[r] + kCopiesDoneOffset)) == job.epoch; };
   const std::string call_name = "call " + std::to_string(job.epoch);

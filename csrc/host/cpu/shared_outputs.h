@@ -75,7 +75,7 @@ uint32_t read_output_slot(const uint8_t* window, int64_t bank);
 // or the caller changes the output).
 void publish_copies_done(uint8_t* window, uint32_t epoch);
 // The owner of a slot output: waits until every peer has copied its rows of the job's call (bounded; throws naming
-// a late, dead or abandoning peer). With EngineSwitches::shared_output_no_wait (a negative control) returns at once.
+// a late, dead or abandoning peer). With the test hook shared_output_no_wait (a negative control) returns at once.
 void wait_for_peer_copies(const CallJob& job);
 
 // Calls this process returned a slot output from (tests: the path is really taken).

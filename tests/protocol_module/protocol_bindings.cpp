@@ -1,5 +1,6 @@
-// _C.protocol: the tile-protocol functions of csrc/include/gemm_ar exposed to Python, so the tests can check
-// the very code the engines and kernels compile against independent Python formulations.
+// gemm_ar_protocol: the tile-protocol functions of csrc/include/gemm_ar exposed to Python, so the tests can check
+// the very code the engines and kernels compile against independent Python formulations. A module of the tests
+// (tests/protocol_module_build.py builds it), not of the product.
 #include <pybind11/pybind11.h>
 
 #include "gemm_ar/protocol.hpp"
@@ -216,13 +217,13 @@ void bind_sequence_parallel(py::module_& m) {
 
 }  // namespace
 
-void bind_protocol(py::module_& m) {
-  py::module_ sub = m.def_submodule("protocol", "Tile-protocol math shared by the CPU engine and NPU kernels.");
-  bind_tile_plan(sub);
-  bind_partition_and_swizzle(sub);
-  bind_ownership_and_schedule(sub);
-  bind_layout(sub);
-  bind_sequence_parallel(sub);
-}
-
 }  // namespace gemm_ar
+
+PYBIND11_MODULE(gemm_ar_protocol, m) {
+  m.doc() = "Tile-protocol math shared by the CPU engine and NPU kernels (csrc/include/gemm_ar), for the tests.";
+  gemm_ar::bind_tile_plan(m);
+  gemm_ar::bind_partition_and_swizzle(m);
+  gemm_ar::bind_ownership_and_schedule(m);
+  gemm_ar::bind_layout(m);
+  gemm_ar::bind_sequence_parallel(m);
+}
