@@ -87,6 +87,7 @@ setup(
     name="torch-gemm-ar",
     version=VERSION,
     description="Fused GEMM + AllReduce for tensor-parallel PyTorch (Ascend NPU and CPU)",
+    license="BSD-3-Clause",
     packages=find_packages(include=["torch_gemm_ar", "torch_gemm_ar.*"]),
     package_data={"torch_gemm_ar": ["libgemm_ar_*.so"]},  # the Ascend kernels, where they were built
     python_requires=">=3.9",

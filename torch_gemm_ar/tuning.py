@@ -17,7 +17,8 @@ Decisions are logged on the `torch_gemm_ar.tuning` logger and kept in memory per
 fingerprint (CPU model, cores, library and torch versions): TORCH_GEMM_AR_TUNE_CACHE, by default
 $XDG_CACHE_HOME/torch_gemm_ar/autotune.json (~/.cache/...). A cached decision is used when every rank of the group
 has the same one. Writing a decision (under a lock file beside it) keeps other processes' decisions, other hosts'
-sections and this host's sections of the 4 builds that wrote last. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy (README, "auto").
+sections and this host's sections of the 4 builds that wrote last. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy
+(docs/usage.md, "`auto` by measurement").
 """
 import logging
 import os

@@ -1,12 +1,13 @@
-// `algorithm="auto"` by measurement (README, "auto"): the first calls of a group on a shape bucket race the candidate
-// algorithms, round-robin: each runs a few times, clear losers leave, close ones run more (within a time budget). Every
-// rank times its own calls and tells the others through the call signature of the next call (carried fields, never an
-// extra collective), so every rank decides alike. A run counts from the moment its last rank started it to the moment
-// its last rank finished, when the ranks share a host's monotonic clock (an early rank's wait for a late one is not the
-// algorithm's cost: fused calls right after a collective looked twice as slow as they run;
-// docs/decisions/0002-algorithms-and-measured-auto.md); otherwise, e.g. on a device clock, the slowest rank's own time
-// counts. Decisions are kept per group in memory and per host fingerprint in a JSON file (TORCH_GEMM_AR_TUNE_CACHE); a
-// cached decision is used only when every rank has the same one. TORCH_GEMM_AR_AUTOTUNE=0 keeps the static policy.
+// `algorithm="auto"` by measurement (docs/usage.md, "`auto` by measurement"): the first calls of a group on a shape
+// bucket race the candidate algorithms, round-robin: each runs a few times, clear losers leave, close ones run more
+// (within a time budget). Every rank times its own calls and tells the others through the call signature of the next
+// call (carried fields, never an extra collective), so every rank decides alike. A run counts from the moment its last
+// rank started it to the moment its last rank finished, when the ranks share a host's monotonic clock (an early rank's
+// wait for a late one is not the algorithm's cost: fused calls right after a collective looked twice as slow as they
+// run; docs/decisions/0002-algorithms-and-measured-auto.md); otherwise, e.g. on a device clock, the slowest rank's own
+// time counts. Decisions are kept per group in memory and per host fingerprint in a JSON file
+// (TORCH_GEMM_AR_TUNE_CACHE); a cached decision is used only when every rank has the same one. TORCH_GEMM_AR_AUTOTUNE=0
+// keeps the static policy.
 #pragma once
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

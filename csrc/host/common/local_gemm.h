@@ -14,7 +14,7 @@ bool computes_in_fp32(const at::Tensor& t);
 // Whether a CPU product of this dtype reorders all of its B operand on every call: bf16/fp16 computed natively
 // (oneDNN packs B into its blocked layout per call). Tiles of such products should share B's columns, not its rows:
 // on an Intel Xeon with AMX, 256-row tiles of bf16 cost 1.3-1.7x one whole product, column panels of all rows
-// 1.01-1.06x (docs/performance.md).
+// 1.01-1.06x (docs/journal/performance-journal.md).
 bool reorders_b_per_product(at::ScalarType dtype);
 
 // A faster way to multiply by one of b's column panels (the CPU engine's packed B): out (the compute dtype, unit

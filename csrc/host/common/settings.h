@@ -1,4 +1,4 @@
-// Run-time knobs read from the environment (documented in the README, "Configuration").
+// Run-time knobs read from the environment (documented in docs/usage.md, "Configuration").
 #pragma once
 #include <chrono>
 #include <cstdint>

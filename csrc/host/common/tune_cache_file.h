@@ -1,5 +1,6 @@
-// The auto tuner's decisions on disk (README, "auto"): a JSON object per host fingerprint, each mapping a bucket's
-// key to the algorithm decided for it. Written whole and renamed into place; read in any JSON layout.
+// The auto tuner's decisions on disk (docs/usage.md, "`auto` by measurement"): a JSON object per host fingerprint, each
+// mapping a bucket's key to the algorithm decided for it. Written whole and renamed into place; read in any JSON
+// layout.
 #pragma once
 #include <cstddef>
 #include <map>

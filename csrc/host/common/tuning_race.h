@@ -1,7 +1,8 @@
-// The race `auto` runs between its candidates on one shape bucket, and the decision it ends in (README, "auto"). First
-// every candidate runs once, not counted (a warm-up round: a candidate's first call at a new shape grows windows and
-// touches fresh pages; in bf16 at M512 K1024 N256 on an Intel Xeon with AMX those first runs cost 9-25x the steady
-// call, and with them among its runs fused lost to fused/tiles, which then ran 1.10-1.16x slower, in 5 of 6 races).
+// The race `auto` runs between its candidates on one shape bucket, and the decision it ends in (docs/usage.md, "`auto`
+// by measurement"). First every candidate runs once, not counted (a warm-up round: a candidate's first call at a new
+// shape grows windows and touches fresh pages; in bf16 at M512 K1024 N256 on an Intel Xeon with AMX those first runs
+// cost 9-25x the steady call, and with them among its runs fused lost to fused/tiles, which then ran 1.10-1.16x slower,
+// in 5 of 6 races).
 // Then every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times; from its 4th run on, after each
 // round, a candidate that is over 2% slower than the leader in three rounds of four (the lower quartile of its paired
 // ratios to the leader) leaves the race, and the rest run more rounds, while the bucket's tuning has taken less than

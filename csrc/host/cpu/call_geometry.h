@@ -32,10 +32,10 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
 // gemm_allreduce call, where the output is big enough for its tiles to matter (from 64K elements); Auto otherwise.
 Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world);
 
-// Of the two geometries with few products for a gemm_allreduce whose products reorder all of B per call: one
-// full-width tile row per rank costs world - 1 more reorders of B (K x N each); column panels of all M rows cost
-// strided half rows in the reduction and the copies, which ran at 0.4x the speed of whole rows (M x N). Row panels
-// won from M >= 1024 and 2M >= K in interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks; docs/performance.md).
+// Of the two geometries with few products for a gemm_allreduce whose products reorder all of B per call: one full-width
+// tile row per rank costs world - 1 more reorders of B (K x N each); column panels of all M rows cost strided half rows
+// in the reduction and the copies, which ran at 0.4x the speed of whole rows (M x N). Row panels won from M >= 1024 and
+// 2M >= K in interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks; docs/journal/performance-journal.md).
 bool prefers_row_panels(int64_t m, int64_t k);
 
 // A gemm_allreduce of [M, K] x [K, N] whose K is over 2M (from M = 512): its tile rows each stream all of B's packed

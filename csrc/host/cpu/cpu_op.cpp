@@ -107,8 +107,8 @@ void with_call_engine(std::string_view name, const std::function<void()>& body) 
     return body();  // raises the op's own error for an unknown group
   }
   if (group->getSize() == 1) return body();
-  // One call at a time per group (README, "Threads"); the engine is set up (collectively) before waiting here, as
-  // every rank's first call does.
+  // One call at a time per group (docs/usage.md, "Threads, group lifetime, fork"); the engine is set up
+  // (collectively) before waiting here, as every rank's first call does.
   std::shared_ptr<FusedEngine> engine = FusedEngine::of(*group);
   std::lock_guard<std::mutex> one_call_at_a_time(engine->call_mutex());
   struct CurrentEngine {

@@ -1,4 +1,4 @@
-// Tile sizes and thread counts of the CPU fused engine, from the machine and the environment (README,
+// Tile sizes and thread counts of the CPU fused engine, from the machine and the environment (docs/usage.md,
 // "Configuration"). They are part of the call signature, so ranks configured differently get a clear error.
 #pragma once
 #include <cstdint>
@@ -37,11 +37,12 @@ bool tile_from_environment();
 EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 // The geometry of one gemm_allreduce or gemm_reduce_scatter call when communication runs between tiles on a one-core
-// rank (comm_inline): tiles as wide as the output, up to 2048 columns (N split into equal panels beyond). Every
-// tile packs its rows of A once per panel of B it multiplies: over six shapes on an Intel Xeon (oneMKL), 256x512
-// tiles cost 1.05-1.20x one whole GEMM, the geometry this takes 1.01-1.11x (docs/performance.md). The pipeline's finer grain
-// buys nothing there, as no comm thread overlaps the GEMM. Kept as `config` under the same conditions as row_epilogue_geometry,
-// and with comm threads. The same inputs on every rank give the same geometry (it is in the call signature).
+// rank (comm_inline): tiles as wide as the output, up to 2048 columns (N split into equal panels beyond). Every tile
+// packs its rows of A once per panel of B it multiplies: over six shapes on an Intel Xeon (oneMKL), 256x512 tiles cost
+// 1.05-1.20x one whole GEMM, the geometry this takes 1.01-1.11x (docs/journal/performance-journal.md). The pipeline's
+// finer grain buys nothing there, as no comm thread overlaps the GEMM. Kept as `config` under the same conditions as
+// row_epilogue_geometry, and with comm threads. The same inputs on every rank give the same geometry (it is in the call
+// signature).
 EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 // The geometry of one gemm_allreduce call on a one-core rank (comm_inline) whose tile products reorder all of B per

@@ -438,7 +438,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
                             j.plan.pad_m * j.plan.pad_n * j.partial_elem;
     // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
     // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
-    // noise, 0.97-1.0x, from 1 MiB up: docs/performance.md).
+    // noise, 0.97-1.0x, from 1 MiB up: docs/journal/performance-journal.md).
     // Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to copy, and one shot
     // reduces the whole output on every rank (1.02-1.05x slower than two phases at four sizes on an Intel Xeon with
     // AMX). It decides how the window is used.
