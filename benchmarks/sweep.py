@@ -175,8 +175,9 @@ def main(argv=None) -> int:
             json_path = os.path.join(args.out, "sweep.json")
             report.write_run_json(json_path, args.device, env.world, env.threads, {
                 "dtype": args.dtype, "scale": args.scale, "k_scale": args.k_scale, "m_list": args.m_list,
-                "layers": [{"name": l.name, "model": l.model, "projection": l.projection, "tp": l.tp, "k": l.k,
-                            "n": l.n, "points": pts} for l, pts in zip(sweep_layers, points_by_layer)],
+                "layers": [{"name": layer.name, "model": layer.model, "projection": layer.projection, "tp": layer.tp,
+                            "k": layer.k, "n": layer.n, "points": pts}
+                           for layer, pts in zip(sweep_layers, points_by_layer)],
                 "analysis": analysis,
                 "plot": png, "plot_missing_reason": missing,
             })

@@ -1,4 +1,5 @@
 import atexit
+import fnmatch
 import os
 import shutil
 import sys
@@ -8,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import rank_pool  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
 
 # The `auto` tuner's decisions of a test run stay in the run (rank processes inherit this), not in ~/.cache.
@@ -84,3 +86,55 @@ def one_core_env(monkeypatch):
     monkeypatch.setenv("TORCH_GEMM_AR_COMPUTE_THREADS", "1")
     monkeypatch.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
     return monkeypatch
+
+
+# --- test lanes (docs/testing.md) ----------------------------------------------------------------------------------
+# Every test gets exactly one lane marker (registered in pyproject.toml), so that `pytest -m unit` is the fast lane.
+# The first rule that matches decides: a lane marker the test carries itself; its module; a fixture it uses; a test
+# function that starts its own RankPool; otherwise unit.
+LANES = ("unit", "multirank", "simulator", "npu_compile", "benchmarks")
+MODULE_LANES = {
+    "test_kernels_sim*.py": "simulator",  # the kernel simulator (tests/kernel_sim_build.py)
+    "test_kernels_device_build.py": "simulator",  # the kernels built by g++ and clang++
+    "test_npu_call_sequence.py": "simulator",  # the NPU host against an emulated stream runtime (C++ harness)
+    "test_npu_host_compile.py": "npu_compile",
+    "test_npu_per_call_sync.py": "npu_compile",
+    "test_benchmarks.py": "benchmarks",
+    "test_npu_device.py": "multirank",  # one rank process per NPU (torch.multiprocessing)
+}
+FIXTURE_LANES = {"simulator": "simulator", "npu_objects": "npu_compile", "ranks": "multirank",
+                 "hooked_ranks": "multirank"}
+
+
+def lane_of(item) -> str:
+    own = [lane for lane in LANES if item.get_closest_marker(lane) is not None]
+    if len(own) > 1:
+        raise pytest.UsageError(f"{item.nodeid} is marked for more than one lane: {own}")
+    if own:
+        return own[0]
+    module = os.path.basename(str(item.fspath))
+    for pattern, lane in MODULE_LANES.items():
+        if fnmatch.fnmatch(module, pattern):
+            return lane
+    for fixture in getattr(item, "fixturenames", ()):
+        if fixture in FIXTURE_LANES:
+            return FIXTURE_LANES[fixture]
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    if code is not None and "RankPool" in code.co_names + code.co_varnames:  # `from rank_pool import RankPool`
+        return "multirank"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        lane = lane_of(item)
+        if item.get_closest_marker(lane) is None:
+            item.add_marker(lane)
+
+
+@pytest.fixture(autouse=True)
+def _rank_processes_only_in_multirank(request, monkeypatch):
+    """A test outside the multirank lane that starts a RankPool fails and says so (lane_of could not see it)."""
+    if request.node.get_closest_marker("multirank") is None:
+        monkeypatch.setattr(rank_pool, "refuse_to_start", f"{request.node.nodeid} starts rank processes but is not "
+                            "in the multirank lane: mark it @pytest.mark.multirank (docs/testing.md)")

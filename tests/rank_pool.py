@@ -15,6 +15,8 @@ import socket
 import traceback
 
 DEFAULT_TIMEOUT_S = 120.0
+# Set by tests/conftest.py while a test outside the multirank lane runs: the reason a RankPool must not start then.
+refuse_to_start = None
 
 
 def free_port() -> int:
@@ -72,6 +74,8 @@ def _rank_main(rank, world, port, conn, threads, native):
 
 class RankPool:
     def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, native=None):
+        if refuse_to_start:
+            raise RuntimeError(refuse_to_start)
         self.world = world
         self.broken = False
         ctx = mp.get_context("spawn")

@@ -174,14 +174,15 @@ def test_paired_speedup_is_the_median_ratio_with_a_reproducible_interval():
 
 
 def test_model_layers():
-    layers = {(l.model, l.projection, l.tp): l for l in models.layers(["Llama-3.1-8B"], [2, 8], scale=1)}
+    layers = {(layer.model, layer.projection, layer.tp): layer
+              for layer in models.layers(["Llama-3.1-8B"], [2, 8], scale=1)}
     assert (layers["Llama-3.1-8B", "o_proj", 2].k, layers["Llama-3.1-8B", "o_proj", 2].n) == (2048, 4096)
     assert (layers["Llama-3.1-8B", "down_proj", 8].k, layers["Llama-3.1-8B", "down_proj", 8].n) == (1792, 4096)
     # scale divides N only: each layer keeps its real K (its flops per output element) unless k_scale says otherwise.
     scaled = models.layers(["Llama-3.1-70B"], [4], scale=8)
-    assert [(l.k, l.n) for l in scaled] == [(2048, 1024), (7168, 1024)]
+    assert [(layer.k, layer.n) for layer in scaled] == [(2048, 1024), (7168, 1024)]
     both = models.layers(["Llama-3.1-70B"], [4], scale=8, k_scale=8)
-    assert [(l.k, l.n) for l in both] == [(256, 1024), (896, 1024)]
+    assert [(layer.k, layer.n) for layer in both] == [(256, 1024), (896, 1024)]
     with pytest.raises(ValueError, match="unknown model"):
         models.layers(["GPT-5"], [2], 1)
 
@@ -452,14 +453,14 @@ def test_quick_sweep_end_to_end(tmp_path):
     with open(os.path.join(out_dir, "sweep.json")) as f:
         result = json.load(f)
     assert result["m_list"] == [1, 5, 33]
-    assert [(l["projection"], l["k"], l["n"]) for l in result["layers"]] == [("o_proj", 4, 8), ("down_proj", 16, 8)]
+    assert [(e["projection"], e["k"], e["n"]) for e in result["layers"]] == [("o_proj", 4, 8), ("down_proj", 16, 8)]
     for layer in result["layers"]:
         assert [p["shape"]["m"] for p in layer["points"]] == [1, 5, 33]
         for point in layer["points"]:
             rows = check_shape_summary(point, "float32")
             assert list(rows) == ["sequential", "chunked", "fused", "auto", "baseline"]
     analysis = result["analysis"]
-    assert set(analysis["crossovers"]) == {l["name"] for l in result["layers"]}
+    assert set(analysis["crossovers"]) == {e["name"] for e in result["layers"]}
     assert set(analysis["recommended_thresholds"]) == {"min_m_for_chunked", "min_m_for_fused"}
     assert analysis["auto_worst"] is not None
     assert analysis["auto_worst_vs_best"] is not None

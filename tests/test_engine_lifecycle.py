@@ -4,7 +4,6 @@ import gc
 import os
 import random
 import signal
-import tempfile
 import threading
 import time
 

@@ -181,6 +181,7 @@ def test_transformers_tp_model_under_compile_is_rewritten(ranks, tmp_path):
     assert counts[0] == counts[1] == {"gemm_allreduce_add_rmsnorm": 2 * LAYERS}, counts
 
 
+@pytest.mark.multirank  # torchrun starts the ranks
 def test_readme_example_command_runs(tmp_path):
     """The README's torchrun line of examples/hf_llama_tp.py as typed, made tiny by options appended after it (the
     last occurrence wins), on a free port; its table must come out and its own tolerance check pass."""

@@ -661,6 +661,7 @@ def _patched_pto_include(root, tmp_path):
     return shadow
 
 
+@pytest.mark.simulator  # needs PTO_ISA_ROOT, as the kernel simulator tests
 @pytest.mark.parametrize("order", ["headers_first", "pto_first"])
 def test_headers_compile_in_pto_simulator(order, tmp_path):
     gxx = _gxx()

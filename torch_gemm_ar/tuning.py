@@ -22,7 +22,7 @@ sections and this host's sections of the 4 builds that wrote last. TORCH_GEMM_AR
 """
 import logging
 import os
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 

@@ -18,7 +18,7 @@ import logging
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 from torch import fx
