@@ -27,7 +27,7 @@ from . import engine_options, nn, tuning
 from .tuning import tune
 
 __all__ = [
-    "ALGORITHMS", "allgather_gemm", "check_errors", "gemm_allreduce",
+    "ALGORITHMS", "allgather_gemm", "check_errors", "engine_options", "gemm_allreduce",
     "gemm_allreduce_add_rmsnorm", "gemm_allreduce_add_rmsnorm_", "gemm_reduce_scatter", "group_name_of", "nn", "tune", "tuning",
 ]
 __version__ = "0.1.0"
