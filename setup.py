@@ -79,7 +79,7 @@ cpu_extension = CppExtension(
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-ffp-contract=off"],
     libraries=["rt"],
     # The auto tuner's cache is per library version and per build of its sources.
-    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"'), ("TORCH_GEMM_AR_SOURCE_HASH", f'"{_source_hash()}"')]
+    define_macros=[("TORCH_GEMM_AR_VERSION", f'"{VERSION}"'), ("TORCH_GEMM_AR_SOURCE_HASH", f'"{_source_hash()}{"-test-hooks" if TEST_HOOKS else ""}"')]
     + ([("TORCH_GEMM_AR_TEST_HOOKS", None)] if TEST_HOOKS else []),
 )
 

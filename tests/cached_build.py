@@ -1,5 +1,6 @@
-"""Test-side builds kept under build/tests/<name>-<hash of their inputs>: built once per change of their sources
-(a lock keeps two test processes from building the same one at once), reused by later sessions."""
+"""Test-side builds kept under build/tests/<name>-<hash of their inputs>: built once per change of their sources or
+toolchain (Python, torch, compiler; a lock keeps two test processes from building the same one at once), reused by
+later sessions; a new build removes the older ones. `rm -rf build/tests` forces a rebuild."""
 import fcntl
 import hashlib
 import os
@@ -8,9 +9,24 @@ import shutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def toolchain():
+    """What a build also depends on besides its sources: Python, torch and the C++ compiler."""
+    import platform
+    import subprocess
+
+    import torch
+
+    cxx = os.environ.get("CXX", "g++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except OSError:
+        version = "none"
+    return f"{platform.python_version()}|{torch.__version__}|{cxx}|{version.splitlines()[:1]}"
+
+
 def inputs_hash(paths):
-    """A hash of the files under `paths` (files or directories, relative to the repository root)."""
-    digest = hashlib.sha256()
+    """A hash of the files under `paths` (files or directories, relative to the repository root) and the toolchain."""
+    digest = hashlib.sha256(toolchain().encode())
     files = []
     for path in paths:
         full = os.path.join(ROOT, path)
@@ -44,4 +60,8 @@ def cached_build(name, input_paths, build):
                 shutil.rmtree(partial, ignore_errors=True)
                 raise
             os.rename(partial, target)
+            for old in os.listdir(base):  # builds of older sources or toolchains
+                path = os.path.join(base, old)
+                if old.startswith(name + "-") and path != target and os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
     return target

@@ -20,19 +20,19 @@ if "TORCH_GEMM_AR_TUNE_CACHE" not in os.environ:
 
 
 class _Pools:
-    """One live RankPool per world size, shared by the tests of a session; replaced after a failure. `native`: the
+    """One live RankPool per world size, shared by the tests of a session; replaced after a failure. `extension_path`: the
     ranks load that build of torch_gemm_ar._C (the test build, `hooked_ranks`)."""
 
-    def __init__(self, native=None):
+    def __init__(self, extension_path=None):
         self._pools = {}
-        self._native = native
+        self._extension_path = extension_path
 
     def __call__(self, world: int) -> RankPool:
         pool = self._pools.get(world)
         if pool is None or pool.broken:
             if pool is not None:
                 pool.close(force=True)
-            pool = self._pools[world] = RankPool(world, native=self._native)
+            pool = self._pools[world] = RankPool(world, extension_path=self._extension_path)
         return pool
 
     def close(self):
@@ -73,7 +73,7 @@ def hooked_ranks():
     controls, whose faults exist only there. Built at first use (about a minute on 2 cores), cached under build/."""
     from hooked_build import hooked_extension_path
 
-    pools = _Pools(native=hooked_extension_path())
+    pools = _Pools(extension_path=hooked_extension_path())
     yield pools
     pools.close()
 

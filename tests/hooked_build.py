@@ -6,6 +6,7 @@ import contextlib
 import glob
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -45,14 +46,27 @@ def load_as_torch_gemm_ar_c(path):
         raise RuntimeError(f"{path} is not the test build")
 
 
+def harmless_values():
+    """{hook: its harmless value}, read from GEMM_AR_TEST_HOOK_LIST in csrc/host/common/test_hooks.h (the product has
+    no hooks to ask)."""
+    text = open(os.path.join(ROOT, "csrc", "host", "common", "test_hooks.h")).read()
+    values = {}
+    for kind, name, harmless in re.findall(r"X\((bool|int64_t), (\w+), (-?\w+),", text):
+        values[name] = (harmless == "true") if kind == "bool" else int(harmless)
+    return values
+
+
 @contextlib.contextmanager
 def hooked(name, value):
     """A test hook set for the length of a `with` block (restored after). Needs the test build (a `hooked_ranks` pool)
-    unless `value` is falsy, every hook's harmless value: then the product, which has no hooks, runs as it is."""
+    unless `value` is the hook's harmless value: then the product, which has no hooks, runs as it is."""
     from torch_gemm_ar import _C
 
+    harmless = harmless_values()
+    if name not in harmless:
+        raise ValueError(f"no test hook {name!r} in csrc/host/common/test_hooks.h; the hooks: {sorted(harmless)}")
     if not _C._test_build:
-        if value:
+        if value != harmless[name]:
             raise RuntimeError(f"the test hook {name!r} exists only in the test build: use the hooked_ranks fixture")
         yield
         return

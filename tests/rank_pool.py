@@ -5,7 +5,7 @@ test functions on all of them: `pool.run(fn, *args)` calls `fn(rank, world, *arg
 per-rank results. Every call is bounded: a rank that raises, dies or does not answer in time fails the test with
 each rank's traceback, and a pool that timed out or lost a rank is torn down (the next test gets a fresh one).
 `fn` must be a module-level function of an importable module (test modules are importable in the ranks).
-A pool given `native` (tests/hooked_build.py) loads that build as torch_gemm_ar._C in every rank: the test build with
+A pool given `extension_path` (tests/hooked_build.py) loads that build as torch_gemm_ar._C in every rank: the test build with
 the negative controls' hooks.
 """
 import datetime
@@ -29,7 +29,7 @@ class RankFailure(AssertionError):
     pass
 
 
-def _rank_main(rank, world, port, conn, threads, native):
+def _rank_main(rank, world, port, conn, threads, extension_path):
     import torch
     import torch.distributed as dist
 
@@ -44,10 +44,10 @@ def _rank_main(rank, world, port, conn, threads, native):
             world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
-        if native is not None:
+        if extension_path is not None:
             from hooked_build import load_as_torch_gemm_ar_c
 
-            load_as_torch_gemm_ar_c(native)
+            load_as_torch_gemm_ar_c(extension_path)
         import torch_gemm_ar  # noqa: F401  (registers the op in this rank)
 
         conn.send(("ready", None))
@@ -73,7 +73,7 @@ def _rank_main(rank, world, port, conn, threads, native):
 
 
 class RankPool:
-    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, native=None):
+    def __init__(self, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, extension_path=None):
         if refuse_to_start:
             raise RuntimeError(refuse_to_start)
         self.world = world
@@ -84,7 +84,7 @@ class RankPool:
         self._conns, self.procs = [], []
         for rank in range(world):
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, world, port, child_end, threads, native), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, world, port, child_end, threads, extension_path), daemon=True)
             proc.start()
             child_end.close()
             self._conns.append(parent_end)

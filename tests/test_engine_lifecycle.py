@@ -145,7 +145,7 @@ def test_crossed_setup_order_never_deadlocks():
     from rank_pool import RankPool
 
     # Own ranks of the test build: the negative control leaves groups that timed out in setup.
-    pool = RankPool(2, native=hooked_extension_path())
+    pool = RankPool(2, extension_path=hooked_extension_path())
     try:
         assert pool.run(crossed_first_calls, False, timeout_s=120) == [[None, None]] * 2
         # Negative control: the bug the issue reported (a process-wide lock while waiting) deadlocks this order.

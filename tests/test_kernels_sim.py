@@ -30,7 +30,7 @@ B_ROW_MAJOR, B_TRANSPOSED = 0, 1  # gemm_ar::BLayoutCode
 ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced the call
 MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank's CommContext is built
 MESH_WRONG_CONTEXT, MESH_NO_CONTEXT = 3, 4  # rank 1's context names rank 0 / rank 1 gets none
-SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::SpOpCode: the sequence-parallel kernel pairs (sim_main.cpp op)
+SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::OpKind: the sequence-parallel kernel pairs (sim_main.cpp op)
 ADD_RMSNORM = 3  # sim_main.cpp kSimAddRmsNorm: gemm_allreduce's pair with the add+RMSNorm epilogue
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word

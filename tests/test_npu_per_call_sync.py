@@ -33,6 +33,7 @@ PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
     "npu/fused_npu.cpp", "npu/npu_op.cpp", "common/op_flow.cpp", "common/call_args.cpp", "common/settings.cpp",
     "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp", "common/tuning_race.cpp",
     "common/tune_cache_file.cpp", "common/sequence_parallel_flow.cpp", "npu/add_rmsnorm_npu_op.cpp", "common/add_rmsnorm.cpp",
+    "common/current_op.cpp",
 )]
 
 # Demangled undefined symbols that synchronise, copy synchronously, allocate outside the caching allocators or run a

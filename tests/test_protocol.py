@@ -383,14 +383,14 @@ def test_sequence_parallel_walk():
         plan, chunks = P.make_row_chunked_plan(world, rows, n, 3, 16, 16, 1, 1, 4)
         assert P.sp_chunks_usable(chunks, world) and not P.sp_chunks_usable(chunks, world + 1)
         per_chunk = P.chunk_tile_count(plan, chunks)
-        for op in (P.kSpReduceScatter, P.kSpAllgather):
+        for op in (P.kOpGemmReduceScatter, P.kOpAllgatherGemm):
             for me in range(world):
-                first = me + 1 if op == P.kSpReduceScatter else me
+                first = me + 1 if op == P.kOpGemmReduceScatter else me
                 want = [((first + step) % world) * per_chunk + P.zigzag_tile(i, plan.n_tiles)
                         for step in range(world) for i in range(per_chunk)]
                 order = [P.sp_item_tile(plan, chunks, me, op, item) for item in range(plan.tiles)]
                 assert order == want and sorted(order) == list(range(plan.tiles))
-                assert P.chunk_of_tile(plan, chunks, order[-1 if op == P.kSpReduceScatter else 0]) == me
+                assert P.chunk_of_tile(plan, chunks, order[-1 if op == P.kOpGemmReduceScatter else 0]) == me
                 for b in range(blocks + 1):
                     count = P.sp_block_item_count(plan, blocks, b)
                     walked = [P.sp_block_item(plan, chunks, me, op, blocks, b, j) for j in range(count)]

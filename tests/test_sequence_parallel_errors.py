@@ -83,3 +83,38 @@ def test_ranks_that_disagree_raise_everywhere(ranks, op_name, case, algorithm):
     assert all(messages), messages
     if case == "layout":
         assert all("rows per chunk" in m for m in messages), messages
+
+
+def late_peer(rank, world, op_name):
+    """Rank 1 never joins a fused call of `op_name`: rank 0's bounded wait must raise naming that op (errors deep in
+    the engine name the op that failed). Rank 1 then joins the same call, which fails on its side too."""
+    import time
+
+    from scoped_env import scoped_env
+
+    op = getattr(torch_gemm_ar, op_name)
+    a, b = torch.randn(4 * world, 8), torch.randn(8, 16)
+    with scoped_env(TORCH_GEMM_AR_TIMEOUT_S="1"):
+        torch.distributed.barrier()
+        if rank == 1:
+            time.sleep(3)
+        try:
+            op(a, b, algorithm="fused")
+        except (RuntimeError, ValueError) as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.parametrize("op_name", ["gemm_reduce_scatter", "allgather_gemm"])
+def test_engine_errors_name_the_op(ranks, op_name):
+    from rank_pool import RankFailure
+
+    pool = ranks(2)
+    try:
+        messages = pool.run(late_peer, op_name, timeout_s=120)
+    except RankFailure as failure:  # rank 1 may also see rank 0 give up first: only rank 0's text is checked below
+        raise AssertionError(f"a rank did not return its error: {failure}") from None
+    finally:
+        pool.close(force=True)  # the group saw a timed-out call: later tests get fresh ranks
+    assert messages[0] is not None and messages[0].startswith(f"{op_name}: "), messages
+    assert "gemm_allreduce:" not in messages[0], messages

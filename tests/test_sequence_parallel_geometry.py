@@ -103,9 +103,9 @@ def test_back_to_back_stress(ranks, world, calls):
         assert sum(took for _, took in results) > 0, "no allgather_gemm call took the one product"
 
 
-def test_negative_control_stress_catches_ignored_epochs(ranks):
+def test_negative_control_stress_catches_ignored_epochs(hooked_ranks):
     """With stale flags of earlier calls taken as ready, the same stress run must report wrong results."""
-    results = ranks(2).run(forced_stress, random.randrange(1 << 30), 300, True, timeout_s=900)
+    results = hooked_ranks(2).run(forced_stress, random.randrange(1 << 30), 300, True, timeout_s=900)
     assert sum(w for w, _ in results) > 0, "the stress test did not notice a protocol that ignores epochs"
 
 

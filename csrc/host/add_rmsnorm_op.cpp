@@ -111,17 +111,7 @@ at::Tensor gemm_allreduce_add_rmsnorm_inplace_composite(const at::Tensor& a, con
 }  // namespace
 }  // namespace gemm_ar
 
-// A fragment, so that this op's schema lives with the rest of its code (ops.cpp holds gemm_allreduce's).
-TORCH_LIBRARY_FRAGMENT(pto, m) {
-  m.def(
-      "gemm_allreduce_add_rmsnorm(Tensor a, Tensor b, Tensor residual, Tensor norm_weight, str group_name, *, "
-      "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> (Tensor, Tensor)");
-  // In place: the new residual stream is written into `residual`; returns normed. Inference only (no backward).
-  m.def(
-      "gemm_allreduce_add_rmsnorm_(Tensor a, Tensor b, Tensor(a!) residual, Tensor norm_weight, str group_name, *, "
-      "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> Tensor");
-}
-
+// The schemas: op_table.h. The in-place op is inference only (no backward).
 TORCH_LIBRARY_IMPL(pto, CompositeExplicitAutograd, m) {
   m.impl("gemm_allreduce_add_rmsnorm_", &gemm_ar::gemm_allreduce_add_rmsnorm_inplace_composite);
 }

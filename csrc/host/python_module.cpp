@@ -5,9 +5,13 @@
 #include "common/local_gemm.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
+#include "common/settings.h"
+#include "common/test_hooks.h"
 #include "common/tuning_race.h"
 #include "cpu/call_geometry.h"
+#include "cpu/call_plan.h"
 #include "cpu/engine_config.h"
+#include "cpu/engine_options.h"
 #include "cpu/engine_tile_walk.h"
 #include "cpu/fused_call.h"
 #include "cpu/fused_engine.h"
@@ -16,9 +20,8 @@
 #include "cpu/reduce_avx512.h"
 #include "cpu/shared_outputs.h"
 #include "cpu/tile_kernels.h"
+#include "op_table.h"
 
-#include "common/test_hooks.h"
-#include "cpu/engine_options.h"
 
 #ifdef TORCH_GEMM_AR_TEST_HOOKS
 namespace gemm_ar::test_hooks { void bind(pybind11::module_& m); }  // csrc/host/testing/test_hook_bindings.cpp
@@ -91,34 +94,32 @@ void reduce_rows_for_test(const std::vector<at::Tensor>& partials, at::Tensor& o
   gemm_ar::cpu::set_avx512_reduce(previous);
 }
 
-void check_option_value(const std::string&, bool) {}
-void check_option_value(const std::string& name, int64_t v) {  // fewer_b_reorders, the one integer option
-  TORCH_CHECK_VALUE(v >= 0 && v <= 2, "engine option '", name, "' must be 0, 1 or 2; got ", v);
-}
-
 // _engine_options() -> {name: value}; _set_engine_option(name, value) -> the old value. One pair for every option of
 // cpu/engine_options.h (torch_gemm_ar.engine_options wraps them).
 void bind_engine_options(pybind11::module_& m) {
   m.def("_engine_options", [] {
     pybind11::dict out;
     const auto& o = gemm_ar::cpu::engine_options();
-#define GEMM_AR_ENGINE_OPTION_READ(type, name, initial, what) out[#name] = gemm_ar::cpu::option(o.name);
+#define GEMM_AR_ENGINE_OPTION_READ(type, name, initial, largest, what) out[#name] = gemm_ar::cpu::option(o.name);
     GEMM_AR_ENGINE_OPTION_LIST(GEMM_AR_ENGINE_OPTION_READ)
 #undef GEMM_AR_ENGINE_OPTION_READ
     return out;
   }, "CPU engine: every option (cpu/engine_options.h) and its value in this process");
   m.def("_set_engine_option", [](const std::string& name, pybind11::object value) -> pybind11::object {
     auto& o = gemm_ar::cpu::engine_options();
-#define GEMM_AR_ENGINE_OPTION_SET(type, name_, initial, what)                                                    \
-    if (name == #name_) {                                                                                        \
-      const type v = value.cast<type>();                                                                         \
-      check_option_value(name, v);                                                                               \
-      return pybind11::cast(o.name_.exchange(v, std::memory_order_relaxed));                                     \
+#define GEMM_AR_ENGINE_OPTION_SET(type, name_, initial, largest, what)                                   \
+    if (name == #name_) {                                                                            \
+      const type v = value.cast<type>();                                                             \
+      const auto as_int = static_cast<int64_t>(v);                                                   \
+      TORCH_CHECK_VALUE(as_int >= 0 && as_int <= (largest), "engine option '", name, "' must be in [0, ", \
+                        (largest), "]; got ", as_int);                                               \
+      return pybind11::cast(o.name_.exchange(v, std::memory_order_relaxed));                         \
     }
     GEMM_AR_ENGINE_OPTION_LIST(GEMM_AR_ENGINE_OPTION_SET)
 #undef GEMM_AR_ENGINE_OPTION_SET
     std::string known;
-#define GEMM_AR_ENGINE_OPTION_NAME(type, name_, initial, what) known += std::string(known.empty() ? "" : ", ") + #name_;
+#define GEMM_AR_ENGINE_OPTION_NAME(type, name_, initial, largest, what) \
+  known += std::string(known.empty() ? "" : ", ") + #name_;
     GEMM_AR_ENGINE_OPTION_LIST(GEMM_AR_ENGINE_OPTION_NAME)
 #undef GEMM_AR_ENGINE_OPTION_NAME
     TORCH_CHECK_VALUE(false, "unknown engine option '", name, "'; the options are: ", known);
@@ -132,6 +133,24 @@ void bind_engine_options(pybind11::module_& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch-gemm-ar native extension: pto::gemm_allreduce and its engines";
   bind_engine_options(m);
+  m.def("_op_table", [] {
+    pybind11::list out;
+    for (const auto& op : gemm_ar::kOps) {
+      out.append(pybind11::dict(pybind11::arg("name") = op.name, pybind11::arg("schema") = op.schema,
+                                pybind11::arg("kind") = static_cast<int>(op.kind),
+                                pybind11::arg("differentiable") = op.differentiable));
+    }
+    return out;
+  }, "the op family (op_table.h): name, schema, OpKind, whether autograd differentiates it");
+  m.def("_settings", [] {
+    pybind11::list out;
+    for (int i = 0; i < gemm_ar::setting_count(); ++i) {
+      const auto& s = gemm_ar::setting_info_at(i);
+      out.append(pybind11::dict(pybind11::arg("variable") = s.variable, pybind11::arg("default") = s.initial,
+                                pybind11::arg("read") = s.when, pybind11::arg("meaning") = s.what));
+    }
+    return out;
+  }, "every TORCH_GEMM_AR_* run-time setting the library reads (common/settings.h): variable, default, when read");
 #ifdef TORCH_GEMM_AR_TEST_HOOKS
   gemm_ar::test_hooks::bind(m);
 #endif
@@ -155,7 +174,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         "CPU fused engine: (tile rows, tile columns, stripe rows) a call of `op` ('gemm_allreduce', "
         "'add_rmsnorm', or a 2-D 'gemm_reduce_scatter' or 'allgather_gemm' whose whole M is m) of [M, K] x [K, N] in "
-        "the dtype of `like` takes on `world` local ranks, under this process's settings and switches (tests)");
+        "the dtype of `like` takes on `world` local ranks, under this process's settings and engine options (tests)");
+  m.def("_plan_call",
+        [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world, bool epilogue,
+           bool in_place) {
+          namespace cpu = gemm_ar::cpu;
+          const auto config = config_of_call("_plan_call", epilogue ? "add_rmsnorm" : op, m, k, n, like, world);
+          const bool gather = op == "allgather_gemm", scatter = op == "gemm_reduce_scatter";
+          // As FusedEngine lays the call out: sequence-parallel calls in one chunk per rank (2-D, whole M = m).
+          const int64_t chunks = gather || scatter ? world : 1, rows = gather || scatter ? m / world : m;
+          gemm_ar::TilePlan tiles{};
+          gemm_ar::RowChunks row_chunks{};
+          TORCH_CHECK_VALUE(gemm_ar::make_row_chunked_plan(&tiles, &row_chunks, chunks, rows, n, k, config.base_m,
+                                                           config.base_n, 1, 1, config.sub_m),
+                            "_plan_call: no tile plan for M=", m, " K=", k, " N=", n);
+          const at::ScalarType partial = gemm_ar::computes_in_fp32(like) ? at::kFloat : like.scalar_type();
+          const int64_t kind = gather ? gemm_ar::kOpAllgatherGemm
+                               : scatter ? gemm_ar::kOpGemmReduceScatter : gemm_ar::kOpGemmAllreduce;
+          const auto plan = cpu::plan_call(cpu::plan_inputs(kind, m, k, n, world, chunks, partial, like.scalar_type(),
+                                                            tiles, config, epilogue, in_place));
+          return pybind11::dict(pybind11::arg("flow") = cpu::data_flow_name(plan.flow),
+                                pybind11::arg("one_product") = plan.one_product,
+                                pybind11::arg("slot_output_bytes") = plan.slot_output_bytes,
+                                pybind11::arg("described") = cpu::describe(plan));
+        },
+        pybind11::arg("op"), pybind11::arg("m"), pybind11::arg("k"), pybind11::arg("n"), pybind11::arg("like"),
+        pybind11::arg("world"), pybind11::arg("epilogue") = false, pybind11::arg("in_place") = false,
+        "CPU fused engine: the data flow (cpu/call_plan.h) a call of `op` ('gemm_allreduce', or a 2-D "
+        "'gemm_reduce_scatter' or 'allgather_gemm' whose whole M is m; epilogue: add+RMSNorm, in_place: its in-place "
+        "form) of [M, K] x [K, N] in the dtype of `like` takes on `world` local ranks, under this process's settings");
   m.def("_call_multiplies_in_one_product",
         [](const std::string& op, int64_t m, int64_t k, int64_t n, const at::Tensor& like, int world) {
           const auto config = config_of_call("_call_multiplies_in_one_product", op, m, k, n, like, world);
@@ -190,7 +237,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CPU fused engine: gemm_allreduce calls this process ran with the gathered-inputs flow (tests)");
   m.def("_set_shared_output_slots", &gemm_ar::cpu::set_shared_output_slots, pybind11::arg("slots"),
         "CPU engine: output slots per window from the next call (TORCH_GEMM_AR_SHARED_OUTPUTS; 0: every output "
-        "private). Set it alike on every rank (ranks that differ get an error naming the engine's switches); returns "
+        "private). Set it alike on every rank (ranks that differ get an error naming the engine's options); returns "
         "the old value");
   m.def("_shared_output_calls", &gemm_ar::cpu::shared_output_call_count,
         "CPU fused engine: gemm_allreduce calls whose output this process put in a window slot (tests)");

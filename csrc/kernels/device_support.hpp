@@ -446,7 +446,7 @@ AICORE inline bool same_words(const Words& want, const Words& got) {
 
 // The plan and the operands alone (not who runs it or where the windows are): enough to know `out` and its shape,
 // so that a call refused for its header can still poison its output (docs/decisions/0005-bounded-waits-and-failure-reporting.md). sp_op: 0 for gemm_allreduce's
-// kernels, else the SpOpCode whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
+// kernels, else the OpKind whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
 AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op = 0) {
   const TilePlan& p = args.plan;
   if (args.magic != kKernelArgsMagic) return false;

@@ -59,7 +59,7 @@ constexpr int kQueueIdRereads = 4;  // a mismatching id is read again this often
 // Consumer side: every queue {c, c + Q, ...} of one comm block, each drained in order.
 class QueueCursor {
  public:
-  // sp_op: 0 for gemm_allreduce's walk, else the SpOpCode whose walk the producers follow (sequence_parallel.hpp).
+  // sp_op: 0 for gemm_allreduce's walk, else the OpKind whose walk the producers follow (sequence_parallel.hpp).
   AICORE inline void init(const KernelArgs& args, int64_t comm_block, uint32_t sp_op = 0) {
     sp_op_ = sp_op;
     count_ = static_cast<int32_t>(comm_block_queue_count(comm_block, args.compute_blocks, args.comm_blocks));

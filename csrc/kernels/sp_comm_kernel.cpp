@@ -56,7 +56,7 @@ class SpCommBlock : public CommBlockBase {
 
   // NaN over all of `out`: this rank's chunk (reduce-scatter; one chunk per rank) or every chunk's rows
   // (allgather).
-  AICORE inline void poison() { poison_rows<T>(op_ == kSpReduceScatter ? args_.chunks.rows : args_.plan.m); }
+  AICORE inline void poison() { poison_rows<T>(op_ == kOpGemmReduceScatter ? args_.chunks.rows : args_.plan.m); }
 
   AICORE inline void init_call() {
     queues_.init(args_, c_, op_);
@@ -69,13 +69,13 @@ class SpCommBlock : public CommBlockBase {
 
   // Step 1 of either op.
   AICORE inline void prepare() {
-    if (op_ == kSpReduceScatter) {
+    if (op_ == kOpGemmReduceScatter) {
       zero_own_chunk();
     } else {
       publish_shard();
     }
     // Zeros (reduce-scatter) or published rows (allgather) reach GM before the flag.
-    if (site_kept(op_ == kSpReduceScatter ? kControlRsZeroUnfenced : kControlAgPublishUnfenced)) release_fence();
+    if (site_kept(op_ == kOpGemmReduceScatter ? kControlRsZeroUnfenced : kControlAgPublishUnfenced)) release_fence();
     for (int32_t i = 0; i < world_; ++i) {
       const int32_t peer = (me_ + 1 + i) % world_;
       raise_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_,
@@ -90,7 +90,7 @@ class SpCommBlock : public CommBlockBase {
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
     int32_t announced = 0;  // owners whose prepared[owner][c] flag I have seen
-    int32_t consumed = op_ == kSpAllgather ? 0 : world_;  // peers seen done with my shard (allgather)
+    int32_t consumed = op_ == kOpAllgatherGemm ? 0 : world_;  // peers seen done with my shard (allgather)
     if (consumed == me_) ++consumed;
     while (!drained || !own_done() || !pulls_done() || announced < world_ || consumed < world_) {
       bool progress = false;
@@ -101,12 +101,12 @@ class SpCommBlock : public CommBlockBase {
           return false;
         }
         if (t >= 0) {
-          if (op_ == kSpReduceScatter ? !reduce_scatter_tile(t) : !copy_out_tile(t)) return false;
+          if (op_ == kOpGemmReduceScatter ? !reduce_scatter_tile(t) : !copy_out_tile(t)) return false;
           progress = true;
           drained = queues_.done();
         }
       }
-      if (op_ == kSpReduceScatter) {
+      if (op_ == kOpGemmReduceScatter) {
         while (!own_done() && try_own_subtile()) progress = true;
       } else {
         while (!pulls_done() && try_pull()) progress = true;
@@ -150,7 +150,7 @@ class SpCommBlock : public CommBlockBase {
 
   // The span's place in `out`: rows of this rank's chunk (reduce-scatter) or of every chunk (allgather).
   AICORE inline __gm__ T* out_at(const Span& s) const {
-    const int64_t row0 = op_ == kSpReduceScatter ? chunked_owner_row0(args_.plan, args_.chunks, s.mi, world_)
+    const int64_t row0 = op_ == kOpGemmReduceScatter ? chunked_owner_row0(args_.plan, args_.chunks, s.mi, world_)
                                                  : chunked_tile_row0(args_.plan, args_.chunks, s.mi);
     return gm_at<T>(args_.out, 0) + (row0 + s.row_in_tile) * args_.ldo + s.col0;
   }
@@ -217,7 +217,7 @@ class SpCommBlock : public CommBlockBase {
   // ---- reduce-scatter ----
 
   AICORE inline int64_t own_count() const {
-    if (op_ != kSpReduceScatter) return 0;
+    if (op_ != kOpGemmReduceScatter) return 0;
     const int64_t owned = run_owned_tile_count(args_.plan.tiles, world_, me_, run_) * args_.plan.stripes;
     return ag_subtile_count(c_, owned, args_.comm_blocks);
   }
@@ -327,7 +327,7 @@ class SpCommBlock : public CommBlockBase {
     }
   }
 
-  AICORE inline bool pulls_done() const { return op_ != kSpAllgather || pull_step_ >= world_; }
+  AICORE inline bool pulls_done() const { return op_ != kOpAllgatherGemm || pull_step_ >= world_; }
 
   // The next tile row to pull (peer me + pull_step_, row pull_row_), once that peer has published it. After a
   // peer's last row (or when this block has none of its rows), tells the peer its shard is no longer read.
@@ -438,11 +438,11 @@ AICORE inline void sp_comm_main(__gm__ uint8_t* args_gm, uint32_t op) {
 }  // namespace gemm_ar
 
 __global__ AICORE void GemmRsCommKernel(__gm__ uint8_t* args_gm) {
-  gemm_ar::device::sp_comm_main(args_gm, gemm_ar::kSpReduceScatter);
+  gemm_ar::device::sp_comm_main(args_gm, gemm_ar::kOpGemmReduceScatter);
 }
 
 __global__ AICORE void AgGemmCommKernel(__gm__ uint8_t* args_gm) {
-  gemm_ar::device::sp_comm_main(args_gm, gemm_ar::kSpAllgather);
+  gemm_ar::device::sp_comm_main(args_gm, gemm_ar::kOpAllgatherGemm);
 }
 
 #if !defined(__CPU_SIM)

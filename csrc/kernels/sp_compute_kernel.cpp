@@ -48,8 +48,8 @@ AICORE inline void compute_sp_items(const KernelArgs& args, int64_t block, uint3
   const TilePlan& p = args.plan;
   const RowChunks& c = args.chunks;
   RemoteWindows win;
-  if (op == kSpAllgather && !win.init(args)) return;  // the comm kernel finds and reports the same context
-  const bool add_bias = args.bias != 0 && (op == kSpAllgather || args.rank == args.bias_rank);
+  if (op == kOpAllgatherGemm && !win.init(args)) return;  // the comm kernel finds and reports the same context
+  const bool add_bias = args.bias != 0 && (op == kOpAllgatherGemm || args.rank == args.bias_rank);
   TileComputer<T, BLayoutCode> computer(args);
   int64_t ready_row = -1;  // the tile row last waited for (consecutive tiles of a row wait once)
   const int64_t items = sp_block_item_count(p, args.compute_blocks, block);
@@ -58,9 +58,9 @@ AICORE inline void compute_sp_items(const KernelArgs& args, int64_t block, uint3
     const int64_t mi = tile_row(p, t);
     const int32_t g = static_cast<int32_t>(chunk_of_tile_row(c, mi));
     ARows src{args.a, args.lda, chunked_tile_row0(p, c, mi)};  // reduce-scatter: a holds every chunk's rows
-    if (op == kSpAllgather && g == args.rank) {
+    if (op == kOpAllgatherGemm && g == args.rank) {
       src.row0 = chunked_owner_row0(p, c, mi, args.world);  // the caller's a is this rank's shard alone
-    } else if (op == kSpAllgather) {
+    } else if (op == kOpAllgatherGemm) {
       if (mi != ready_row) {
         if (site_kept(kControlAgNoRowWait) && !wait_row_ready(args, win, block, g, mi)) return;
         ready_row = mi;
@@ -102,11 +102,11 @@ AICORE inline void sp_compute_main(__gm__ uint8_t* args_gm, uint32_t op) {
 }  // namespace gemm_ar
 
 __global__ AICORE void GemmRsComputeKernel(__gm__ uint8_t* args_gm) {
-  gemm_ar::device::sp_compute_main(args_gm, gemm_ar::kSpReduceScatter);
+  gemm_ar::device::sp_compute_main(args_gm, gemm_ar::kOpGemmReduceScatter);
 }
 
 __global__ AICORE void AgGemmComputeKernel(__gm__ uint8_t* args_gm) {
-  gemm_ar::device::sp_compute_main(args_gm, gemm_ar::kSpAllgather);
+  gemm_ar::device::sp_compute_main(args_gm, gemm_ar::kOpAllgatherGemm);
 }
 
 #if !defined(__CPU_SIM)

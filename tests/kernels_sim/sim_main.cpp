@@ -51,7 +51,7 @@
 // after every other rank started the call, and only then does it launch its kernels; the bytes changed meanwhile
 // (the others wrote into a window HCCL still owned) are printed as "hccl_traffic_clobbered call rank N". The others
 // start the call once the bytes are in place.
-// op (gemm_ar::SpOpCode, default 0 = gemm_allreduce): 1 runs GemmRsComputeKernel/GemmRsCommKernel (m is every
+// op (gemm_ar::OpKind, default 0 = gemm_allreduce): 1 runs GemmRsComputeKernel/GemmRsCommKernel (m is every
 // rank's full M, out<rank> its m / world rows), 2 runs AgGemmComputeKernel/AgGemmCommKernel (m is each rank's
 // shard, out<rank> world * m rows, and c<call>_gathered<rank>.bin the gathered a the host would return).
 // op 3 (kSimAddRmsNorm, the host's kOpGemmAllreduceAddRmsnorm) runs gemm_allreduce's pair with the add+RMSNorm
@@ -111,7 +111,7 @@ constexpr uint32_t kSimAddRmsNorm = 3;  // Job::op of gemm_allreduce with the ad
 
 struct Job {
   int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
-  uint32_t op = 0;  // 0: gemm_allreduce; kSimAddRmsNorm; else the SpOpCode of a sequence-parallel kernel pair
+  uint32_t op = 0;  // 0: gemm_allreduce; kSimAddRmsNorm; else the OpKind of a sequence-parallel kernel pair
   bool epilogue = false;  // an eps followed the op: every call carries the add+RMSNorm epilogue arguments
   float eps = 0;
   uint32_t dtype = 0, timeout_us = 0;
@@ -161,7 +161,7 @@ Job read_job(const std::string& dir) {
   int calls = 0;
   f >> job.world >> job.compute_blocks >> job.comm_blocks >> job.dtype >> job.timeout_us >> job.window_offset >>
       job.seed >> job.topology >> word;
-  if (word != "calls") {  // optional: the op (gemm_ar::SpOpCode; absent or 0 = gemm_allreduce)
+  if (word != "calls") {  // optional: the op (gemm_ar::OpKind; absent or 0 = gemm_allreduce)
     job.op = static_cast<uint32_t>(std::stoul(word));
     f >> word;
     if (word != "calls") {  // optional: eps, and with it the epilogue
@@ -210,8 +210,8 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.wait_timeout_us = job.timeout_us;
   // Sequence-parallel ops: one row chunk per rank, the rank's rows (reduce-scatter: m is every rank's full M) or shard
   // (allgather: m is each rank's shard).
-  const int64_t m_sub = job.op == gemm_ar::kSpReduceScatter ? s.m / job.world : s.m;
-  const bool sequence_parallel = job.op == gemm_ar::kSpReduceScatter || job.op == gemm_ar::kSpAllgather;
+  const int64_t m_sub = job.op == gemm_ar::kOpGemmReduceScatter ? s.m / job.world : s.m;
+  const bool sequence_parallel = job.op == gemm_ar::kOpGemmReduceScatter || job.op == gemm_ar::kOpAllgatherGemm;
   if (sequence_parallel ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
                   : !gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
     std::fprintf(stderr, "plan_kernel_args rejected m=%lld n=%lld k=%lld\n", static_cast<long long>(s.m),
@@ -362,8 +362,8 @@ int run(const std::string& dir) {
     for (int r = 0; r < world; ++r) {
       a_in[c].push_back(read_file(pre + "a" + std::to_string(r) + ".bin", static_cast<size_t>(s.m * s.lda) * elem));
       // 0xFF: the NaN pattern, unwritten stays NaN; 0 where a test wants to see the kernel's poison.
-      const int64_t out_rows = job.op == gemm_ar::kSpReduceScatter ? s.m / world
-                               : job.op == gemm_ar::kSpAllgather   ? s.m * world
+      const int64_t out_rows = job.op == gemm_ar::kOpGemmReduceScatter ? s.m / world
+                               : job.op == gemm_ar::kOpAllgatherGemm   ? s.m * world
                                                                    : s.m;
       out[c].emplace_back(static_cast<size_t>(out_rows * s.ldo) * elem, static_cast<unsigned char>(s.out_fill));
     }
@@ -481,11 +481,11 @@ int run(const std::string& dir) {
             a.epoch_counter = reinterpret_cast<uint64_t>(&counters[slot]);
             a.epoch = s.epoch + 1000u + static_cast<uint32_t>(r);  // what a replay would carry: stale, per rank
           }
-          const auto compute_kernel = job.op == gemm_ar::kSpReduceScatter ? GemmRsComputeKernel
-                                      : job.op == gemm_ar::kSpAllgather   ? AgGemmComputeKernel
+          const auto compute_kernel = job.op == gemm_ar::kOpGemmReduceScatter ? GemmRsComputeKernel
+                                      : job.op == gemm_ar::kOpAllgatherGemm   ? AgGemmComputeKernel
                                                                           : GemmComputeKernel;
-          const auto comm_kernel = job.op == gemm_ar::kSpReduceScatter ? GemmRsCommKernel
-                                   : job.op == gemm_ar::kSpAllgather   ? AgGemmCommKernel
+          const auto comm_kernel = job.op == gemm_ar::kOpGemmReduceScatter ? GemmRsCommKernel
+                                   : job.op == gemm_ar::kOpAllgatherGemm   ? AgGemmCommKernel
                                                                        : GemmCommKernel;
           const auto run_compute = [&]() { return launch(compute_kernel, job.compute_blocks, &a,
                                                          compute_cores[slot].get()); };
@@ -500,7 +500,7 @@ int run(const std::string& dir) {
             std::vector<std::thread> compute = run_compute();
             const int others = world - 1 - (s.skip_rank >= 0 ? 1 : 0);
             // Allgather: the others' compute kernels need this rank's rows, so only the delay applies there.
-            while (job.op != gemm_ar::kSpAllgather && computed[c].load() < others) {
+            while (job.op != gemm_ar::kOpAllgatherGemm && computed[c].load() < others) {
               std::this_thread::sleep_for(std::chrono::milliseconds(1));
             }
             std::this_thread::sleep_for(std::chrono::microseconds(s.late_us));
@@ -524,7 +524,7 @@ int run(const std::string& dir) {
               if (t.joinable()) t.join();
             }
           }
-          if (job.op == gemm_ar::kSpAllgather && s.bad_rank != r) {
+          if (job.op == gemm_ar::kOpAllgatherGemm && s.bad_rank != r) {
             // The gathered a the host returns: the scratch's first world * m x k elements.
             const size_t bytes = static_cast<size_t>(world * s.m * s.k) * elem;
             gathered[c][r].assign(static_cast<unsigned char*>(scratch[slot]->ptr),
@@ -559,7 +559,7 @@ int run(const std::string& dir) {
         write_file(dir + "/c" + std::to_string(c) + "_normed" + std::to_string(r) + ".bin", normed[c][r].data(),
                    normed[c][r].size());
       }
-      if (job.op == gemm_ar::kSpAllgather) {
+      if (job.op == gemm_ar::kOpAllgatherGemm) {
         write_file(dir + "/c" + std::to_string(c) + "_gathered" + std::to_string(r) + ".bin", gathered[c][r].data(),
                    gathered[c][r].size());
       }

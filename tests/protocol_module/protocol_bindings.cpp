@@ -205,8 +205,8 @@ void bind_layout(py::module_& m) {
 
 // The NPU sequence-parallel kernels' walk over a row-chunked plan (sequence_parallel.hpp).
 void bind_sequence_parallel(py::module_& m) {
-  m.attr("kSpReduceScatter") = static_cast<uint32_t>(kSpReduceScatter);
-  m.attr("kSpAllgather") = static_cast<uint32_t>(kSpAllgather);
+  m.attr("kOpGemmReduceScatter") = static_cast<uint32_t>(kOpGemmReduceScatter);
+  m.attr("kOpAllgatherGemm") = static_cast<uint32_t>(kOpAllgatherGemm);
   m.def("sp_chunks_usable", &sp_chunks_usable, py::arg("chunks"), py::arg("world"));
   m.def("sp_item_tile", &sp_item_tile, py::arg("plan"), py::arg("chunks"), py::arg("me"), py::arg("op"),
         py::arg("item"));

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/op_flow.h"
+#include "common/row_epilogue.h"
 
 namespace gemm_ar {
 
@@ -24,10 +25,8 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
 void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at::Tensor& weight, double eps,
                       at::Tensor& normed2d, int64_t row0, int64_t rows, bool parallel);
 
-// A fused path that runs a per-row-block epilogue itself: it calls `epilogue(out, row0, rows)` exactly once for
-// every row of its [M, N] row-major output `out`, once those rows are final on this rank. A defined `add_into`
-// (contiguous [M, N]): the path adds its result into that tensor, which is its output (the in-place variant).
-using RowEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
+// A fused path that runs a per-row-block epilogue itself (common/row_epilogue.h). A defined `add_into` (contiguous
+// [M, N]): the path adds its result into that tensor, which is its output (the in-place variant).
 using FusedWithEpilogue = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&,
                                                    const at::Tensor& add_into)>;
 

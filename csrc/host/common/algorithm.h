@@ -18,7 +18,7 @@ enum class Algorithm : int64_t {
 
 // The `algorithm=` names (auto, sequential, chunked, fused).
 std::optional<Algorithm> parse_algorithm(std::string_view name);
-// Those and the tuner's own candidates (the tune cache, test switches).
+// Those and the tuner's own candidates (the tune cache, test hooks).
 std::optional<Algorithm> parse_tuned_algorithm(std::string_view name);
 // Fused, with or without a forced tile family.
 bool is_fused(Algorithm algorithm);

@@ -150,10 +150,10 @@ AutoTuner& AutoTuner::instance() {
   return *tuner;
 }
 
-bool AutoTuner::enabled() { return env_int("TORCH_GEMM_AR_AUTOTUNE", 1, 0, 1) == 1; }
+bool AutoTuner::enabled() { return env_int(Setting::kAutotune, 1, 0, 1) == 1; }
 
 std::string AutoTuner::cache_path() const {
-  if (const char* path = std::getenv("TORCH_GEMM_AR_TUNE_CACHE"); path != nullptr && *path) return path;
+  if (const char* path = env_text(Setting::kTuneCache); path != nullptr && *path) return path;
   const char* xdg = std::getenv("XDG_CACHE_HOME");
   const char* home = std::getenv("HOME");
   const std::string base = xdg != nullptr && *xdg ? xdg : std::string(home != nullptr ? home : "/tmp") + "/.cache";

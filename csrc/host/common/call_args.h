@@ -1,6 +1,7 @@
 // Argument checking and normalisation of one gemm_allreduce call (the rules of docs/architecture.md §1).
 #pragma once
 #include <ATen/ATen.h>
+#include <gemm_ar/op_kind.hpp>
 
 #include <optional>
 #include <string>
@@ -46,13 +47,7 @@ struct CallArgs {
   AgreementPayload* payload = nullptr;  // set by the op flow for calls whose result may ride on the agreement
 };
 
-// The ops sharing this flow (signature field `op`).
-enum OpKind : int64_t {
-  kOpGemmAllreduce = 0,
-  kOpGemmReduceScatter = 1,
-  kOpAllgatherGemm = 2,
-  kOpGemmAllreduceAddRmsnorm = 3,
-};
+// The ops sharing this flow (signature field `op`): OpKind of gemm_ar/op_kind.hpp.
 
 // Validates and normalises; never throws for bad user input (the message is carried in `error` so that every
 // rank can raise together after the agreement exchange).

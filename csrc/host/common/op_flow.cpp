@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/auto_tuner.h"
+#include "common/current_op.h"
 #include "common/host_clock.h"
 #include "common/portable_algorithms.h"
 #include "common/rank_agreement.h"
@@ -95,6 +96,7 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
   auto group = resolve_group(group_name);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
   if (extra_checks && call.error.empty()) extra_checks(call);
+  const CurrentOp op(call.op_name);  // errors deep in the engines name this op
   if (group->getSize() == 1) {
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);
@@ -119,9 +121,9 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
         return backend.run_fused(call, *group);
       case Algorithm::Auto: break;
     }
-    TORCH_CHECK(false, "gemm_allreduce: internal error: no algorithm chosen");
+    TORCH_CHECK(false, current_op(), ": internal error: no algorithm chosen");
   });
-  TORCH_CHECK(false, "gemm_allreduce: internal error: no algorithm chosen");
+  TORCH_CHECK(false, current_op(), ": internal error: no algorithm chosen");
 }
 
 }  // namespace gemm_ar

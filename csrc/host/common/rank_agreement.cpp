@@ -4,6 +4,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/current_op.h"
 #include "common/settings.h"
 
 namespace gemm_ar {
@@ -27,7 +28,8 @@ const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dt
                                                    "it on, or eps)",
                                                    kTuneStepFieldName,
                                                    "the CPU engine's options (torch_gemm_ar.engine_options, "
-                                                   "TORCH_GEMM_AR_SHARED_OUTPUTS)"};
+                                                   "TORCH_GEMM_AR_SHARED_OUTPUTS, whether TORCH_GEMM_AR_CPU_TILE "
+                                                   "is set)"};
 
 // The sequence-parallel ops compare their sharded dim together with the rows of one chunk along it and the dims
 // after it (K excluded): [2, 6, K] and [4, 3, K] along dim 1 agree on M but not on how rows interleave by rank.
@@ -174,7 +176,7 @@ std::vector<CallSignature> exchange_cpu_buffer(c10d::ProcessGroup& group, const 
   }
   if (payload != nullptr && payload->data.defined()) {
     TORCH_CHECK(payload->data.numel() <= kAgreementPayloadSlots && payload->data.scalar_type() == at::kFloat,
-                "gemm_allreduce: internal error: agreement payload too large or not fp32");
+                current_op(), ": internal error: agreement payload too large or not fp32");
     buffer.narrow(0, table_slots, payload->data.numel()).copy_(payload->data.reshape({-1}));
   }
   exchange(group, buffer);

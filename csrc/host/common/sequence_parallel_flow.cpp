@@ -1,5 +1,6 @@
 #include "common/sequence_parallel_flow.h"
 
+#include "common/current_op.h"
 #include "common/local_gemm.h"
 #include "common/portable_algorithms.h"
 #include "common/shard_collectives.h"
@@ -61,6 +62,7 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
   auto group = resolve_group(group_name, kReduceScatterName);
   const int64_t world = group->getSize();
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes, kReduceScatterName);
+  const CurrentOp op(call.op_name);  // errors deep in the engines name this op
   call.op = kOpGemmReduceScatter;
   check_shard_dim(call, a, "scatter_dim", scatter_dim);
   if (call.error.empty() && call.out_shape[call.shard_dim] % world != 0) {
@@ -90,6 +92,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
     const BackendHooks& backend) {
   auto group = resolve_group(group_name, kAllgatherName);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes, kAllgatherName);
+  const CurrentOp op(call.op_name);  // errors deep in the engines name this op
   call.op = kOpAllgatherGemm;
   check_shard_dim(call, a, "gather_dim", gather_dim);
   reject_chunked(call);

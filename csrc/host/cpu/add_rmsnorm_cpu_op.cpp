@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
     c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
   const std::string_view name(group_name.data(), group_name.size());
   std::tuple<at::Tensor, at::Tensor> result;
-  with_call_engine(name, [&] {
+  with_call_engine("gemm_allreduce_add_rmsnorm", name, [&] {
     // A fresh [M, N] buffer costs page faults on every call (cpu/output_pool.h): normed is pooled like out.
     result = run_gemm_allreduce_add_rmsnorm(a, b, residual, norm_weight, name, eps, bias,
                                             std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
@@ -35,7 +35,7 @@ at::Tensor gemm_allreduce_add_rmsnorm_inplace_cpu(const at::Tensor& a, const at:
                                                   c10::string_view algorithm) {
   const std::string_view name(group_name.data(), group_name.size());
   at::Tensor normed;
-  with_call_engine(name, [&] {
+  with_call_engine("gemm_allreduce_add_rmsnorm_", name, [&] {
     normed = run_gemm_allreduce_add_rmsnorm_inplace(a, b, residual, norm_weight, name, eps, bias,
                                                     std::string_view(algorithm.data(), algorithm.size()),
                                                     cpu_backend(), &run_fused_with_epilogue, &pooled_empty);

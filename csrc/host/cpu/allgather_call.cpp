@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "common/current_op.h"
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
 
@@ -86,7 +87,7 @@ void run_gather_compute(CallJob& job, const std::function<bool()>& progress) {
         bounded_wait([&] { return job.rows_arrived[mi].load(std::memory_order_acquire) != 0; },
                      [&] { return progress ? progress() : false; }, [&] { watch_peers(job, call_name); },
                      [&] {
-                       return "gemm_allreduce: rank " + std::to_string(run_owner_of(mi, job.world, c.m_tiles)) +
+                       return current_op() + ": rank " + std::to_string(run_owner_of(mi, job.world, c.m_tiles)) +
                               " did not publish tile row " + std::to_string(mi) + " of its shard in " + call_name + wait_bound(job);
                      },
                      bell, job.timeout, &job.abort);

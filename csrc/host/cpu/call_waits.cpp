@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "common/current_op.h"
 #include "cpu/call_header.h"
 
 namespace gemm_ar::cpu {
@@ -19,7 +20,7 @@ void watch_peers(const CallJob& job, const std::string& call_name) {
     if (r != job.rank && abandoned(job.windows[r], job.epoch)) {
       // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
       job.window_set->check_peers_alive(("during " + call_name).c_str());
-      throw std::runtime_error("gemm_allreduce: rank " + std::to_string(r) + " abandoned " + call_name +
+      throw std::runtime_error(current_op() + ": rank " + std::to_string(r) + " abandoned " + call_name +
                                " (see that rank's error) [rank " + std::to_string(job.rank) + "]");
     }
   }

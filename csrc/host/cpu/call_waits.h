@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/current_op.h"
 #include "cpu/fused_call.h"
 
 namespace gemm_ar::cpu {
@@ -67,14 +68,14 @@ inline uint32_t* window_word(uint8_t* p) { return reinterpret_cast<uint32_t*>(p)
 // "0, 2, 3"
 std::string rank_list(const std::vector<int>& ranks);
 
-// "gemm_allreduce: rank(s) 1, 3": how a timed-out wait's message begins, naming the ranks r (other than `except`;
+// "<op>: rank(s) 1, 3": how a timed-out wait's message begins, naming the ranks r (other than `except`;
 // -1: none) for which late(r) still holds.
 template <class Late>
 std::string late_ranks(int world, int except, Late late) {
   std::vector<int> ranks;
   for (int r = 0; r < world; ++r)
     if (r != except && late(r)) ranks.push_back(r);
-  return "gemm_allreduce: rank(s) " + rank_list(ranks);
+  return current_op() + ": rank(s) " + rank_list(ranks);
 }
 
 // Throws when a peer died or abandoned the call (checked while waiting).
@@ -90,7 +91,7 @@ inline bool tile_ready(const CallJob& job, int r, int64_t t) {
   return is_current(job, load_acquire(window_word(job.region(r, tile_flag_entry_offset(job.layout, t)))));
 }
 
-// "gemm_allreduce: rank(s) 1, 3 did not deliver tile 7 of call 12 within ...": the ranks whose partial of tile t
+// "<op>: rank(s) 1, 3 did not deliver tile 7 of call 12 within ...": the ranks whose partial of tile t
 // (owned by this rank) has not arrived.
 std::string undelivered_tile(const CallJob& job, int64_t t);
 

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <memory>
 
+#include "common/current_op.h"
 #include "common/op_flow.h"
 #include "common/rank_agreement.h"
 #include "common/test_hooks.h"
@@ -22,7 +23,7 @@ namespace gemm_ar::cpu {
 thread_local FusedEngine* current_engine = nullptr;
 
 FusedEngine& engine_of_this_call(c10d::ProcessGroup& group) {
-  TORCH_CHECK(current_engine != nullptr, "gemm_allreduce: internal error: no engine for group '",
+  TORCH_CHECK(current_engine != nullptr, current_op(), ": internal error: no engine for group '",
               group.getGroupName(), "' on this thread");
   return *current_engine;
 }
@@ -99,7 +100,9 @@ const BackendHooks& cpu_backend() {
   return hooks;
 }
 
-void with_call_engine(std::string_view name, const std::function<void()>& body) {
+void with_call_engine(std::string_view op_name, std::string_view name, const std::function<void()>& body) {
+  const std::string op(op_name);
+  const CurrentOp naming(op);  // the engine's setup below names the op too
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   try {
     group = c10d::resolve_process_group(std::string(name));
@@ -124,7 +127,7 @@ at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::str
                               const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
   const std::string_view name(group_name.data(), group_name.size());
   at::Tensor out;
-  with_call_engine(name, [&] {
+  with_call_engine("gemm_allreduce", name, [&] {
     out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend());
   });
   return out;

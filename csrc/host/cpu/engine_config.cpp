@@ -13,13 +13,13 @@
 namespace gemm_ar::cpu {
 
 bool tile_from_environment() {
-  const char* tile = std::getenv("TORCH_GEMM_AR_CPU_TILE");
+  const char* tile = env_text(Setting::kCpuTile);
   return tile != nullptr && *tile != '\0';
 }
 
 EngineConfig engine_config(int local_ranks) {
   EngineConfig config{256, 512, 64, 1, 1, false};
-  if (const char* tile = std::getenv("TORCH_GEMM_AR_CPU_TILE"); tile != nullptr && *tile != '\0') {
+  if (const char* tile = env_text(Setting::kCpuTile); tile != nullptr && *tile != '\0') {
     long long m = 0, n = 0, s = 0;
     char tail = 0;
     const int fields = std::sscanf(tile, "%lld,%lld,%lld%c", &m, &n, &s, &tail);
@@ -36,8 +36,8 @@ EngineConfig engine_config(int local_ranks) {
   static const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
   const int64_t share = std::max<int64_t>(1, cores / std::max(1, local_ranks));
   const int64_t default_compute = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), share));
-  config.compute_blocks = env_int("TORCH_GEMM_AR_COMPUTE_THREADS", default_compute, 1, 1024);
-  const int64_t comm_threads = env_int("TORCH_GEMM_AR_COMM_THREADS", share <= 1 ? 0 : 1, 0, 64);
+  config.compute_blocks = env_int(Setting::kComputeThreads, default_compute, 1, 1024);
+  const int64_t comm_threads = env_int(Setting::kCommThreads, share <= 1 ? 0 : 1, 0, 64);
   config.comm_inline = comm_threads == 0;
   config.comm_blocks = std::max<int64_t>(1, comm_threads);
   TORCH_CHECK(!config.comm_inline || config.compute_blocks == 1,

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/current_op.h"
 #include "common/test_hooks.h"
 #include "cpu/fused_call.h"
 #include "cpu/fused_engine.h"
@@ -162,7 +163,7 @@ std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
     std::lock_guard<std::mutex> lock(reg.mutex);
     auto inherited = reg.inherited.find(name);
     TORCH_CHECK(inherited == reg.inherited.end() || inherited->second != &group,
-                "gemm_allreduce: process group '", name, "' was set up for the CPU fused engine by process ",
+                current_op(), ": process group '", name, "' was set up for the CPU fused engine by process ",
                 reg.parent, " before it forked this process (pid ", getpid(),
                 "); its shared windows and comm threads belong to the parent. Create process groups in the child "
                 "(or start workers with the 'spawn' method) to call gemm_allreduce there.");

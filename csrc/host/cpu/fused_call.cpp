@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "common/current_op.h"
 #include "common/test_hooks.h"
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
@@ -53,7 +54,7 @@ bool poll_signatures(const std::vector<uint8_t*>& windows, const WindowSet& wind
       case PeerCallState::kAbandoned:
         // A peer abandons the call when it finds a rank dead: name the dead rank here too, not only the messenger.
         window_set.check_peers_alive(("before call " + std::to_string(epoch)).c_str());
-        throw CallRejected("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch) +
+        throw CallRejected(current_op() + ": rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch) +
                            " before it started (see that rank's error) [rank " + std::to_string(rank) + "]");
     }
   }
@@ -191,14 +192,14 @@ class CommBlock {
     if (!validated_) {
       bounded_wait([&] { return try_validate(); }, [&] { return drain(); }, [&] { watch(); },
                    [&] { return c_ == 0 ? missing_ranks(arrived_, epoch_, job_.timeout, me_)
-                                        : std::string("gemm_allreduce: internal: call header check did not finish"); },
+                                        : (current_op() + ": internal: call header check did not finish"); },
                    bell_, job_.timeout, &job_.abort);
     }
     // Overlap off: comm after the whole GEMM, the "sequential (same engine)" row of
     // docs/decisions/0012-benchmark-measures.md.
     if (!job_.overlap && job_.op != kOpAllgatherGemm) {
       bounded_wait([&] { return job_.compute_done.load(std::memory_order_acquire); }, no_progress, [&] { watch(); },
-                   [&] { return "gemm_allreduce: the GEMM did not finish in time"; }, bell_, job_.timeout,
+                   [&] { return current_op() + ": the GEMM did not finish in time"; }, bell_, job_.timeout,
                    &job_.abort);
     }
     const auto& items = job_.items[c_];
@@ -216,7 +217,7 @@ class CommBlock {
           return true;
         },
         [&] { return drain(); }, [&] { watch(); },
-        [&] { return "gemm_allreduce: the local GEMM did not finish " + call_name_ + " in time"; }, bell_,
+        [&] { return current_op() + ": the local GEMM did not finish " + call_name_ + " in time"; }, bell_,
         job_.timeout, &job_.abort);
     if (job_.op == kOpAllgatherGemm && c_ == 0) finish_gather();
   }
@@ -245,7 +246,7 @@ class CommBlock {
   // call counts too (that peer has moved on, so it finished this one).
   void finish_gather() {
     bounded_wait([&] { return job_.copies_left.load(std::memory_order_acquire) == 0; }, no_progress,
-                 [&] { watch(); }, [&] { return "gemm_allreduce: internal: shard copies did not finish"; }, bell_,
+                 [&] { watch(); }, [&] { return current_op() + ": internal: shard copies did not finish"; }, bell_,
                  job_.timeout, &job_.abort);
     store_release(window_word(job_.region(me_, final_entry_offset(w_, 0))), epoch_);
     for (int r = 0; r < world_; ++r)
@@ -305,11 +306,11 @@ class CommBlock {
 
   std::string late(const WorkItem& item) const {
     if (job_.op == kOpAllgatherGemm) {
-      return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not publish tile row " +
+      return current_op() + ": rank " + std::to_string(item.owner) + " did not publish tile row " +
              std::to_string(item.tile) + " of its shard in " + call_name_ + wait_bound(job_);
     }
     if (item.owner != me_) {
-      return "gemm_allreduce: rank " + std::to_string(item.owner) + " did not finish its subtile " +
+      return current_op() + ": rank " + std::to_string(item.owner) + " did not finish its subtile " +
              std::to_string(item.local_id) + " of " + call_name_ + wait_bound(job_);
     }
     return undelivered_tile(job_, item.tile);
@@ -355,7 +356,7 @@ class CommBlock {
       int64_t stride = p_.pad_n;
       if (slot != kRowsInBank) {
         TORCH_CHECK(slot <= static_cast<uint32_t>(job_.output_slots) && job_.output_slot_bytes > 0,
-                    "gemm_allreduce: rank ", item.owner, " names output slot ", slot,
+                    current_op(), ": rank ", item.owner, " names output slot ", slot,
                     " that the windows do not have [rank ", me_, "]");
         source = job_.windows[item.owner] +
                  output_slot_offset(job_.output_slots_offset, job_.output_slot_bytes, static_cast<int>(slot) - 1) +
@@ -414,6 +415,7 @@ void guarded(CallJob& job, Body body) {
 }  // namespace
 
 void run_comm_block(CallJob& job, int64_t c) {
+  const CurrentOp op(job.call->op_name);  // a comm thread: its errors name the call's op
   guarded(job, [&] { CommBlock(job, c).finish(); });
 }
 

@@ -22,6 +22,7 @@
 
 #include "common/local_gemm.h"
 #include "common/rank_agreement.h"
+#include "common/row_epilogue.h"
 #include "cpu/engine_options.h"
 #include "cpu/shm_sync.h"
 #include "cpu/window_set.h"
@@ -53,11 +54,6 @@ struct WorkItem {
   int64_t tile, stripe;  // allgather_gemm: tile = the tile row
   int64_t step;      // when the tile is computed: its position in its compute block's walk
 };
-
-// Optional epilogue of a fused op (e.g. add+RMSNorm): called once per finished row block, with the whole output's
-// base `out` and the block's rows [row0, row0 + rows), by the comm block that made the block's last subtile final
-// on this rank, so the rows are normalised while the copy-out has them in cache (no later pass over the output).
-using RowBlockEpilogue = std::function<void(void* out, int64_t row0, int64_t rows)>;
 
 struct CallJob {
   int64_t op = kOpGemmAllreduce;  // OpKind; gemm_allreduce_add_rmsnorm runs as gemm_allreduce
@@ -116,7 +112,7 @@ struct CallJob {
   // Where the output slots start in every window, their size and how many there are (0: the windows have none).
   int64_t output_slots_offset = 0, output_slot_bytes = 0, output_slots = 0;
   std::vector<std::vector<WorkItem>> items;  // per comm block
-  RowBlockEpilogue row_epilogue;              // may be empty
+  RowEpilogue row_epilogue;                   // common/row_epilogue.h; may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.
   std::unique_ptr<std::atomic<int64_t>[]> row_block_done;
 

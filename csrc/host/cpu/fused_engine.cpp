@@ -8,9 +8,11 @@
 #include <cstdlib>
 #include <optional>
 
+#include "common/current_op.h"
 #include "common/settings.h"
 #include "common/test_hooks.h"
 #include "cpu/call_header.h"
+#include "cpu/call_plan.h"
 #include "cpu/call_waits.h"
 #include "cpu/gathered_inputs.h"
 #include "cpu/host_identity.h"
@@ -82,7 +84,7 @@ FusedEngine::FusedEngine(c10d::ProcessGroup& group)
   const std::string me = host_identity();
   // TORCH_GEMM_AR_CPU_ENGINE=0 on any rank turns the engine off for the whole group (as if the ranks were on
   // several hosts: `auto` then picks a portable algorithm), so it rides on the exchange every rank makes anyway.
-  const bool enabled = env_int("TORCH_GEMM_AR_CPU_ENGINE", 1, 0, 1) != 0;
+  const bool enabled = env_int(Setting::kCpuEngine, 1, 0, 1) != 0;
   auto values = exchange_over_store(*store, "gemm_ar/hosts", rank_, world_,
                                     me + "|" + (enabled ? "1" : "0") + "|" + std::to_string(getpid()), wait_timeout(),
                                     nullptr);
@@ -234,7 +236,7 @@ void FusedEngine::grow(const LayoutParams& need, int64_t slot_bytes) {
     for (int r = 0; r < world_; ++r) {
       if (r != rank_ && abandoned(old[r], epoch_)) {
         windows_->check_peers_alive("while growing the shared windows");  // name a dead rank behind the abandon
-        raise("gemm_allreduce: rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch_) +
+        raise(current_op() + ": rank " + std::to_string(r) + " abandoned call " + std::to_string(epoch_) +
                   " (see that rank's error)" + where(),
               true);
       }
@@ -293,7 +295,7 @@ void FusedEngine::run_with_comm_threads(CallJob& job) {
   try {
     run_compute_blocks(job, nullptr);
   } catch (const std::exception& e) {
-    job.fail(std::string("gemm_allreduce: the local GEMM failed: ") + e.what() + where(), false);
+    job.fail((current_op() + ": the local GEMM failed: ") + e.what() + where(), false);
   }
   job.compute_done.store(true, std::memory_order_release);
   for (int64_t c = 0; c < job.comm_blocks; ++c) doorbell(job.windows[rank_], c).ring();
@@ -303,7 +305,7 @@ void FusedEngine::run_with_comm_threads(CallJob& job) {
   job_ = nullptr;
   if (!done) {
     poisoned_ = "comm threads did not finish";
-    TORCH_CHECK(false, "gemm_allreduce: internal error: comm threads did not finish", where());
+    TORCH_CHECK(false, current_op(), ": internal error: comm threads did not finish", where());
   }
 }
 
@@ -400,7 +402,7 @@ void FusedEngine::execute(CallJob& job) {
     try {
       run_call_inline(job);
     } catch (const std::exception& e) {
-      job.fail(std::string("gemm_allreduce: the local GEMM failed: ") + e.what() + where(), false);
+      job.fail((current_op() + ": the local GEMM failed: ") + e.what() + where(), false);
     }
   } else {
     run_with_comm_threads(job);
@@ -411,7 +413,7 @@ void FusedEngine::execute(CallJob& job) {
   }
 }
 
-at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_epilogue, const at::Tensor& add_into) {
+at::Tensor FusedEngine::run(const CallArgs& call, const RowEpilogue& row_epilogue, const at::Tensor& add_into) {
   const bool scatter = call.op == kOpGemmReduceScatter;
   TORCH_CHECK(!add_into.defined() || (!scatter && add_into.is_contiguous() && add_into.numel() == call.m * call.n &&
                                       add_into.scalar_type() == call.dtype),
@@ -425,35 +427,17 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowBlockEpilogue& row_ep
   // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
   CallJob job;
-  // The data flow: the same inputs on every rank (the agreed call, the engine options, the plan) give the same
-  // choice, except where this rank's output goes (a free slot or not), which only this rank's peers need to know.
+  // The data flow (cpu/call_plan.h): the same on every rank, except where this rank's output goes (a free slot or
+  // not), which only this rank's peers need to know.
   auto choose_flow = [&](CallJob& j) -> int64_t {
-    const EngineOptions& options = engine_options();
-    // One core per rank: nothing would overlap the comm blocks' reduction, so save its memory traffic instead.
-    j.owner_reduces_in_compute = config_.comm_inline && option(options.overlap) && option(options.owner_last);
-    j.gathered_inputs = config_.gathered_inputs && j.owner_reduces_in_compute && call.op == kOpGemmAllreduce &&
-                        j.chunks.count == 1 && !row_epilogue && !add_into.defined() &&
-                        j.partial_dtype == call.dtype &&
-                        gathered_input_bytes(call.m, call.k, call.n, j.partial_elem) <=
-                            j.plan.pad_m * j.plan.pad_n * j.partial_elem;
-    // Small outputs: what every rank reads from its peers in one shot, (world - 1) whole partials, at most 4 MiB
-    // (world 2 reads as much either way; on the Intel VM one-shot was 1.04-1.09x faster at decode sizes and within
-    // noise, 0.97-1.0x, from 1 MiB up: docs/journal/performance-journal.md).
-    // Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to copy, and one shot
-    // reduces the whole output on every rank (1.02-1.05x slower than two phases at four sizes on an Intel Xeon with
-    // AMX). It decides how the window is used.
-    const int64_t one_shot_reads = call.m * call.n * j.partial_elem * (world_ - 1);
-    j.one_shot = j.owner_reduces_in_compute && !j.gathered_inputs && j.op == kOpGemmAllreduce && world_ > 1 &&
-                 j.partial_elem >= 4 && one_shot_reads <= kOneShotMaxReadBytes && option(options.one_shot);
-    j.one_product = multiplies_in_one_product(config_) && j.owner_reduces_in_compute && !j.gathered_inputs &&
-                    j.op == kOpGemmAllreduce && j.chunks.count == 1;
-    // Peers copy the owners' rows from their outputs (in the owner-last walk, where the owner writes them once and
-    // last); not where the output is changed after the rows are final (an epilogue, the in-place residual).
-    const bool slot_output = j.owner_reduces_in_compute && !j.one_shot && j.op == kOpGemmAllreduce && world_ > 1 &&
-                             !row_epilogue && !add_into.defined() &&
-                             call.m * call.n * j.out_elem >= kMinSlotOutputBytes &&
-                             shared_output_slots() > 0;
-    return slot_output ? call.m * call.n * j.out_elem : 0;
+    const CallPlan flow = plan_call(plan_inputs(j.op, call.m, call.k, call.n, world_, j.chunks.count, j.partial_dtype,
+                                                call.dtype, j.plan, config_, static_cast<bool>(row_epilogue),
+                                                add_into.defined()));
+    j.owner_reduces_in_compute = flow.owner_reduces_in_compute();
+    j.gathered_inputs = flow.flow == DataFlow::kGatheredInputs;
+    j.one_shot = flow.flow == DataFlow::kOneShot;
+    j.one_product = flow.one_product;
+    return flow.slot_output_bytes;
   };
   const bool wants_slot = prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false)
                                                                : RowChunks{1, call.m, 0}, {}, choose_flow) > 0;
@@ -535,7 +519,9 @@ std::tuple<at::Tensor, at::Tensor> FusedEngine::run_allgather(const CallArgs& ca
   // 1.14x -> 1.09x the GEMM alone).
   std::optional<PackedBPanels> panels;  // outlives the call's products
   use_packed_panels(gemm, job.plan, job.compute_blocks, panels);
-  job.one_product = gathers_in_one_product(config_);
+  job.one_product = plan_call(plan_inputs(job.op, m, call.k, call.n, world_, job.chunks.count, job.partial_dtype,
+                                          call.dtype, job.plan, config_, false, false))
+                        .one_product;
   plan_work(job);  // sizes rows_arrived, which publish_shard sets for the local rows
   publish_shard(job, call.a2d);
   execute(job);

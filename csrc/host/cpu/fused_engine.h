@@ -56,7 +56,7 @@ class FusedEngine {
   // gemm_allreduce, or gemm_reduce_scatter (call.op): then this rank's chunk of the reduced product.
   // `add_into` (gemm_allreduce only; contiguous [M, N] of the call's dtype): the output is added into this tensor
   // in place (the in-place add+RMSNorm's residual) and it is returned, instead of a new output.
-  at::Tensor run(const CallArgs& call, const RowBlockEpilogue& row_epilogue = {}, const at::Tensor& add_into = {});
+  at::Tensor run(const CallArgs& call, const RowEpilogue& row_epilogue = {}, const at::Tensor& add_into = {});
   // allgather_gemm: (all_gather(a) @ b (+ bias), the gathered a).
   std::tuple<at::Tensor, at::Tensor> run_allgather(const CallArgs& call);
 

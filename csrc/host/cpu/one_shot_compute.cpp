@@ -22,6 +22,7 @@
 #include <atomic>
 #include <vector>
 
+#include "common/current_op.h"
 #include "common/test_hooks.h"
 #include "cpu/call_header.h"
 #include "cpu/call_waits.h"
@@ -38,7 +39,7 @@ int64_t one_shot_call_count() { return one_shot_calls.load(std::memory_order_rel
 
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
   TORCH_CHECK(job.compute_blocks == 1 && job.op == kOpGemmAllreduce,
-              "gemm_allreduce: internal: the one-shot reduction is for one compute block of gemm_allreduce");
+              current_op(), ": internal: the one-shot reduction is for one compute block of gemm_allreduce");
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   uint32_t* count = window_word(job.region(job.rank, queue_count_offset(w, 0)));

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/current_op.h"
 #include "common/settings.h"
 
 namespace gemm_ar::cpu {
@@ -33,7 +34,7 @@ class OutputPool final : public c10::Allocator {
     Block* block = take(bytes);
     if (block == nullptr) {
       void* data = nullptr;
-      TORCH_CHECK(posix_memalign(&data, kAlignment, bytes) == 0, "gemm_allreduce: out of memory allocating ",
+      TORCH_CHECK(posix_memalign(&data, kAlignment, bytes) == 0, current_op(), ": out of memory allocating ",
                   bytes, " bytes for the output");
       block = new Block{data, bytes};
     }
@@ -58,7 +59,7 @@ class OutputPool final : public c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
  private:
-  OutputPool() : limit_(static_cast<size_t>(env_int("TORCH_GEMM_AR_OUTPUT_CACHE_MB", 512, 0, 1 << 20)) << 20) {}
+  OutputPool() : limit_(static_cast<size_t>(env_int(Setting::kOutputCacheMb, 512, 0, 1 << 20)) << 20) {}
 
   Block* take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);

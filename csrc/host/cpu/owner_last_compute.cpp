@@ -15,6 +15,7 @@
 
 #include <vector>
 
+#include "common/current_op.h"
 #include "common/test_hooks.h"
 #include "cpu/call_waits.h"
 #include "cpu/fused_call.h"
@@ -56,7 +57,7 @@ void multiply_whole_partial(const CallJob& job, uint8_t* partial) {
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
   const bool scatter = job.op == kOpGemmReduceScatter;
   TORCH_CHECK(job.compute_blocks == 1 && (scatter || job.op == kOpGemmAllreduce),
-              "gemm_allreduce: internal: the owner-last walk is for one compute block of gemm_allreduce or "
+              current_op(), ": internal: the owner-last walk is for one compute block of gemm_allreduce or "
               "gemm_reduce_scatter");
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;

@@ -82,7 +82,7 @@ PackedBPanels::PackedBPanels(const at::Tensor& b, int64_t panel_cols, int64_t ti
     total += ceil_div(static_cast<int64_t>(bytes), 64) * 64;  // each panel 64-byte aligned
   }
   // The packed panels live for the whole call (about twice b's bytes): large weights keep at::mm.
-  if (total > env_int("TORCH_GEMM_AR_PACKED_B_MAX_MB", 256, 0, 1 << 20) * (int64_t{1} << 20)) return;
+  if (total > env_int(Setting::kPackedBMaxMb, 256, 0, 1 << 20) * (int64_t{1} << 20)) return;
   storage_ = pooled_empty(1, total / 4 + 16, at::kFloat);  // + 64 bytes to align the base
   packed_.reset(new std::once_flag[panels]);
   usable_ = true;

@@ -22,7 +22,7 @@ int shared_output_slots() {
   int value = slots.load();
   if (value < 0) {
     // First use: the environment's choice, unless another thread set one meanwhile.
-    const auto from_env = static_cast<int>(env_int("TORCH_GEMM_AR_SHARED_OUTPUTS", 0, 0, kMaxOutputSlots));
+    const auto from_env = static_cast<int>(env_int(Setting::kSharedOutputs, 0, 0, kMaxOutputSlots));
     slots.compare_exchange_strong(value, from_env);
     value = slots.load();
   }

@@ -11,6 +11,8 @@
 #include <random>
 #include <utility>
 
+#include "common/current_op.h"
+
 namespace gemm_ar::cpu {
 namespace {
 
@@ -26,7 +28,7 @@ void* map_fd(int fd, size_t bytes, const std::string& name) {
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int err = errno;
   close(fd);
-  TORCH_CHECK(data != MAP_FAILED, "gemm_allreduce: mmap of shared-memory window ", name, " (", bytes,
+  TORCH_CHECK(data != MAP_FAILED, current_op(), ": mmap of shared-memory window ", name, " (", bytes,
               " bytes) failed: ", std::strerror(err));
   return data;
 }
@@ -53,12 +55,12 @@ SharedSegment& SharedSegment::operator=(SharedSegment&& other) noexcept {
 SharedSegment SharedSegment::create(size_t bytes, const std::string& name_hint) {
   std::string name = "/tgar-" + name_hint + "-" + random_suffix();
   int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "gemm_allreduce: shm_open(", name, ") failed: ", std::strerror(errno));
+  TORCH_CHECK(fd >= 0, current_op(), ": shm_open(", name, ") failed: ", std::strerror(errno));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     close(fd);
     shm_unlink(name.c_str());
-    TORCH_CHECK(false, "gemm_allreduce: cannot size shared-memory window ", name, " to ", bytes,
+    TORCH_CHECK(false, current_op(), ": cannot size shared-memory window ", name, " to ", bytes,
                 " bytes: ", std::strerror(err), " (is /dev/shm large enough?)");
   }
   try {
@@ -71,12 +73,12 @@ SharedSegment SharedSegment::create(size_t bytes, const std::string& name_hint) 
 
 SharedSegment SharedSegment::open(const std::string& name, size_t bytes) {
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "gemm_allreduce: cannot open a peer's shared-memory window ", name, ": ",
+  TORCH_CHECK(fd >= 0, current_op(), ": cannot open a peer's shared-memory window ", name, ": ",
               std::strerror(errno));
   struct stat info {};
   if (fstat(fd, &info) != 0 || static_cast<size_t>(info.st_size) < bytes) {
     close(fd);
-    TORCH_CHECK(false, "gemm_allreduce: peer window ", name, " is smaller than the agreed ", bytes, " bytes");
+    TORCH_CHECK(false, current_op(), ": peer window ", name, " is smaller than the agreed ", bytes, " bytes");
   }
   return SharedSegment(map_fd(fd, bytes, name), bytes, name);
 }

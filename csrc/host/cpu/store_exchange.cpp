@@ -5,6 +5,8 @@
 #include <sstream>
 #include <thread>
 
+#include "common/current_op.h"
+
 namespace gemm_ar::cpu {
 
 std::vector<std::string> exchange_over_store(c10d::Store& store, const std::string& prefix, int rank, int world,
@@ -23,7 +25,7 @@ std::vector<std::string> exchange_over_store(c10d::Store& store, const std::stri
       for (int r = 0; r < world; ++r) {
         if (!store.check({key(r)})) missing << (missing.tellp() ? ", " : "") << r;
       }
-      TORCH_CHECK(false, "gemm_allreduce: rank(s) ", missing.str(), " did not arrive at '", prefix, "' within ",
+      TORCH_CHECK(false, current_op(), ": rank(s) ", missing.str(), " did not arrive at '", prefix, "' within ",
                   timeout.count() / 1000.0, " s (TORCH_GEMM_AR_TIMEOUT_S) [rank ", rank, "]");
     }
     std::this_thread::sleep_for(pause);

@@ -1,5 +1,6 @@
 #include "cpu/tile_kernels.h"
 
+#include "common/current_op.h"
 #include "common/element_casts.h"
 #include "cpu/reduce_avx512.h"
 
@@ -86,7 +87,7 @@ void reduce_rows(const ReduceRows& job) {
   // Partials already in half precision (CPUs with native half-precision GEMMs): summed in fp32.
   if (in == at::kBFloat16 && out == at::kBFloat16) return reduce_bf16(job);
   if (in == at::kHalf && out == at::kHalf) return reduce_typed<c10::Half, float, c10::Half>(job);
-  TORCH_CHECK(false, "gemm_allreduce: no CPU reduction from ", in, " partials to ", out);
+  TORCH_CHECK(false, current_op(), ": no CPU reduction from ", in, " partials to ", out);
 }
 
 void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows,

@@ -5,6 +5,7 @@
 
 #include <cerrno>
 
+#include "common/current_op.h"
 #include "cpu/store_exchange.h"
 
 namespace gemm_ar::cpu {
@@ -16,7 +17,7 @@ void WindowSet::check_peers_alive(const char* context) const {
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     if (kill(pids_[r], 0) != 0 && errno == ESRCH) {
-      TORCH_CHECK(false, "gemm_allreduce: rank ", r, " (pid ", pids_[r], ") died ", context, " [rank ", rank_, "]");
+      TORCH_CHECK(false, current_op(), ": rank ", r, " (pid ", pids_[r], ") died ", context, " [rank ", rank_, "]");
     }
   }
 }
@@ -37,7 +38,7 @@ void WindowSet::resize(size_t bytes, uint64_t round, std::chrono::milliseconds t
     for (int r = 0; r < world_; ++r) {
       const auto bar = names[r].rfind('|');
       const std::string name = names[r].substr(0, bar);
-      TORCH_CHECK(std::stoull(names[r].substr(bar + 1)) == bytes, "gemm_allreduce: rank ", r,
+      TORCH_CHECK(std::stoull(names[r].substr(bar + 1)) == bytes, current_op(), ": rank ", r,
                   " sized its window differently (", names[r].substr(bar + 1), " vs ", bytes, " bytes)");
       names[r] = name;
       next[r] = std::make_shared<SharedSegment>(r == rank_ ? std::move(mine) : SharedSegment::open(name, bytes));

@@ -16,6 +16,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include "common/current_op.h"
 #include "common/kernel_timeout.h"
 #include "common/settings.h"
 #include "npu/hccl_context_layout.h"
@@ -217,8 +218,8 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     // (docs/ascend.md, "Co-residency").
     const int64_t max_compute = std::min(cube, kMaxComputeBlocks);
     const int64_t max_comm = std::clamp<int64_t>(vector / 2, 1, kMaxCommBlocks);
-    local.compute_blocks = env_int("TORCH_GEMM_AR_NPU_COMPUTE_BLOCKS", max_compute, 1, max_compute);
-    local.comm_blocks = env_int("TORCH_GEMM_AR_NPU_COMM_BLOCKS", max_comm, 1, max_comm);
+    local.compute_blocks = env_int(Setting::kNpuComputeBlocks, max_compute, 1, max_compute);
+    local.comm_blocks = env_int(Setting::kNpuCommBlocks, max_comm, 1, max_comm);
   } catch (const SetupError& e) {
     local.stage = e.stage;
     local.error = e.what();
@@ -362,7 +363,7 @@ CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device) {
   // A second device would set the group up again, a collective its peers are not in: refused (HCCL binds a
   // process group to one device per rank).
   for (const auto& [other_key, other] : *registry) {
-    TORCH_CHECK_VALUE(other->group_name != group.getGroupName(), "gemm_allreduce: group '", group.getGroupName(),
+    TORCH_CHECK_VALUE(other->group_name != group.getGroupName(), current_op(), ": group '", group.getGroupName(),
                       "' runs its fused calls on ", other->device.str(), " on this rank; got tensors on ",
                       device.str(), " (use one device per rank and group, as HCCL does)");
   }

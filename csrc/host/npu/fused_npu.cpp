@@ -12,6 +12,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/current_op.h"
 #include "common/kernel_timeout.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
@@ -86,8 +87,8 @@ Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
 
 // The sequence-parallel kernel pair a call runs (gemm_ar/sequence_parallel.hpp), 0 for gemm_allreduce's.
 uint32_t sp_op_of(const CallArgs& call) {
-  if (call.op == kOpGemmReduceScatter) return kSpReduceScatter;
-  if (call.op == kOpAllgatherGemm) return kSpAllgather;
+  if (call.op == kOpGemmReduceScatter) return kOpGemmReduceScatter;
+  if (call.op == kOpAllgatherGemm) return kOpAllgatherGemm;
   return 0;
 }
 
@@ -103,7 +104,7 @@ bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   const uint32_t sp_op = sp_op_of(call);
   if (sp_op == 0) return plan_kernel_args(args, call.m, call.n, call.k);
   // One row chunk per rank: a reduce-scatter's is the rank's rows of the output, an allgather's its shard (its a).
-  const int64_t m_sub = sp_op == kSpReduceScatter ? call.m / state.world : call.m;
+  const int64_t m_sub = sp_op == kOpGemmReduceScatter ? call.m / state.world : call.m;
   return plan_sp_kernel_args(args, sp_op, m_sub, call.n, call.k);
 }
 
@@ -239,7 +240,7 @@ class NpuStreamRuntime {
 template <class Launch>
 void queue_in_group_order(CommState& state, const c10_npu::NPUStream& caller, const Launch& launch) {
   const c10_npu::NPUStream comm = c10_npu::getStreamFromExternal(state.comm_stream, caller.device_index());
-  TORCH_CHECK(comm != caller, "gemm_allreduce: the current stream is the group's comm stream; fused calls cannot "
+  TORCH_CHECK(comm != caller, current_op(), ": the current stream is the group's comm stream; fused calls cannot "
               "be queued from it");
   NpuStreamRuntime runtime(state);
   const std::string earlier = queue_fused_call(runtime, state.order, caller, comm, launch);
@@ -371,7 +372,7 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   });
   // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp), which a
   // stream being captured cannot do: raised after queuing, as every rank queued the call.
-  if (env_int("TORCH_GEMM_AR_NPU_SYNC_ERRORS", 0, 0, 1) == 1) {
+  if (env_int(Setting::kNpuSyncErrors, 0, 0, 1) == 1) {
     TORCH_CHECK(!capturing(), call.op_name, ": TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 waits for every call, which a stream "
                 "being captured into a graph cannot; unset it while capturing (check_errors() reports after replays)");
     wait_and_raise_errors(state);

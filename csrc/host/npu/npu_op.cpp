@@ -50,7 +50,7 @@ void warn_fallback_once(const FusedCheck& check, const std::string& op_name, con
 }
 
 Algorithm choose_auto(const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
-  const int64_t min_rows = env_int("TORCH_GEMM_AR_NPU_FUSED_MIN_ROWS", kDefaultFusedMinRows, 0, INT64_MAX);
+  const int64_t min_rows = env_int(Setting::kNpuFusedMinRows, kDefaultFusedMinRows, 0, INT64_MAX);
   if (call.m < min_rows) return Algorithm::Sequential;
   if (fused_available) return Algorithm::Fused;
   // The sequence-parallel ops have no `chunked`: their fallback is `sequential` (reason worded in the warning).

@@ -35,17 +35,14 @@
 #include <cstdint>
 
 #include "kernel_args.hpp"
+#include "op_kind.hpp"
 #include "ownership.hpp"
 #include "row_chunks.hpp"
 #include "swizzle.hpp"
 
 namespace gemm_ar {
 
-// Which sequence-parallel kernel pair a KernelArgs is planned for (the values of the host's OpKind).
-enum SpOpCode : uint32_t {
-  kSpReduceScatter = 1,
-  kSpAllgather = 2,
-};
+// The sequence-parallel kernel pairs are those of kOpGemmReduceScatter and kOpAllgatherGemm (op_kind.hpp).
 
 // The NPU kernels' row chunks: one per rank (the sharded dim is dim 0).
 GEMM_AR_FN bool sp_chunks_usable(const RowChunks& c, int64_t world) { return c.count == world && c.rows > 0; }
@@ -59,7 +56,7 @@ GEMM_AR_FN int64_t sp_item_tile(const TilePlan& plan, const RowChunks& c, int64_
   const int64_t per_chunk = chunk_tile_count(plan, c);
   if (per_chunk <= 0 || c.count <= 0) return 0;  // no items: nothing to walk
   const int64_t step = item / per_chunk;
-  const int64_t g = op == kSpReduceScatter ? (me + 1 + step) % c.count : (me + step) % c.count;
+  const int64_t g = op == kOpGemmReduceScatter ? (me + 1 + step) % c.count : (me + step) % c.count;
   return chunk_tile(plan, c, g, zigzag_tile(item % per_chunk, plan.n_tiles));
 }
 
@@ -78,7 +75,7 @@ GEMM_AR_FN KernelLayout make_sp_kernel_layout(const TilePlan& plan, const RowChu
                                               int64_t world, int64_t compute_blocks, int64_t comm_blocks,
                                               uint32_t op) {
   LayoutRegionBytes r{};
-  if (op == kSpReduceScatter) {
+  if (op == kOpGemmReduceScatter) {
     const int64_t run = chunk_ownership_run(plan, c);
     // The tiles of the rank that owns the most.
     r.reduced = run_owned_tile_count(plan.tiles, world, 0, run) * plan.base_m * plan.base_n * elem_bytes;
@@ -106,7 +103,7 @@ GEMM_AR_FN int64_t sp_row_ready_flag_offset(const KernelLayout& k, int64_t mi) {
 // plan_kernel_args for the sequence-parallel kernels: m_sub is the rows of one chunk (the reduce-scatter's output
 // rows of one rank, the allgather's shard); false where the kernels cannot run the call.
 GEMM_AR_FN bool plan_sp_kernel_args(KernelArgs* args, uint32_t op, int64_t m_sub, int64_t n, int64_t k) {
-  if (op != kSpReduceScatter && op != kSpAllgather) return false;
+  if (op != kOpGemmReduceScatter && op != kOpAllgatherGemm) return false;
   if (!kernel_counts_plannable(args) || m_sub <= 0 || n <= 0 || k <= 0) return false;
   if (!plan_npu_tiles(args, args->world, m_sub, n, k)) return false;
   args->layout = make_sp_kernel_layout(args->plan, args->chunks, dtype_bytes(args->dtype), args->world,

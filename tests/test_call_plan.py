@@ -1,0 +1,102 @@
+"""The CPU engine's data flow as a value (csrc/host/cpu/call_plan.h, through _C._plan_call): a table of calls and the
+flow each takes, then random calls against an independent statement of the rules (docs/architecture.md). No ranks."""
+import random
+
+import pytest
+import torch
+
+from scoped_env import engine_switch
+from torch_gemm_ar import _C
+
+MiB = 1 << 20
+F32, BF16, F64 = torch.empty(0), torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float64)
+
+
+def plan(op, m, k, n, like=F32, world=2, **kw):
+    return _C._plan_call(op, m, k, n, like, world, **kw)
+
+
+def flow(*args, **kw):
+    return plan(*args, **kw)["flow"]
+
+
+def test_the_table(one_core_env):
+    bf16_partial = 4 if _C._computes_in_fp32(BF16) else 2
+    rows = [
+        # op, m, k, n, like, world, keywords -> flow
+        (("gemm_allreduce", 64, 64, 64), {}, "one-shot"),
+        (("gemm_allreduce", 1024, 256, 1024), {}, "one-shot"),  # (world - 1) x 4 MiB: at the bound
+        (("gemm_allreduce", 1024, 256, 1024, F32, 3), {}, "owner-last"),  # twice the bound
+        (("gemm_allreduce", 2048, 256, 1024), {}, "owner-last"),
+        (("gemm_allreduce", 64, 64, 64, F32, 1), {}, "owner-last"),  # one rank: nobody to read from
+        (("gemm_allreduce", 64, 64, 64, F64), {}, "one-shot"),
+        (("gemm_allreduce", 64, 64, 64, BF16), {}, "one-shot" if bf16_partial == 4 else "owner-last"),
+        (("gemm_allreduce", 64, 64, 64), {"epilogue": True}, "one-shot"),
+        (("gemm_allreduce", 2048, 64, 1024), {"epilogue": True, "in_place": True}, "owner-last"),
+        (("gemm_reduce_scatter", 64, 64, 64), {}, "owner-last"),  # never one shot: each rank keeps its chunk only
+        (("allgather_gemm", 64, 64, 64), {}, "gathered-shards"),
+    ]
+    for args, kw, want in rows:
+        assert flow(*args, **kw) == want, (args, kw, plan(*args, **kw))
+    # A comm thread per rank: the comm blocks reduce, whatever the size.
+    one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
+    assert flow("gemm_allreduce", 64, 64, 64) == "comm-blocks"
+    assert flow("allgather_gemm", 64, 64, 64) == "gathered-shards"
+
+
+@pytest.mark.parametrize("option,value,want", [("one_shot", False, "owner-last"), ("owner_last", False, "comm-blocks"),
+                                               ("overlap", False, "comm-blocks")])
+def test_options_change_the_flow(one_core_env, option, value, want):
+    assert flow("gemm_allreduce", 64, 64, 64) == "one-shot"
+    with engine_switch(option, value):
+        assert flow("gemm_allreduce", 64, 64, 64) == want
+    assert flow("gemm_allreduce", 64, 64, 64) == "one-shot"
+
+
+def test_output_slots(one_core_env):
+    with engine_switch(_C._set_shared_output_slots, 8):
+        got = plan("gemm_allreduce", 1100, 64, 1000)  # 4.4 MB of fp32 partials: past the one-shot bound
+        assert got["flow"] == "owner-last" and got["slot_output_bytes"] == 1100 * 1000 * 4, got
+        assert "output slot of 4400000 bytes" in got["described"]
+        assert plan("gemm_allreduce", 1100, 64, 1000, epilogue=True)["slot_output_bytes"] == 0
+        assert plan("gemm_allreduce", 64, 64, 64)["slot_output_bytes"] == 0  # one shot keeps its rows in the bank
+    assert plan("gemm_allreduce", 1100, 64, 1000)["slot_output_bytes"] == 0
+
+
+def expected(op, m, k, n, like, world, epilogue, in_place, comm_inline, options, slots):
+    """The rules, stated independently of the C++ (allgather_gemm aside, whose flow is fixed)."""
+    if op == "allgather_gemm":
+        return "gathered-shards", 0
+    if not (comm_inline and options["overlap"] and options["owner_last"]):
+        return "comm-blocks", 0
+    partial = 4 if like.dtype == torch.float32 or _C._computes_in_fp32(like) else like.element_size()
+    partial = 8 if like.dtype == torch.float64 else partial
+    allreduce = op == "gemm_allreduce"
+    one_shot = (allreduce and world > 1 and partial >= 4 and m * n * partial * (world - 1) <= 4 * MiB
+                and options["one_shot"])
+    slot = (not one_shot and allreduce and world > 1 and not epilogue and not in_place
+            and m * n * like.element_size() >= MiB and slots > 0)
+    return ("one-shot" if one_shot else "owner-last"), (m * n * like.element_size() if slot else 0)
+
+
+def test_random_calls_follow_the_rules(one_core_env):
+    rng = random.Random(20261204)
+    for _ in range(400):
+        op = rng.choice(["gemm_allreduce", "gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"])
+        world = rng.randint(1, 4)
+        m = rng.choice([1, 5, 64, 300, 1024, 1500, 2500]) * (world if op != "gemm_allreduce" else 1)
+        k, n = rng.choice([1, 7, 64, 256, 3000]), rng.choice([1, 9, 128, 1000, 2100])
+        like = rng.choice([F32, BF16, F64])
+        epilogue = op == "gemm_allreduce" and rng.random() < 0.3
+        in_place = epilogue and rng.random() < 0.5
+        comm_inline = rng.random() < 0.8
+        options = {name: rng.random() < 0.8 for name in ("overlap", "owner_last", "one_shot")}
+        slots = rng.choice([0, 0, 8])
+        one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "0" if comm_inline else "1")
+        with engine_switch(_C._set_shared_output_slots, slots), \
+                engine_switch("overlap", options["overlap"]), engine_switch("owner_last", options["owner_last"]), \
+                engine_switch("one_shot", options["one_shot"]):
+            got = plan(op, m, k, n, like, world, epilogue=epilogue, in_place=in_place)
+        want = expected(op, m, k, n, like, world, epilogue, in_place, comm_inline, options, slots)
+        assert (got["flow"], got["slot_output_bytes"]) == want, (op, m, k, n, like.dtype, world, epilogue, in_place,
+                                                                 comm_inline, options, slots, got)
