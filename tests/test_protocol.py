@@ -285,7 +285,7 @@ def _check_chunk_numbering(plan, chunks, one, world):
     seen = []
     for g in range(chunks.count):
         owner = g % world
-        assert P.chunk_owner(g, world) == owner
+        assert P.owner_of(g, world) == owner  # chunk g's rank
         for i in range(chunks.m_tiles):
             mi = P.chunk_tile_row(chunks, g, i)
             assert mi == g * one.m_tiles + i and P.chunk_of_tile_row(chunks, mi) == g
@@ -293,7 +293,7 @@ def _check_chunk_numbering(plan, chunks, one, world):
         for t in range(per_chunk):
             tile = P.chunk_tile(plan, chunks, g, t)
             seen.append(tile)
-            assert P.chunk_of_tile(plan, chunks, tile) == g
+            assert P.chunk_of_tile_row(chunks, P.tile_row(plan, tile)) == g
             assert P.tile_row(plan, tile) == g * one.m_tiles + P.tile_row(one, t)
             assert P.tile_col(plan, tile) == P.tile_col(one, t)
             assert P.run_owner_of(tile, world, run) == owner
@@ -340,7 +340,7 @@ def test_row_chunked_plans():
             assert P.run_owner_of(t, world, run) == P.chunk_of_tile_row(chunks, P.tile_row(plan, t)) % world
         _check_chunk_numbering(plan, chunks, one, world)
     plain = P.make_tile_plan(100, 50, 3, 16, 16, 1, 1, 4)
-    single = P.single_chunk(plain)
+    _, single = P.make_row_chunked_plan(1, 100, 50, 3, 16, 16, 1, 1, 4)  # one chunk: the plain plan's rows
     assert (single.count, single.rows, single.m_tiles) == (1, 100, plain.m_tiles)
     assert all(P.chunked_tile_rows(plain, single, mi) == P.tile_rows(plain, mi) for mi in range(plain.m_tiles + 1))
     assert P.make_row_chunked_plan(0, 5, 5, 5, 4, 4, 1, 1, 2) is None
@@ -390,7 +390,8 @@ def test_sequence_parallel_walk():
                         for step in range(world) for i in range(per_chunk)]
                 order = [P.sp_item_tile(plan, chunks, me, op, item) for item in range(plan.tiles)]
                 assert order == want and sorted(order) == list(range(plan.tiles))
-                assert P.chunk_of_tile(plan, chunks, order[-1 if op == P.kOpGemmReduceScatter else 0]) == me
+                last = order[-1 if op == P.kOpGemmReduceScatter else 0]
+                assert P.chunk_of_tile_row(chunks, P.tile_row(plan, last)) == me
                 for b in range(blocks + 1):
                     count = P.sp_block_item_count(plan, blocks, b)
                     walked = [P.sp_block_item(plan, chunks, me, op, blocks, b, j) for j in range(count)]
@@ -417,7 +418,6 @@ def test_every_owned_subtile_gathered_by_exactly_one_comm_block():
             # Reversed stripes: subtile l goes to block Q-1-(l mod Q); its doorbell is that block's.
             assert c == comm_blocks - 1 - l % comm_blocks
             assert P.ag_block_of(l, comm_blocks) == c
-            assert P.doorbell_index(l, comm_blocks) == c
         counts = [P.ag_subtile_count(c, owned, comm_blocks) for c in range(comm_blocks)]
         assert counts == sorted(counts)  # the RS-heavy low blocks gather the fewest subtiles
         assert P.ag_subtile_count(comm_blocks, owned, comm_blocks) == 0
@@ -455,15 +455,11 @@ def random_layout_params(rng):
 
 def layout_regions(w, compute_blocks):
     return {
-        "header": (w.header_offset, w.header_bytes),
         "partial": (w.partial_offset, w.partial_bytes),
         "reduced0": (w.reduced_offset[0], w.reduced_bytes),
         "reduced1": (w.reduced_offset[1], w.reduced_bytes),
         "tile_flag": (w.tile_flag_offset, w.tile_flag_bytes),
-        "ready0": (w.ready_offset[0], w.ready_bytes),
-        "ready1": (w.ready_offset[1], w.ready_bytes),
         "final": (w.final_offset, w.final_bytes),
-        "doorbell": (w.doorbell_offset, w.doorbell_bytes),
         "queues": (w.queue_offset, compute_blocks * w.queue_stride),
     }
 
@@ -471,7 +467,7 @@ def layout_regions(w, compute_blocks):
 def test_window_layout_regions_aligned_disjoint_and_sized():
     rng = random.Random(61)
     align, line = P.kWindowAlign, P.kCacheLine
-    assert (align, line, P.kHeaderBytes) == (512, 64, 512)
+    assert (align, line) == (512, 64)
     for _ in range(CONFIGS):
         plan, world, compute_blocks, comm_blocks, elem_bytes, partial_elem_bytes = random_layout_params(rng)
         params = P.make_layout_params(plan, elem_bytes, partial_elem_bytes, world, compute_blocks, comm_blocks)
@@ -483,12 +479,11 @@ def test_window_layout_regions_aligned_disjoint_and_sized():
         w = P.make_window_layout(params)
 
         elems = plan.pad_m * plan.pad_n
-        assert w.header_bytes == 512
+        assert w.partial_offset == 0
         assert w.partial_bytes == elems * partial_elem_bytes
         assert w.reduced_bytes == elems * elem_bytes
         assert w.tile_flag_bytes == 4 * plan.tiles
-        assert w.ready_bytes == 4 * owned_max and w.final_bytes == 4 * owned_max
-        assert w.doorbell_bytes == comm_blocks * line
+        assert w.final_bytes == 4 * owned_max
         assert w.queue_stride % line == 0 and w.queue_stride >= 4 * (1 + queue_capacity)
         assert w.queue_stride < 4 * (1 + queue_capacity) + line  # no more than one line of slack
 
@@ -517,17 +512,12 @@ def test_layout_entry_offsets_stay_in_their_regions():
             last = P.reduced_entry_offset(w, bank, plan.pad_m - 1, plan.pad_n - 1, plan.pad_n, elem_bytes)
             assert P.reduced_entry_offset(w, bank, 0, 0, plan.pad_n, elem_bytes) == w.reduced_offset[bank]
             assert last + elem_bytes == w.reduced_offset[bank] + w.reduced_bytes
-            for l in range(params.max_owned_subtiles):
-                assert P.ready_entry_offset(w, bank, l) == w.ready_offset[bank] + 4 * l
         if partial_elem_bytes:
             last = P.partial_entry_offset(w, plan.pad_m - 1, plan.pad_n - 1, plan.pad_n, partial_elem_bytes)
             assert last + partial_elem_bytes == w.partial_offset + w.partial_bytes
         assert P.tile_flag_entry_offset(w, plan.tiles - 1) + 4 == w.tile_flag_offset + w.tile_flag_bytes
         for l in range(params.max_owned_subtiles):
             assert P.final_entry_offset(w, l) == w.final_offset + 4 * l
-        lines = {P.doorbell_entry_offset(w, c) // P.kCacheLine for c in range(comm_blocks)}
-        assert len(lines) == comm_blocks  # one doorbell per cache line
-        assert P.doorbell_entry_offset(w, comm_blocks - 1) + 4 <= w.doorbell_offset + w.doorbell_bytes
         for b in range(compute_blocks):
             count_at = P.queue_count_offset(w, b)
             assert count_at == w.queue_offset + b * w.queue_stride and count_at % P.kCacheLine == 0
@@ -548,7 +538,7 @@ def test_layout_params_validation_and_align_up():
         x, a = rng.randint(0, 10 ** 7), rng.choice([1, 4, 64, 512, 1000])
         got = P.align_up(x, a)
         assert got % a == 0 and x <= got < x + a
-    # The NPU case: no partial region, so it takes no bytes.
+    # No partial region (the all-gather keeps its shard there, sized by its own parameters): it takes no bytes.
     w = P.make_window_layout(P.LayoutParams(**good))
     assert w.partial_bytes == 0 and w.reduced_offset[0] % 512 == 0
 
@@ -560,8 +550,7 @@ def test_epoch_counters_wrap_safely():
     rng = random.Random(91)
     for _ in range(CONFIGS):
         epoch, per_call = rng.randint(0, 2 ** 40), rng.randint(1, 64)
-        target = P.epoch_target(epoch, per_call)
-        assert target == (epoch * per_call) % 2 ** 32
+        target = (epoch * per_call) % 2 ** 32  # a counter of per_call increments per call, after `epoch` calls
         behind, ahead = rng.randint(1, 2 ** 31 - 1), rng.randint(0, 2 ** 31 - 1)
         assert P.counter_reached((target + ahead) % 2 ** 32, target)
         assert not P.counter_reached((target - behind) % 2 ** 32, target)

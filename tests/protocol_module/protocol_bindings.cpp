@@ -106,13 +106,10 @@ void bind_ownership_and_schedule(py::module_& m) {
       },
       py::arg("count"), py::arg("rows"), py::arg("n"), py::arg("k"), py::arg("base_m"), py::arg("base_n"),
       py::arg("base_k"), py::arg("k_slices"), py::arg("sub_m"));
-  m.def("single_chunk", &single_chunk, py::arg("plan"));
   m.def("chunk_of_tile_row", &chunk_of_tile_row, py::arg("chunks"), py::arg("mi"));
   m.def("chunk_tile_count", &chunk_tile_count, py::arg("plan"), py::arg("chunks"));
   m.def("chunk_tile_row", &chunk_tile_row, py::arg("chunks"), py::arg("g"), py::arg("i"));
   m.def("chunk_tile", &chunk_tile, py::arg("plan"), py::arg("chunks"), py::arg("g"), py::arg("t"));
-  m.def("chunk_of_tile", &chunk_of_tile, py::arg("plan"), py::arg("chunks"), py::arg("t"));
-  m.def("chunk_owner", &chunk_owner, py::arg("g"), py::arg("world"));
   m.def("chunked_owner_rows", &chunked_owner_rows, py::arg("chunks"), py::arg("world"), py::arg("rank"));
   m.def("chunked_owner_padded_row0", &chunked_owner_padded_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
         py::arg("world"));
@@ -131,10 +128,8 @@ void bind_ownership_and_schedule(py::module_& m) {
   m.def("ag_block_of", &ag_block_of, py::arg("l"), py::arg("comm_blocks"));
   m.def("ag_subtile", &ag_subtile, py::arg("c"), py::arg("j"), py::arg("comm_blocks"));
   m.def("ag_subtile_count", &ag_subtile_count, py::arg("c"), py::arg("owned_subtiles"), py::arg("comm_blocks"));
-  m.def("doorbell_index", &doorbell_index, py::arg("l"), py::arg("comm_blocks"));
   m.def("rotated_peer", &rotated_peer, py::arg("me"), py::arg("l"), py::arg("i"), py::arg("world"));
 
-  m.def("epoch_target", &epoch_target, py::arg("epoch"), py::arg("per_call"));
   m.def("counter_reached", &counter_reached, py::arg("value"), py::arg("target"));
   m.def("call_bank", &call_bank, py::arg("call"));
 }
@@ -142,7 +137,6 @@ void bind_ownership_and_schedule(py::module_& m) {
 void bind_layout(py::module_& m) {
   m.attr("kWindowAlign") = kWindowAlign;
   m.attr("kCacheLine") = kCacheLine;
-  m.attr("kHeaderBytes") = kHeaderBytes;
   m.attr("kCounterBytes") = kCounterBytes;
   m.def("align_up", &align_up, py::arg("x"), py::arg("a"));
 
@@ -168,20 +162,14 @@ void bind_layout(py::module_& m) {
       .def_readonly("queue_capacity", &LayoutParams::queue_capacity);
 
   py::class_<WindowLayout>(m, "WindowLayout", "Byte offsets/sizes of the window regions (read-only).")
-      .def_readonly("header_offset", &WindowLayout::header_offset)
-      .def_readonly("header_bytes", &WindowLayout::header_bytes)
       .def_readonly("partial_offset", &WindowLayout::partial_offset)
       .def_readonly("partial_bytes", &WindowLayout::partial_bytes)
       .def_property_readonly("reduced_offset", [](const WindowLayout& w) { return pair(w.reduced_offset); })
       .def_readonly("reduced_bytes", &WindowLayout::reduced_bytes)
       .def_readonly("tile_flag_offset", &WindowLayout::tile_flag_offset)
       .def_readonly("tile_flag_bytes", &WindowLayout::tile_flag_bytes)
-      .def_property_readonly("ready_offset", [](const WindowLayout& w) { return pair(w.ready_offset); })
-      .def_readonly("ready_bytes", &WindowLayout::ready_bytes)
       .def_readonly("final_offset", &WindowLayout::final_offset)
       .def_readonly("final_bytes", &WindowLayout::final_bytes)
-      .def_readonly("doorbell_offset", &WindowLayout::doorbell_offset)
-      .def_readonly("doorbell_bytes", &WindowLayout::doorbell_bytes)
       .def_readonly("queue_offset", &WindowLayout::queue_offset)
       .def_readonly("queue_stride", &WindowLayout::queue_stride)
       .def_readonly("total_bytes", &WindowLayout::total_bytes);
@@ -196,9 +184,7 @@ void bind_layout(py::module_& m) {
   m.def("partial_entry_offset", &partial_entry_offset, py::arg("layout"), py::arg("row"), py::arg("col"),
         py::arg("pad_n"), py::arg("partial_elem_bytes"));
   m.def("tile_flag_entry_offset", &tile_flag_entry_offset, py::arg("layout"), py::arg("t"));
-  m.def("ready_entry_offset", &ready_entry_offset, py::arg("layout"), py::arg("bank"), py::arg("l"));
   m.def("final_entry_offset", &final_entry_offset, py::arg("layout"), py::arg("l"));
-  m.def("doorbell_entry_offset", &doorbell_entry_offset, py::arg("layout"), py::arg("c"));
   m.def("queue_count_offset", &queue_count_offset, py::arg("layout"), py::arg("b"));
   m.def("queue_entry_offset", &queue_entry_offset, py::arg("layout"), py::arg("b"), py::arg("j"));
 }

@@ -21,6 +21,9 @@ struct CallHeader {
   uint32_t abort_epoch;  // the latest call this rank abandoned after an error
 };
 
+// Bytes the header takes at the start of the window's control area (cpu/fused_call.h).
+constexpr int64_t kHeaderBytes = 512;
+
 enum class PeerCallState { kNotYet, kArrived, kAbandoned };
 
 // Writes this rank's signature for call `epoch`, then the epoch (release).

@@ -23,6 +23,7 @@
 #include "common/local_gemm.h"
 #include "common/rank_agreement.h"
 #include "common/row_epilogue.h"
+#include "cpu/call_header.h"
 #include "cpu/engine_options.h"
 #include "cpu/shm_sync.h"
 #include "cpu/window_set.h"

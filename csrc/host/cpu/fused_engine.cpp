@@ -330,6 +330,7 @@ int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const Local
   const LayoutParams needed = need.world != 0 ? need
                                               : make_layout_params(job.plan, job.out_elem, job.partial_elem, world_,
                                                                    job.compute_blocks, job.comm_blocks);
+  TORCH_CHECK(layout_params_valid(needed), call.op_name, ": internal error: invalid window layout parameters");
   const int64_t slot_need = choose_flow ? choose_flow(job) : 0;
   if (!fits(needed, capacity_) || slot_need > slot_bytes_) {
     // Growing is collective, so agree on the call first (the comm blocks would check it only later): a rank

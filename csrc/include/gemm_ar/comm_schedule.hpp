@@ -36,9 +36,6 @@ GEMM_AR_FN int64_t ag_subtile_count(int64_t c, int64_t owned_subtiles, int64_t c
   return (owned_subtiles - 1 - first) / comm_blocks + 1;
 }
 
-// Doorbell (wake-up hint) rung when owner-local subtile l becomes final: the one of the block that gathers it.
-GEMM_AR_FN int64_t doorbell_index(int64_t l, int64_t comm_blocks) { return ag_block_of(l, comm_blocks); }
-
 // The i-th peer (i in [0, world-1)) that rank `me` visits for subtile l. Never `me`; for fixed (me, l) a
 // bijection of [0, world-1) onto the other ranks, started at an offset that rotates with l so concurrent blocks
 // spread over different destinations. -1 when there is no such peer (world <= 1 or i out of range).

@@ -9,11 +9,6 @@
 
 namespace gemm_ar {
 
-// Value, modulo 2^32, a counter shows after `epoch` calls of `per_call` increments each.
-GEMM_AR_FN uint32_t epoch_target(uint64_t epoch, uint64_t per_call) {
-  return static_cast<uint32_t>(epoch * per_call);
-}
-
 // True once `value` has reached `target` in wrap-around order (value - target in [0, 2^31)).
 GEMM_AR_FN bool counter_reached(uint32_t value, uint32_t target) {
   return static_cast<uint32_t>(value - target) < 0x80000000u;

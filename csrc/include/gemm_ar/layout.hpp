@@ -1,5 +1,7 @@
-// Byte layout of one rank's symmetric window. Every rank computes it from the same parameters, so a region's
-// offset is the same in every window and remote addresses are window_base[peer] + offset (docs/architecture.md §3.3).
+// The CPU engine's window layout: the byte layout of one rank's shared-memory window after its control area
+// (cpu/fused_call.h). Every rank computes it from the same parameters, so a region's offset is the same in every
+// window and a peer's region is at window_base[peer] + offset (docs/architecture.md §3.3). The NPU kernels lay their
+// HCCL windows out with KernelLayout (kernel_args.hpp); both derive from the tile plan (tile_plan.hpp).
 #pragma once
 #include <cstdint>
 
@@ -11,11 +13,8 @@
 namespace gemm_ar {
 
 constexpr int64_t kWindowAlign = 512;  // start of every region (DMA-friendly, keeps regions on separate lines)
-constexpr int64_t kCacheLine = 64;     // one doorbell per line, queue strides a multiple of it
-constexpr int64_t kHeaderBytes = 512;  // the CPU engine's call header (cpu/call_header.h): this rank's two call
-                                       // signatures with their epochs, in its own window, read by peers; the
-                                       // last call it abandoned
-constexpr int64_t kCounterBytes = 4;   // every flag, counter, doorbell and queue entry is a uint32
+constexpr int64_t kCacheLine = 64;     // queue strides are a multiple of it (producers never share a line)
+constexpr int64_t kCounterBytes = 4;   // every flag, counter and queue entry is a uint32
 
 // Rounds x >= 0 up to a multiple of a > 0.
 GEMM_AR_FN int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
@@ -28,18 +27,15 @@ struct LayoutParams {
   int64_t tiles;                  // TilePlan::tiles
   int64_t max_owned_subtiles;     // max_owned_subtile_count(tiles, world, stripes)
   int64_t compute_blocks;         // P: one ready queue each
-  int64_t comm_blocks;            // Q: one doorbell each
+  int64_t comm_blocks;            // Q
   int64_t queue_capacity;         // tile ids a queue can hold: max_block_items(tiles, compute_blocks)
 };
 
 struct WindowLayout {
-  int64_t header_offset, header_bytes;
   int64_t partial_offset, partial_bytes;
   int64_t reduced_offset[2], reduced_bytes;  // two banks, alternated by call parity
   int64_t tile_flag_offset, tile_flag_bytes; // one uint32 per tile
-  int64_t ready_offset[2], ready_bytes;      // one uint32 per owner-local subtile, per bank
   int64_t final_offset, final_bytes;         // one uint32 per owner-local subtile
-  int64_t doorbell_offset, doorbell_bytes;   // one uint32 per comm block, each on its own cache line
   int64_t queue_offset, queue_stride;        // per compute block: uint32 count, then queue_capacity uint32 ids
   int64_t total_bytes;
 };
@@ -79,9 +75,6 @@ GEMM_AR_FN WindowLayout make_window_layout(const LayoutParams& p) {
   WindowLayout w{};
   const int64_t elems = p.pad_m * p.pad_n;
   int64_t at = 0;
-  w.header_offset = at;
-  w.header_bytes = kHeaderBytes;
-  at = align_up(at + w.header_bytes, kWindowAlign);
   w.partial_offset = at;
   w.partial_bytes = elems * p.partial_elem_bytes;
   at = align_up(at + w.partial_bytes, kWindowAlign);
@@ -93,17 +86,9 @@ GEMM_AR_FN WindowLayout make_window_layout(const LayoutParams& p) {
   w.tile_flag_offset = at;
   w.tile_flag_bytes = p.tiles * kCounterBytes;
   at = align_up(at + w.tile_flag_bytes, kWindowAlign);
-  w.ready_bytes = p.max_owned_subtiles * kCounterBytes;
-  for (int bank = 0; bank < 2; ++bank) {
-    w.ready_offset[bank] = at;
-    at = align_up(at + w.ready_bytes, kWindowAlign);
-  }
   w.final_offset = at;
   w.final_bytes = p.max_owned_subtiles * kCounterBytes;
   at = align_up(at + w.final_bytes, kWindowAlign);
-  w.doorbell_offset = at;
-  w.doorbell_bytes = p.comm_blocks * kCacheLine;
-  at = align_up(at + w.doorbell_bytes, kWindowAlign);
   w.queue_offset = at;
   w.queue_stride = queue_stride_bytes(p.queue_capacity);
   at = align_up(at + p.compute_blocks * w.queue_stride, kWindowAlign);
@@ -125,13 +110,7 @@ GEMM_AR_FN int64_t partial_entry_offset(const WindowLayout& w, int64_t row, int6
 GEMM_AR_FN int64_t tile_flag_entry_offset(const WindowLayout& w, int64_t t) {
   return w.tile_flag_offset + t * kCounterBytes;
 }
-GEMM_AR_FN int64_t ready_entry_offset(const WindowLayout& w, int64_t bank, int64_t l) {
-  return w.ready_offset[bank & 1] + l * kCounterBytes;
-}
 GEMM_AR_FN int64_t final_entry_offset(const WindowLayout& w, int64_t l) { return w.final_offset + l * kCounterBytes; }
-GEMM_AR_FN int64_t doorbell_entry_offset(const WindowLayout& w, int64_t c) {
-  return w.doorbell_offset + c * kCacheLine;
-}
 // Queue of compute block b: its uint32 count at this offset, entry j at + kCounterBytes * (1 + j).
 GEMM_AR_FN int64_t queue_count_offset(const WindowLayout& w, int64_t b) { return w.queue_offset + b * w.queue_stride; }
 GEMM_AR_FN int64_t queue_entry_offset(const WindowLayout& w, int64_t b, int64_t j) {

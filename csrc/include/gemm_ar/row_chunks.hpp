@@ -40,9 +40,6 @@ GEMM_AR_FN bool make_row_chunked_plan(TilePlan* plan, RowChunks* chunks, int64_t
   return true;
 }
 
-// The one chunk of a plain tile plan.
-GEMM_AR_FN RowChunks single_chunk(const TilePlan& plan) { return RowChunks{1, plan.m, plan.m_tiles}; }
-
 // Chunk of tile row mi.
 GEMM_AR_FN int64_t chunk_of_tile_row(const RowChunks& c, int64_t mi) { return c.m_tiles > 0 ? mi / c.m_tiles : 0; }
 
@@ -57,14 +54,6 @@ GEMM_AR_FN int64_t chunk_tile_row(const RowChunks& c, int64_t g, int64_t i) { re
 GEMM_AR_FN int64_t chunk_tile(const TilePlan& plan, const RowChunks& c, int64_t g, int64_t t) {
   return g * chunk_tile_count(plan, c) + t;
 }
-
-// Chunk of plan tile id t.
-GEMM_AR_FN int64_t chunk_of_tile(const TilePlan& plan, const RowChunks& c, int64_t t) {
-  return chunk_of_tile_row(c, tile_row(plan, t));
-}
-
-// Rank that chunk g belongs to.
-GEMM_AR_FN int64_t chunk_owner(int64_t g, int64_t world) { return owner_of(g, world); }
 
 // Rows rank `rank` holds: its chunks g = rank, rank + world, ... one after another (0 for a rank outside world).
 GEMM_AR_FN int64_t chunked_owner_rows(const RowChunks& c, int64_t world, int64_t rank) {
