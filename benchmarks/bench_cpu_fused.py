@@ -39,7 +39,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated MxKxN")
-    # 30: per-iteration ratios with 95% intervals of about +-3% on a quiet 2-core VM (10 left about +-8%).
+    # 30: enough for per-iteration ratios with 95% intervals of a few percent; 10 leave them too wide to judge.
     p.add_argument("--iters", type=int, default=30, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--input-sets", type=int, default=3)

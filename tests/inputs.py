@@ -53,7 +53,7 @@ def assert_matches_sum_of_partials(out: torch.Tensor, shards, b: torch.Tensor, b
     """assert_matches, with room for what a 2-byte partial costs: where bf16/fp16 are computed natively each rank's
     partial a_r @ b is rounded to the dtype before the ranks' sum (as in torch's matmul + all_reduce), an error of up
     to half a unit in the last place of |a_r @ b| per rank, which cancelling partials keep while the sum shrinks
-    (seen: K=1, two partials of ~13 summing to 0.05). Elementwise bound: assert_matches' plus that term."""
+    (e.g. at K=1 two partials of about 13 may sum to 0.05). Elementwise bound: assert_matches' plus that term."""
     ref = reference(shards, b, bias)
     assert out.dtype == dtype and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
     tol = TOLERANCE[dtype]

@@ -392,12 +392,11 @@ def check_race(results, runs):
 
 
 # Every candidate's run padded by 500 ms: fused and sequential (M=5: too few rows for chunked) then cost the same
-# (their own times, about a millisecond at K=40 N=90, differ by far less than the 2% that takes a candidate out of
-# the race, 10 ms: the lower quartile of its runs is a candidate's fastest, and a gloo all_reduce's wake-up tail,
-# up to 5-9 ms on a 2-core VM, would have to hit every one of them; with 200 ms of padding, 4 ms, a candidate left
-# after 4 runs twice in long runs), so the budget and the most runs per candidate alone end the race. The warm-up
-# round and 3 rounds take 4 s (the warm-up counts against the budget); with 5.5 s of budget a fourth round still fits
-# (1 s), a fifth does not.
+# (their own times at K=40 N=90 differ by far less than the 2% that takes a candidate out of the race, 10 ms: the
+# lower quartile of its runs is a candidate's fastest, and a gloo all_reduce's wake-up tail would have to hit every
+# one of them; a smaller padding makes that 2% small enough for such tails to reach), so the budget and the most
+# runs per candidate alone end the race. The warm-up round and 3 rounds take 4 s (the warm-up counts against the
+# budget); with 5.5 s of budget a fourth round still fits (1 s), a fifth does not.
 @pytest.mark.parametrize("budget_ms,runs", [(0, 3), (5_500, 4), (60_000, 6)], ids=["no_budget", "budget", "max_reps"])
 def test_candidates_that_cost_the_same_race_within_the_budget(hooked_ranks, tmp_path, budget_ms, runs):
     results = hooked_ranks(2).run(race, str(tmp_path / "t.json"), budget_ms, 3, 6, "*", 500_000, 5)

@@ -270,7 +270,7 @@ def test_time_callables_interleave_and_count_every_rank(ranks):
         assert calls[2:6] == ["short", "long", "long", "short"], calls  # each follows the other equally often
         assert len(short_s) == len(long_s) == 6
         # Rank 1's 15 ms sleep, on rank 0 too. An iteration runs from the last rank's start to the last rank's end,
-        # so it may come out shorter than the sleep by the ranks' start skew after the barrier (seen: 14.96 ms).
+        # so it may come out shorter than the sleep by the ranks' start skew after the barrier: 1 ms of slack.
         assert min(long_s) >= 0.014, long_s
         assert sorted(short_s)[3] < sorted(long_s)[3], (short_s, long_s)
     assert results[0][1] == results[1][1]  # every rank gets the same iteration times
@@ -551,7 +551,7 @@ def test_lowercase_shape_options_stay_aliases():
 
 
 def test_torchrun_parser_negative_control():
-    """The check above can fail: torchrun stops at the spelling the issue reported."""
+    """The check above can fail: torchrun stops at an ambiguous abbreviation such as --m after the script."""
     from torch.distributed.run import get_args_parser
 
     with pytest.raises(SystemExit):

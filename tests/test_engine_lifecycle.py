@@ -19,7 +19,7 @@ from test_fused_engine import SMALL_TILES, shm_entries
 
 # Unit roundoff per dtype. Where bf16/fp16 are computed natively, every rank's partial is rounded to the dtype before
 # the sum, so an element may be off by up to (world + 1) roundoffs of the sum of its partials' magnitudes. The long
-# run draws such tails: with K = 1 one product of about 15 was off by 0.0596 where the usual tolerance allowed 0.0483.
+# run draws such tails, which at K = 1 can exceed the usual tolerance.
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -114,7 +114,7 @@ def _two_groups_first_calls_together(rank, world, seed, rounds):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_two_groups_set_up_concurrently_from_two_threads(ranks, world):
-    # Before the fix about one round in three deadlocked in setup: one process-wide lock held while waiting for peers.
+    # 12 rounds: a process-wide lock held while waiting for peers deadlocks setup in some rounds, not in every one.
     result = ranks(world).run(two_groups_first_calls_together, random.randrange(1 << 20), 12, timeout_s=300)
     assert result == [True] * world
 
@@ -148,7 +148,7 @@ def test_crossed_setup_order_never_deadlocks():
     pool = RankPool(2, extension_path=hooked_extension_path())
     try:
         assert pool.run(crossed_first_calls, False, timeout_s=120) == [[None, None]] * 2
-        # Negative control: the bug the issue reported (a process-wide lock while waiting) deadlocks this order.
+        # Negative control: a process-wide setup lock held while waiting for peers deadlocks this order.
         results = pool.run(crossed_first_calls, True, timeout_s=120)
     finally:
         pool.close(force=True)
@@ -370,7 +370,7 @@ def test_keyboard_interrupt_then_exit(tmp_path):
 
 def rss_mib():
     # Freed heap pages back to the system first: RSS then counts what the process holds, not what glibc keeps cached
-    # after frees (a late step of +6 MiB over 20,000 calls in one CI run of four, flat before and after).
+    # after frees, which can add a late step that looks like growth.
     import ctypes
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -398,8 +398,8 @@ def long_run(rank, world, seed, calls):
 
 @pytest.mark.slow
 def test_long_run_stays_correct_and_memory_stops_growing():
-    # The issue's 40,000 calls (changing shapes, dtypes, bias, algorithms), each checked against float64. RSS levels
-    # off after ~5,000 calls (the allocator and the capped output cache warming up to the random shapes), so the
+    # 40,000 calls (changing shapes, dtypes, bias, algorithms), each checked against float64. RSS levels off after
+    # the first few thousand calls (the allocator and the capped output cache warming up to the random shapes), so the
     # last 20,000 must add under 8 MiB. The output cache is capped at 16 MB in these ranks (own pool, the cap is
     # read once per process): with the default 512 MB cap, the cache of exact-size buffers for ever new random
     # shapes fills for longer before it levels off.

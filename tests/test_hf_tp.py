@@ -104,7 +104,7 @@ def hf_eager_conversion(rank, world, path, seed):
     got, want = converted(ids).logits, unconverted(ids).logits
     _close(got.detach(), want.detach(), exact_model(ids).logits.detach(), f"rank {rank} with grad")
     _backward_gives_the_same_grads(converted, got, unconverted, want, seed + 2, "row-parallel")
-    # The report: naming the layers by pattern works too.
+    # Naming the layers by pattern works too.
     by_name = _load(path)
     assert torch_gemm_ar.nn.replace_row_parallel(by_name, patterns=["*.o_proj", "*.down_proj"]) == expected
     with torch.no_grad():

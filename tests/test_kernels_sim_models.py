@@ -150,8 +150,8 @@ def test_job_mixes_pass_under_the_busy_device_models(simulator, tmp_path, monkey
 def test_flag_stored_before_its_fence_is_seen_only_with_eviction(simulator, tmp_path, monkeypatch):
     # Control 60 stores a contribution flag's words after the atomic add but before its release fence, and
     # raise_flag writes them back after the fence. Without eviction nothing leaves the cache before that dcci, so the
-    # bug is invisible (the old model passed it). With eviction the line may be written back before the fence: the
-    # flag is visible ahead of the payload it announces, which the model counts (unfenced_writebacks).
+    # bug is invisible. With eviction the line may be written back before the fence: the flag is visible ahead of the
+    # payload it announces, which the model counts (unfenced_writebacks).
     kw = dict(world=3, dtype=FP16, compute_blocks=2, comm_blocks=2,
               calls=[dict(c, via_counter=True) for c in _CONTROL_CALLS], seed=91,
               negative_control=CONTROL_FLAG_STORED_EARLY)
@@ -220,8 +220,8 @@ _SIGNATURE_CALLS = [dict(m=140 + 10 * i, n=300 - 20 * i, k=70, b_layout=i % 2, b
 
 def test_signature_flag_without_its_fence_is_seen_only_with_posted_write_backs(simulator, tmp_path, monkeypatch):
     # Control 61 raises the signature slot's flag right after writing the words back, without the release fence
-    # (dsb) in between. When a write-back reaches memory at the dcci (the old model) the words are there before the
-    # flag anyway and every call passes. With posted write-backs the flag's line can land before the words' lines:
+    # (dsb) in between. When a write-back reaches memory at the dcci the words are there before the flag anyway and
+    # every call passes. With posted write-backs the flag's line can land before the words' lines:
     # a peer then reads a torn slot or the previous signature of that slot and stops the call with
     # kErrSignatureMismatch.
     kw = dict(world=3, dtype=FP16, compute_blocks=2, comm_blocks=2, calls=_SIGNATURE_CALLS, seed=301,

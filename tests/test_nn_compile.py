@@ -4,8 +4,8 @@ and backward equal to the unfused eager model.
 
 The backend is aot_eager: it traces the whole block, forward and backward, through the op's fake kernel and autograd
 formula, which is what fullgraph=True is about. Inductor's lowering of the op is tested in
-tests/test_autograd_compile.py; inductor code generation for this block's forward and backward takes ~45 s on the
-2-core test machine, too slow for this suite.
+tests/test_autograd_compile.py; inductor code generation for this block's forward and backward is too slow for this
+suite.
 """
 import os
 import random

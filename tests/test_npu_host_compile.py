@@ -87,8 +87,8 @@ class Compiled:
         self.returncode, self.stderr, self.seconds, self.obj = returncode, stderr, seconds, obj
 
 
-# The torch headers nearly every host source includes, parsed once into a precompiled header (about 25 s): parsing
-# is most of a source's compile (10-20 s at -O0), so with it a source takes 3-7 s.
+# The torch headers nearly every host source includes, parsed once into a precompiled header: parsing them is most
+# of a source's compile at -O0.
 PRECOMPILED = ("ATen/ATen.h", "torch/csrc/distributed/c10d/ProcessGroup.hpp")
 
 
@@ -99,7 +99,7 @@ def _without_output(command):
 
 def include_tree(source):
     """(depth, path) of every header `source` includes, in the order the preprocessor enters them (gcc -H;
-    preprocessing only, about 1.5 s)."""
+    preprocessing only, far cheaper than a compile)."""
     proc = subprocess.run(_without_output(compile_command(source, os.devnull)) + ["-E", "-H", "-o", os.devnull],
                           capture_output=True, text=True)
     tree = []

@@ -162,7 +162,7 @@ def test_negative_control_stress_catches_a_single_bank(hooked_ranks):
     """With the partials in one bank whatever the call's parity, a rank's next call overwrites partials a slower
     peer still reads: the same stress test must report wrong results."""
     # Rounds of 1500 calls until one notices, at most 6000 calls: where bf16 is computed natively only the fp32 calls
-    # take one shot, and on a quiet 2-core VM 3000 calls in one go missed the bug in two runs of three.
+    # take one shot, and a single round sometimes misses the bug.
     pool, seen = hooked_ranks(2), []
     for _ in range(4):
         seen.append(pool.run(stress, random.randrange(1 << 30), 1500, True, timeout_s=600))

@@ -65,8 +65,8 @@ def fused_results(rank, world, seed, dtype, tiles):
     return checked
 
 
-# float16: computed in fp32 on CPUs without avx512_fp16/amx_fp16 (like this project's AMD EPYC hosts), so the gathered
-# rows of allgather_gemm are converted as they arrive (LocalGemm::refresh_rows).
+# float16: computed in fp32 on CPUs without avx512_fp16/amx_fp16, so the gathered rows of allgather_gemm are converted
+# as they arrive (LocalGemm::refresh_rows).
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fused_matches_float64(ranks, world, dtype):

@@ -189,8 +189,8 @@ def test_tuned_names_are_not_algorithm_values(ranks):
 
 def test_a_variant_replaces_fused_only_when_its_own_median_is_lower_too():
     """The race's leader by the median relative to each round's fastest run, except that a fused variant must also
-    have the lower median of its own runs (a bf16 quick sweep's tuning took fused/tiles at 1.29x fused's median, and
-    it then ran at 0.86x fused's speed)."""
+    have the lower median of its own runs (a variant that led its rounds while its own runs were slower than fused's
+    then runs slower than fused; docs/journal/performance-journal.md)."""
     decide = _C._tuner_decide_from_samples
     # Two slow rounds where the variant is a little faster, then fast rounds where fused is as fast or faster.
     slow_spell = [[2.0, 2.0, 1.0, 1.0], [1.9, 1.9, 1.2, 0.99]]

@@ -144,7 +144,7 @@ def summarize(world: int, shape: Shape, rows, status: Dict[str, dict], all_times
             if out_rows.get(key, {}).get("available"):
                 ratios[f"{key}_over_{reference}"] = out_rows[key]["median_s"] / out_rows[reference]["median_s"]
                 # Per iteration (the two ran moments apart) with a 95% interval: how sure one run is of the ratio
-                # (a noisy VM moved the ratio of medians by +-5% between runs).
+                # (a ratio of two medians moves between runs on a shared machine).
                 paired = metrics.paired_speedup(out_rows[key]["iteration_s"], out_rows[reference]["iteration_s"])
                 ratios[f"{key}_over_{reference}_paired"] = {k: paired[k] for k in ("estimate", "low", "high")}
     return {

@@ -107,8 +107,8 @@ def build_rows(env: DistEnv, sets: List[InputSet], dtype, keys: List[str]) -> Di
 
     if "compute_reused" in keys:
         # The same GEMM into one output kept across calls, as the engine's pooled outputs are. compute only gets a
-        # fresh [M, N] tensor per call, as a user's matmul does, and pays its page faults (at M4096 N2048 fp32, 8193
-        # faults, 27 -> 44 ms on a 2-core Xeon VM); fused does not. This row is the GEMM without them.
+        # fresh [M, N] tensor per call, as a user's matmul does, and pays its page faults, which at large outputs
+        # are a sizeable share of the GEMM's time; fused does not. This row is the GEMM without them.
         reused: Dict[str, torch.Tensor] = {}
 
         def compute_reused(i: int) -> torch.Tensor:

@@ -1,13 +1,12 @@
 """Per-rank timing of the rows, by the conventions of every benchmark here: warm-up first, then timed iterations that
 rotate the input sets and, per iteration, go round-robin over the rows (noise from a shared machine hits every row
 alike), in orders of a Williams design, so that over its iterations every row comes right after every other equally
-often (what ran just before a call changes its time: in a fixed order the row after `fused` measured up to 1.35x
-faster than `fused` itself on a 2-core VM; merely starting each iteration one row further on keeps every row's
-predecessor, and put `auto` 1.1-1.3x ahead of `fused` at small calls, which run the same engine code); a barrier
+often (what ran just before a call changes its time, by more than the gaps between rows; merely starting each
+iteration one row further on keeps every row's predecessor; docs/journal/performance-journal.md); a barrier
 before each timed call so all ranks start together; the host's monotonic clock read on both sides of the call, with
 the device synchronized on both sides (NPU). Each timed call is kept as its (start, end) on that clock: on one host,
 metrics.row_stats counts an iteration from its last rank's start to its last rank's end, so how far apart a gloo
-barrier releases the ranks (up to milliseconds on a loaded VM) is in no row's time."""
+barrier releases the ranks (up to milliseconds on a loaded machine) is in no row's time."""
 import socket
 import time
 from typing import Callable, Dict, List, Optional, Tuple

@@ -80,7 +80,7 @@ GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_f32(float* out, const float* residual
 #if defined(__GNUC__) && defined(__x86_64__)
 #define GEMM_AR_HAVE_AVX2_BF16_ROW 1
 // The bf16 row with AVX2 intrinsics, 8 floats per step: GCC does not vectorise the bf16 <-> fp32 conversions of
-// the generic loop (measured: it ran scalar, 2.4x the fp32 row's time for half the bytes). The same operations in
+// the generic loop, which then runs scalar (docs/journal/performance-journal.md). The same operations in
 // the same order as add_rmsnorm_row<bf16> -- 8 square-sum lanes, lane l taking elements l, l+8, ..., the tail in
 // lane 0, the lanes summed 0..7, RNE rounding with NaN -> 0x7FC0 -- so every rank's result is bitwise the same
 // whichever of the two runs.

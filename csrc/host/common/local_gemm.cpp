@@ -5,8 +5,8 @@
 namespace gemm_ar {
 namespace {
 
-// Whether this CPU has half-precision matrix instructions that oneDNN uses (measured on an AMD EPYC with
-// avx512_bf16: bf16 GEMM 2x faster than fp32; without them torch's half-precision GEMM is 50-100x slower).
+// Whether this CPU has half-precision matrix instructions that oneDNN uses: with them a half-precision GEMM is
+// faster than fp32, without them far slower.
 bool cpu_has_fast(at::ScalarType dtype) {
   static const auto caps = at::cpu::get_cpu_capabilities();
   auto has = [&](const char* name) {

@@ -6,15 +6,15 @@
 
 namespace gemm_ar {
 
-// CPU bf16/fp16 GEMMs in ATen run 50-100x slower than fp32 on AVX2 hosts, so on CPUs without half-precision matrix
-// instructions (avx512_bf16/amx_bf16, avx512_fp16/amx_fp16) those are computed in fp32 (inputs converted once per
+// CPU bf16/fp16 GEMMs in ATen run far slower than fp32 without half-precision matrix instructions, so on CPUs
+// without them (avx512_bf16/amx_bf16, avx512_fp16/amx_fp16) those are computed in fp32 (inputs converted once per
 // call) and rounded once when stored; where the instructions exist, natively (oneDNN accumulates in fp32).
 bool computes_in_fp32(const at::Tensor& t);
 
 // Whether a CPU product of this dtype reorders all of its B operand on every call: bf16/fp16 computed natively
 // (oneDNN packs B into its blocked layout per call). Tiles of such products should share B's columns, not its rows:
-// on an Intel Xeon with AMX, 256-row tiles of bf16 cost 1.3-1.7x one whole product, column panels of all rows
-// 1.01-1.06x (docs/journal/performance-journal.md).
+// every row tile reorders all of B again, a column panel of all rows only its own columns
+// (docs/journal/performance-journal.md).
 bool reorders_b_per_product(at::ScalarType dtype);
 
 // A faster way to multiply by one of b's column panels (the CPU engine's packed B): out (the compute dtype, unit

@@ -57,9 +57,9 @@ bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, con
 // a call whose signatures disagree is dropped with the error.
 std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device);
 
-// Data slots of the CPU agreement exchange: 64 KiB of fp32. Measured on the 2-core hosts (gloo, 127.0.0.1): an
-// all_reduce of 64 KiB costs about what one of 1 KiB does (~210 us each under load), so calls that carry no payload
-// lose little, and outputs of up to 16384 elements (M=1 at N<=16384, M=8 at N=2048) save a whole round trip.
+// Data slots of the CPU agreement exchange: 64 KiB of fp32. A gloo all_reduce on one host is latency-bound at these
+// sizes (64 KiB costs about what 1 KiB does), so calls that carry no payload lose little, and outputs of up to 16384
+// elements (M=1 at N<=16384, M=8 at N=2048) save a whole round trip.
 constexpr int64_t kAgreementPayloadSlots = 16384;
 
 // How many calls of this process got their result from the agreement exchange (tests).

@@ -25,9 +25,8 @@ double budget_seconds() {
 // How much slower than the leader a candidate must be in three rounds of four to leave the race: candidates that
 // cost the same stay in it (either would do; the margin keeps timer jitter from deciding).
 constexpr double kClearlySlower = 1.02;
-// Runs before a candidate may leave (docs/decisions/0002-algorithms-and-measured-auto.md): with 3 (two slower rounds
-// of three sufficed then), one burst of load from elsewhere took fused out behind sequential that it beats by 1.24x
-// (a quick sweep's M512 K1792).
+// Runs before a candidate may leave (docs/decisions/0002-algorithms-and-measured-auto.md): with 3, two slower rounds
+// of three would suffice, and one burst of load from elsewhere can then take out a clearly faster candidate.
 constexpr int64_t kRunsBeforeLeaving = 4;
 
 // Candidate i's runs, each over the fastest run of its round (1.0: it was the round's fastest). samples[i][r] is
@@ -85,10 +84,9 @@ size_t race_leader(const TuningRace& bucket) {
 }
 
 // The race's leader, except that one of the backend's fused variants (another tile family, the gathered-inputs flow)
-// replaces the rules' fused only when the median of its own runs is also the lower one. In bf16 quick sweeps on an
-// Intel Xeon with AMX, a variant led by its rounds with 4 runs each while its median was 1.29x fused's (479 against
-// 372 us at M512 K1024 N256), and it ran 0.86x as fast as fused afterwards, twice in three sweeps. Decided from the
-// agreed samples, so alike on every rank.
+// replaces the rules' fused only when the median of its own runs is also the lower one: with few runs a variant can
+// lead by its rounds while its own runs are slower than fused's, and then run slower than fused
+// (docs/journal/performance-journal.md). Decided from the agreed samples, so alike on every rank.
 size_t trusted_leader(const TuningRace& bucket) {
   const size_t lead = race_leader(bucket);
   if (lead == bucket.candidates.size() || fused_family_of(bucket.candidates[lead]) == 0) return lead;

@@ -1,20 +1,18 @@
 // The race `auto` runs between its candidates on one shape bucket, and the decision it ends in (docs/usage.md, "`auto`
 // by measurement"). First every candidate runs once, not counted (a warm-up round: a candidate's first call at a new
-// shape grows windows and touches fresh pages; in bf16 at M512 K1024 N256 on an Intel Xeon with AMX those first runs
-// cost 9-25x the steady call, and with them among its runs fused lost to fused/tiles, which then ran 1.10-1.16x slower,
-// in 5 of 6 races).
+// shape grows windows and touches fresh pages, so it costs many times a steady call, and with such runs counted the
+// race picks slower candidates; docs/journal/performance-journal.md).
 // Then every candidate runs at least TORCH_GEMM_AR_AUTOTUNE_REPS (default 3) times; from its 4th run on, after each
 // round, a candidate that is over 2% slower than the leader in three rounds of four (the lower quartile of its paired
 // ratios to the leader) leaves the race, and the rest run more rounds, while the bucket's tuning has taken less than
 // TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS (default 2000) and a round fits in what is left, up to
 // TORCH_GEMM_AR_AUTOTUNE_MAX_REPS (default 25) runs. The leader is the candidate with the lowest median of its runs
-// relative to each round's fastest run. A noisy VM scatters a call's time by 2x and more, wider than the gaps between
-// candidates: three runs each chose sequential or chunked where fused was 1.06-1.6x faster
-// (docs/decisions/0002-algorithms-and-measured-auto.md); close candidates now get the runs that separate them, clear
-// losers no more. The candidates of a round run back to back, so comparing them round by round cancels a slow spell
-// that spans the round: by raw medians, a tuning of M2048 K7168 N512 whose every candidate ran 1.4x slow in its first
-// rounds chose sequential where fused was 1.07x faster. The rounds' orders vary so that every candidate follows every
-// other alike. Everything here is decided from the agreed samples, so alike on every rank.
+// relative to each round's fastest run. A shared machine's noise is wider than the gaps between candidates, so a
+// fixed few runs each can pick a clearly slower one; close candidates get the runs that separate them, clear losers
+// no more. The candidates of a round run back to back, so comparing them round by round cancels a slow spell that
+// spans the round, which raw medians would count against the candidates that ran in it
+// (docs/journal/performance-journal.md). The rounds' orders vary so that every candidate follows every other alike.
+// Everything here is decided from the agreed samples, so alike on every rank.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -66,9 +66,8 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
   }
   if ((op == kOpGemmReduceScatter || op == kOpAllgatherGemm) && fewer_b_reorders) {
     // One tile row per rank's chunk: a product per chunk instead of one per 256-row tile, each reordering all of
-    // B (bf16 on an Intel Xeon with AMX, 2 ranks: GEMM+RS 2.2x -> 1.5x the GEMM alone at M4096 K256 N2048, AG+GEMM
-    // 2.5x -> 1.4x). allgather_gemm multiplies all rows in one product where every rank's are in (CallJob::
-    // one_product; 1.4x -> 1.25x there); gemm_reduce_scatter's window keeps a padded tile row per chunk.
+    // B (docs/journal/performance-journal.md). allgather_gemm multiplies all rows in one product where every rank's
+    // are in (CallJob::one_product); gemm_reduce_scatter's window keeps a padded tile row per chunk.
     EngineConfig per_rank = tile_row_per_rank_geometry(config, std::max<int64_t>(chunk_rows, 1) * world, n, world);
     per_rank.one_product = per_rank.one_product && op == kOpAllgatherGemm;  // not where the geometry kept `config`
     return per_rank;

@@ -34,22 +34,20 @@ Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtyp
 
 // Of the two geometries with few products for a gemm_allreduce whose products reorder all of B per call: one full-width
 // tile row per rank costs world - 1 more reorders of B (K x N each); column panels of all M rows cost strided half rows
-// in the reduction and the copies, which ran at 0.4x the speed of whole rows (M x N). Row panels won from M >= 1024 and
-// 2M >= K in interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks; docs/journal/performance-journal.md).
+// in the reduction and the copies, much slower than whole rows (M x N). Row panels win from M >= 1024 and 2M >= K
+// (docs/journal/performance-journal.md).
 bool prefers_row_panels(int64_t m, int64_t k);
 
 // A gemm_allreduce of [M, K] x [K, N] whose K is over 2M (from M = 512): its tile rows each stream all of B's packed
-// panels (K x N) from memory, so the default tiles cost more than one product (fp32 on an Intel Xeon with AMX: the
-// engine's GEMM 1.04x compute-only at M1024 K4096 N1024), and with little output per unit of compute the
-// communication gains nothing from them. Such calls take the fewer-product geometries in every dtype (fused 0.90x
-// the time at M512 K4096 N4096 fp32, 0.97x at M1024 K3072 N2048, 0.99-1.00x at M1024 K4096 and K8192 N1024).
+// panels (K x N) from memory, so the default tiles cost more than one product, and with little output per unit of
+// compute the communication gains nothing from them. Such calls take the fewer-product geometries in every dtype
+// (docs/journal/performance-journal.md).
 bool is_long_k_call(int64_t m, int64_t k);
 
 // Whether those geometries multiply the rank's whole partial in one GEMM call (EngineConfig::one_product) rather than
-// tile by tile: one call reorders B once, not once per tile, but every tile is then published only at the end. In
-// interleaved runs on an Intel Xeon with AMX (bf16, 2 ranks) one call took 0.89-0.96x the time of tile by tile at
-// M/K of 0.5 to 8 (M1024-4096, K256-2048), 0.99-1.02x at M/K 8-16, and 1.10x at M4096 K256 N2048 (M/K 16: B cheap
-// to reorder against the output's size).
+// tile by tile: one call reorders B once, not once per tile, but every tile is then published only at the end. One
+// call wins while M/K is small enough for B's reorders to matter; from M/K 16 B is cheap to reorder against the
+// output's size and tile by tile wins (docs/journal/performance-journal.md).
 bool prefers_one_product(int64_t m, int64_t k);
 
 // Whether a call of `config` multiplies this rank's whole partial in one GEMM call where the owner reduces in the

@@ -36,7 +36,7 @@ CallPlan plan_call(const CallPlanInputs& in) {
                         in.partial_is_out_dtype && in.gathered_input_bytes <= in.partial_region_bytes;
   // Small outputs: every rank reads (world - 1) whole partials from its peers in one shot, at most
   // kOneShotMaxReadBytes. Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to
-  // copy, and one shot reduces the whole output on every rank (docs/performance.md, the AMX Xeon's figures).
+  // copy, and one shot reduces the whole output on every rank (docs/journal/performance-journal.md).
   const int64_t one_shot_reads = in.m * in.n * in.partial_elem * (in.world - 1);
   const bool one_shot = !gathered && in.op == kOpGemmAllreduce && in.world > 1 && in.partial_elem >= 4 &&
                         one_shot_reads <= kOneShotMaxReadBytes && in.one_shot;

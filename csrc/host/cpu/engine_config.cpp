@@ -75,8 +75,8 @@ EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_
 }
 
 EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
-  // Up to 2048 columns a tile: 64-row subtiles of fp32 stay at 512 KiB, which the comm block reduces in L2. On an
-  // Intel Xeon (AVX-512, oneMKL) 256x2048 and 256x4096 tiles cost within 3% of each other at N 4096-8192.
+  // Up to 2048 columns a tile: 64-row subtiles of fp32 stay at 512 KiB, which the comm block reduces in L2; wider
+  // tiles save little more packing in the GEMM (docs/journal/performance-journal.md).
   constexpr int64_t kMaxCols = 2048;
   if (config.tile_from_env || !config.comm_inline || n <= config.base_n || !rows_for_every_owner(config, m, world)) {
     return config;

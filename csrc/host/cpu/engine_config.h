@@ -38,11 +38,10 @@ EngineConfig row_epilogue_geometry(const EngineConfig& config, int64_t m, int64_
 
 // The geometry of one gemm_allreduce or gemm_reduce_scatter call when communication runs between tiles on a one-core
 // rank (comm_inline): tiles as wide as the output, up to 2048 columns (N split into equal panels beyond). Every tile
-// packs its rows of A once per panel of B it multiplies: over six shapes on an Intel Xeon (oneMKL), 256x512 tiles cost
-// 1.05-1.20x one whole GEMM, the geometry this takes 1.01-1.11x (docs/journal/performance-journal.md). The pipeline's
-// finer grain buys nothing there, as no comm thread overlaps the GEMM. Kept as `config` under the same conditions as
-// row_epilogue_geometry, and with comm threads. The same inputs on every rank give the same geometry (it is in the call
-// signature).
+// packs its rows of A once per panel of B it multiplies, so wider tiles pack A fewer times and come closer to one
+// whole GEMM (docs/journal/performance-journal.md). The pipeline's finer grain buys nothing there, as no comm thread
+// overlaps the GEMM. Kept as `config` under the same conditions as row_epilogue_geometry, and with comm threads. The
+// same inputs on every rank give the same geometry (it is in the call signature).
 EngineConfig wide_row_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 // The geometry of one gemm_allreduce call on a one-core rank (comm_inline) whose tile products reorder all of B per
@@ -57,10 +56,10 @@ EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_
 // The geometry of one add+RMSNorm call (and of a long gemm_allreduce, call_geometry.h) on a one-core rank whose
 // products reorder all of B per call: the row
 // epilogue's full-width tiles and 16-row stripes, but one tile row per rank (M / world rows, rounded up to the
-// stripes), so B is reordered `world` times per call instead of once per 256 rows (bf16 on an Intel Xeon with AMX:
-// fused 1.10x compute-only at M2048 K1024 N2048 against 1.19x with 256-row tiles, 1.25x against 1.38x at M16, where
-// a single tile leaves the whole reduction to rank 0). Kept as row_epilogue_geometry when the tile is from the
-// environment, with comm threads, or for an empty output.
+// stripes), so B is reordered `world` times per call instead of once per 256 rows, and at small M every rank still
+// owns rows to reduce, where a single tile would leave the whole reduction to rank 0
+// (docs/journal/performance-journal.md). Kept as row_epilogue_geometry when the tile is from the environment, with
+// comm threads, or for an empty output.
 EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
 
 }  // namespace gemm_ar::cpu

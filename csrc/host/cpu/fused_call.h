@@ -99,7 +99,7 @@ struct CallJob {
   // one row chunk: the compute block multiplies all of this rank's partial in one GEMM call into its window, then
   // publishes the peers' tiles and reduces its own from the window (owner_last_compute.cpp), or, in one shot, into
   // its bank before publishing every tile (one_shot_compute.cpp). Tile by tile, a product of column panels reads
-  // and packs all of a once per panel (M512 K7168 N512 fp32: 1.08x one GEMM on an Intel Xeon).
+  // and packs all of a once per panel, where one GEMM call packs it once.
   // allgather_gemm: where every peer's rows are in by the time this rank's are published, all rows in one GEMM call
   // (run_gather_compute).
   bool one_product = false;

@@ -2,12 +2,10 @@
 // moves partial products: every rank writes the peers' rows of its partial into its window, and each owner reads them
 // back to reduce (two passes over the output's size per rank, on top of the all-gather). Here every rank publishes its
 // inputs instead (a, [M, K], and b, [K, N]), and each owner multiplies its rows once by every rank's K (sum_r a_r[rows]
-// @ b_r = [a_0 | a_1 | ...][rows] @ [b_0; b_1; ...]), then all-gathers them as usual. Worth it where the inputs are
-// small against the output: on an Intel Xeon with AMX (2 ranks) 0.66-0.82x the time of the usual flow with inputs a
-// tenth of the output (M2048 K128 N4096, M1000 K40 N700; fp32 and bf16), but 0.89-0.98x in back-to-back runs and
-// 1.01-1.16x inside the benchmark's round-robin at a fifth (M4096 K256 N2048), and 1.04-1.10x in bf16 at a quarter
-// (docs/journal/performance-journal.md). One core per rank only (the owner-last walk, owner_last_compute.cpp); `auto`
-// times it (Algorithm::FusedGatheredInputs), no geometry rule takes it.
+// @ b_r = [a_0 | a_1 | ...][rows] @ [b_0; b_1; ...]), then all-gathers them as usual. Worth it only where the inputs
+// are much smaller than the output, so that publishing them costs clearly less than the passes over the output it
+// saves (docs/journal/performance-journal.md). One core per rank only (the owner-last walk, owner_last_compute.cpp);
+// `auto` times it (Algorithm::FusedGatheredInputs), no geometry rule takes it.
 #pragma once
 #include <ATen/ATen.h>
 

@@ -1,8 +1,8 @@
-// Output buffers of the CPU fused engine, kept for reuse once the caller frees the tensor. A fresh 32 MB buffer
-// costs about as much in page faults and kernel zeroing as the whole reduction (measured: ~15 ms vs ~2 ms on our
-// 2-core hosts), because glibc maps large blocks anew every time. Returned tensors are ordinary CPU tensors (their
-// storage is resizable); freed buffers wait, by exact size, until TORCH_GEMM_AR_OUTPUT_CACHE_MB (default 512) would
-// be exceeded, beyond which they are released at once.
+// Output buffers of the CPU fused engine, kept for reuse once the caller frees the tensor. A fresh large buffer
+// costs as much in page faults and kernel zeroing as the whole reduction or more, because glibc maps large blocks
+// anew every time. Returned tensors are ordinary CPU tensors (their storage is resizable); freed buffers wait, by
+// exact size, until TORCH_GEMM_AR_OUTPUT_CACHE_MB (default 512) would be exceeded, beyond which they are released at
+// once.
 #pragma once
 #include <ATen/ATen.h>
 

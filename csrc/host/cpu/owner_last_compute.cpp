@@ -101,7 +101,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
       }
       if (run_owner_of(t, job.world, job.own_run) == job.rank) {
         // The own partial first, then the wait: a rank with few or no peers' tiles to multiply would otherwise sit
-        // idle until its peers finished theirs (at one tile per call, the two GEMMs ran one after the other: 2x).
+        // idle until its peers finished theirs (at one tile per call, the two GEMMs would run one after the other).
         // Peers' data is read only once the call is agreed (comm block 0 checks the headers) and each peer's
         // partial of t is published (acquire, in tile_ready).
         const int64_t first_local = run_local_subtile(t, 0, job.world, p.stripes, job.own_run);

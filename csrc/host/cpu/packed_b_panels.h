@@ -1,8 +1,8 @@
 // B's column panels packed once per call for the BLAS's packed-matrix GEMM (oneMKL's cblas_sgemm_pack and
 // cblas_sgemm_compute, looked up at run time in the BLAS that torch links). The engine multiplies B's panel of
-// base_n columns once per tile row; through at::mm every such tile packs the panel again, which made the engine's
-// tiled GEMM 12-30% slower than one whole GEMM on an Intel Xeon (M1024 K4096 N1024 / M4096 K256 N2048, fp32).
-// Packed once and reused by every tile row, the tiles cost what the whole GEMM costs (0.98-1.05x there).
+// base_n columns once per tile row; through at::mm every such tile packs the panel again, which makes the engine's
+// tiled GEMM clearly slower than one whole GEMM. Packed once and reused by every tile row, the tiles cost about what
+// the whole GEMM costs (docs/journal/performance-journal.md, "The engine's tiles through packed B panels").
 #pragma once
 #include <ATen/ATen.h>
 

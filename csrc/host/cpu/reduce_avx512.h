@@ -1,7 +1,7 @@
 // The owner's reduction (reduce_rows) for fp32 and bf16 written with AVX-512 intrinsics. GCC's vectorisation of the
 // portable loop (tile_kernels.cpp) keeps 256-bit vectors, goes through an accumulator buffer and copies the bank
-// from the output afterwards: on an Intel Xeon with AMX it reduced bf16 at 0.6x this loop's speed (microbenchmark,
-// whole rows from memory), and the reduction is most of the communication time of a one-core rank.
+// from the output afterwards, so it is clearly slower than this loop (docs/journal/performance-journal.md), and the
+// reduction is most of the communication time of a one-core rank.
 #pragma once
 #include "cpu/tile_kernels.h"
 

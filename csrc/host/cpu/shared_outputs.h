@@ -1,7 +1,7 @@
 // Opt-in (TORCH_GEMM_AR_SHARED_OUTPUTS): gemm_allreduce outputs that live in the rank's window, so that peers copy
 // an owner's reduced rows straight from its output. With private outputs an owner writes its reduced rows twice, into
-// its output and into a bank its peers copy from (on an Intel Xeon with AMX, slots took 0.93-0.94x the time at
-// M4096 K256 N2048 in fp32 and bf16, 1.0x where the GEMM dominates; docs/journal/performance-journal.md).
+// its output and into a bank its peers copy from; slots save that second write, which matters where the
+// communication dominates (docs/journal/performance-journal.md, "Outputs in shared memory, opt-in").
 // Each window ends in a few output slots; a call whose output fits a free slot returns a tensor there, and the owner
 // tells its peers, per call parity, where its rows are (a slot or the bank). The owner returns only once every peer
 // has copied its rows (publish_copies_done): the caller may overwrite or free its output at once. A slot is free

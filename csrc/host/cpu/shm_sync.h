@@ -32,8 +32,8 @@ inline void cpu_relax() {
 // Pauses a waiter spins before it sleeps on a doorbell: ~50-100 us.
 constexpr int kWaitSpins = 2000;
 // The agreement of an `auto` tuning call spins this long (~10-20 ms) before sleeping: a rank that slept there
-// would start the timed call a futex wake-up (0.1-0.5 ms on a loaded VM) after its peers, and its peers then wait
-// inside the call, so small calls looked twice as slow while tuning as they run back to back
+// would start the timed call a futex wake-up after its peers, and its peers then wait inside the call, which
+// inflates small calls' tuning times well beyond what they take back to back
 // (docs/decisions/0002-algorithms-and-measured-auto.md).
 constexpr int kAlignSpins = 400'000;
 
