@@ -36,6 +36,7 @@
 #include "device_support.hpp"
 #include "kernel_entry.h"
 #include "ready_queue.hpp"
+#include "reduce_scatter_phase.hpp"
 #include "remote_window.hpp"
 
 namespace gemm_ar {
@@ -67,12 +68,13 @@ AICORE inline SubtileSpan subtile_span(const TilePlan& p, int64_t t, int64_t str
   return s;
 }
 
-// Step 0 (attach, agree) and the poison come from CommBlockBase (comm_block.hpp).
+// Step 0 (attach, agree) and the poison come from CommBlockBase (comm_block.hpp), steps 1 and 2's moves and flags
+// from the reduce-scatter phase it shares with gemm_reduce_scatter (reduce_scatter_phase.hpp).
 template <typename T>
-class CommBlock : public CommBlockBase {
+class CommBlock : public ReduceScatterBlock {
  public:
   AICORE inline CommBlock(const KernelArgs& args, int64_t block)
-      : CommBlockBase(args, block), epilogue_(args, block, kUbEpilogue) {}
+      : ReduceScatterBlock(args, block), epilogue_(args, block, kUbEpilogue) {}
 
   // The plan-dependent state; only for a call whose arguments were found usable.
   AICORE inline void init_call() {
@@ -98,29 +100,16 @@ class CommBlock : public CommBlockBase {
   }
 
   AICORE inline void prepare() {
-    SubTile<T> zeros(kSubM, kBaseN);
-    TASSIGN(zeros, kUbZeros);
-    TEXPANDS(zeros, static_cast<T>(0));
-    set_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
+    load_zeros<T>();
     const int64_t mine = ag_subtile_count(c_, owned_subtile_count(args_.plan.tiles, world_, me_, args_.plan.stripes),
                                           args_.comm_blocks);
     for (int64_t j = 0; j < mine; ++j) {
       const int64_t l = ag_subtile(c_, j, args_.comm_blocks);
       const SubtileSpan s = span_of(l, me_);
-      if (s.rows == 0) continue;
-      SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
-      TASSIGN(view, kUbZeros);
-      auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, args_.plan.pad_n);
-      store_tile(dst, view);
-      note_payload_store();
+      if (s.rows > 0) zero_span<T>(reduced(me_, s), s.rows, s.cols);
     }
     release_fence();
-    for (int32_t i = 0; i < world_; ++i) {
-      const int32_t peer = (me_ + 1 + i) % world_;
-      raise_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_,
-                 tag_high_);
-    }
+    announce_prepared();
   }
 
   // False when the call failed (recorded by this block or by the one that failed first).
@@ -183,34 +172,7 @@ class CommBlock : public CommBlockBase {
     return win_.at<uint32_t>(rank, arrival_flag_offset(args_.layout, s.tile, s.stripe, args_.plan.stripes));
   }
 
-  AICORE inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
-    return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
-  }
-
-  // The flag in my window by which owner `owner`'s comm block `block` announces its zeroed subtiles.
-  AICORE inline __gm__ uint32_t* prepared_flag(int32_t owner, int64_t block) const {
-    return win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, block, world_));
-  }
-
-  // Bounded wait for owner `owner` to have zeroed subtile l's block of its reduced buffer in this call.
-  AICORE inline bool wait_prepared(int32_t owner, int64_t l) {
-    const int64_t block = ag_block_of(l, args_.comm_blocks);
-    __gm__ uint32_t* flag = prepared_flag(owner, block);
-    const uint64_t start = now_us();
-    const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    while (!flag_raised(flag, tag_, tag_high_)) {
-      if (aborted(args_)) return false;
-      if (now_us() - start > timeout) {
-        report_error(args_, kErrTimeoutPrepare, owner, block, static_cast<int32_t>(c_), 1);
-        return false;
-      }
-      idle_pause();
-    }
-    if (site_kept(kControlPreparedAcquire)) acquire_fence();
-    return true;
-  }
-
-  // Every stripe of tile t from the partial buffer into the owner's reduced buffer by atomic add.
+  // Every stripe of tile t from the partial buffer into the owner's reduced buffer (round-robin ownership).
   AICORE inline bool reduce_scatter_tile(int64_t t) {
     const TilePlan& p = args_.plan;
     const int32_t owner = static_cast<int32_t>(owner_of(t, world_));
@@ -219,25 +181,10 @@ class CommBlock : public CommBlockBase {
       const SubtileSpan s = subtile_span(p, t, stripe);
       if (s.rows == 0) continue;  // all padding: nobody adds, gathers or copies it
       const int64_t l = local_subtile(t, stripe, world_, p.stripes);
-      if (!wait_prepared(owner, l)) return false;
-      SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
-      TASSIGN(tile, kUbMove);
-      auto src = nd_view<T>(partial + s.row0 * p.pad_n + s.col0, s.rows, s.cols, p.pad_n);
-      TLOAD(tile, src);
-      set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
-      note_guarded_access();  // the owner's prepared flag: its zeroing comes first
-      store_tile<pto::AtomicType::AtomicAdd>(dst, tile);
-      note_payload_store();
-      set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      if (negative_control() == kControlFlagStoredEarly) {  // the flag's words stored now, written back after
-        const uint32_t words[4] = {tag_, tag_high_, ~tag_, ~tag_high_};
-        for (int w = 0; w < 4; ++w) scalar_store<uint32_t>(contrib_flag(owner, l, me_) + w, words[w]);
+      if (!add_stripe<T>(owner, l, partial + s.row0 * p.pad_n + s.col0, reduced(owner, s), s.rows, s.cols,
+                         kControlPreparedAcquire, kControlPayloadUnfenced)) {
+        return false;
       }
-      if (negative_control() != kControlPayloadUnfenced) release_fence();
-      raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
     }
     return true;
   }

@@ -29,6 +29,7 @@
 #include "comm_block.hpp"
 #include "device_support.hpp"
 #include "ready_queue.hpp"
+#include "reduce_scatter_phase.hpp"
 #include "remote_window.hpp"
 #include "sp_kernel_entry.h"
 
@@ -48,11 +49,13 @@ AICORE inline Span stripe_span(const TilePlan& p, const RowChunks& c, int64_t t,
   return {mi, stripe * p.sub_m, ni * p.base_n, chunked_stripe_rows(p, c, mi, stripe), tile_cols(p, ni)};
 }
 
-// Attach, agree and the poison come from CommBlockBase (comm_block.hpp).
+// Attach, agree and the poison come from CommBlockBase (comm_block.hpp), the reduce-scatter's moves and flags from
+// the phase it shares with gemm_allreduce (reduce_scatter_phase.hpp).
 template <typename T>
-class SpCommBlock : public CommBlockBase {
+class SpCommBlock : public ReduceScatterBlock {
  public:
-  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op) : CommBlockBase(args, block), op_(op) {}
+  AICORE inline SpCommBlock(const KernelArgs& args, int64_t block, uint32_t op)
+      : ReduceScatterBlock(args, block), op_(op) {}
 
   // NaN over all of `out`: this rank's chunk (reduce-scatter; one chunk per rank) or every chunk's rows
   // (allgather).
@@ -76,11 +79,7 @@ class SpCommBlock : public CommBlockBase {
     }
     // Zeros (reduce-scatter) or published rows (allgather) reach GM before the flag.
     if (site_kept(op_ == kOpGemmReduceScatter ? kControlRsZeroUnfenced : kControlAgPublishUnfenced)) release_fence();
-    for (int32_t i = 0; i < world_; ++i) {
-      const int32_t peer = (me_ + 1 + i) % world_;
-      raise_flag(win_.at<uint32_t>(peer, prepared_flag_offset(args_.layout, args_.epoch, me_, c_, world_)), tag_,
-                 tag_high_);
-    }
+    announce_prepared();
   }
 
   // Steps 2 and 3 (and 4): one polling loop, bounded by wait_timeout_us without progress. False when the call
@@ -115,7 +114,7 @@ class SpCommBlock : public CommBlockBase {
           progress = true;
         }
       }
-      while (announced < world_ && flag_raised(prepared_flag(announced), tag_, tag_high_)) {
+      while (announced < world_ && flag_raised(prepared_flag(announced, c_), tag_, tag_high_)) {
         ++announced;
         progress = true;
       }
@@ -165,12 +164,6 @@ class SpCommBlock : public CommBlockBase {
     return gm_at<T>(args_.scratch, 0) + chunked_tile_row0(args_.plan, args_.chunks, mi) * args_.plan.k;
   }
 
-  AICORE inline __gm__ uint32_t* prepared_flag(int32_t owner) const {
-    return win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, c_, world_));
-  }
-  AICORE inline __gm__ uint32_t* contrib_flag(int32_t owner, int64_t l, int32_t source) const {
-    return win_.at<uint32_t>(owner, contrib_flag_offset(args_.layout, l, source, world_));
-  }
   // In `rank`'s window: "source has pulled the tile rows comm block c handles of rank's shard".
   AICORE inline __gm__ uint32_t* consumed_flag(int32_t source, int32_t rank) const {
     return win_.at<uint32_t>(rank, sp_consumed_flag_offset(args_.layout, source, c_, args_.comm_blocks));
@@ -231,43 +224,14 @@ class SpCommBlock : public CommBlockBase {
   AICORE inline bool own_done() const { return own_next_ >= own_count(); }
 
   AICORE inline void zero_own_chunk() {
-    SubTile<T> zeros(kSubM, kBaseN);
-    TASSIGN(zeros, kUbZeros);
-    TEXPANDS(zeros, static_cast<T>(0));
-    set_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    wait_event(PIPE_V, PIPE_MTE3, EVENT_ID0);
-    const TilePlan& p = args_.plan;
+    load_zeros<T>();
     for (int64_t j = 0; j < own_count(); ++j) {
       const Span s = own_span(ag_subtile(c_, j, args_.comm_blocks));
-      if (s.rows == 0) continue;
-      SubTile<T> view(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
-      TASSIGN(view, kUbZeros);
-      auto dst = nd_view<T>(reduced(me_, s), s.rows, s.cols, p.pad_n);
-      store_tile(dst, view);
-      note_payload_store();
+      if (s.rows > 0) zero_span<T>(reduced(me_, s), s.rows, s.cols);
     }
   }
 
-  // Bounded wait for rank `owner`'s comm block ag_block_of(l) to have zeroed chunk-local subtile l in this call.
-  AICORE inline bool wait_prepared(int32_t owner, int64_t l) {
-    const int64_t block = ag_block_of(l, args_.comm_blocks);
-    __gm__ uint32_t* flag =
-        win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, owner, block, world_));
-    const uint64_t start = now_us();
-    const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    while (!flag_raised(flag, tag_, tag_high_)) {
-      if (aborted(args_)) return false;
-      if (now_us() - start > timeout) {
-        report_error(args_, kErrTimeoutPrepare, owner, block, static_cast<int32_t>(c_), 1);
-        return false;
-      }
-      idle_pause();
-    }
-    if (site_kept(kControlRsPreparedAcquire)) acquire_fence();
-    return true;
-  }
-
-  // Plan tile t: every stripe into its chunk's rank's reduced buffer by atomic add, then its contribution flag.
+  // Plan tile t: every stripe into its chunk's rank's reduced buffer (ownership in runs of a chunk's tiles).
   AICORE inline bool reduce_scatter_tile(int64_t t) {
     const TilePlan& p = args_.plan;
     const int32_t owner = static_cast<int32_t>(run_owner_of(t, world_, run_));
@@ -275,21 +239,10 @@ class SpCommBlock : public CommBlockBase {
       const Span s = stripe_span(p, args_.chunks, t, stripe);
       if (s.rows == 0) continue;  // all padding: nobody adds or copies it
       const int64_t l = run_local_subtile(t, stripe, world_, p.stripes, run_);
-      if (!wait_prepared(owner, l)) return false;
-      SubTile<T> tile(static_cast<unsigned>(s.rows), static_cast<unsigned>(s.cols));
-      TASSIGN(tile, kUbMove);
-      auto src = nd_view<T>(partial(s), s.rows, s.cols, p.pad_n);
-      TLOAD(tile, src);
-      set_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      wait_event(PIPE_MTE2, PIPE_MTE3, EVENT_ID0);
-      auto dst = nd_view<T>(reduced(owner, s), s.rows, s.cols, p.pad_n);
-      note_guarded_access();  // the owner's prepared flag: its zeroing comes first
-      store_tile<pto::AtomicType::AtomicAdd>(dst, tile);
-      note_payload_store();
-      set_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      wait_event(PIPE_MTE3, PIPE_MTE2, EVENT_ID0);
-      if (site_kept(kControlRsPayloadUnfenced)) release_fence();
-      raise_flag(contrib_flag(owner, l, me_), tag_, tag_high_);
+      if (!add_stripe<T>(owner, l, partial(s), reduced(owner, s), s.rows, s.cols, kControlRsPreparedAcquire,
+                         kControlRsPayloadUnfenced)) {
+        return false;
+      }
     }
     return true;
   }
@@ -335,10 +288,7 @@ class SpCommBlock : public CommBlockBase {
     const RowChunks& chunks = args_.chunks;
     const int32_t peer = (me_ + pull_step_) % world_;
     if (pull_row_ < chunks.m_tiles) {
-      if (!flag_raised(win_.at<uint32_t>(me_, prepared_flag_offset(args_.layout, args_.epoch, peer, c_, world_)),
-                       tag_, tag_high_)) {
-        return false;
-      }
+      if (!flag_raised(prepared_flag(peer, c_), tag_, tag_high_)) return false;
       if (site_kept(kControlAgPublishedAcquire)) acquire_fence();
       const int64_t mi = chunk_tile_row(chunks, peer, pull_row_);
       note_guarded_access();  // the peer's published rows
