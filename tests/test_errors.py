@@ -22,6 +22,9 @@ def every_rank_bad(rank, world):
     raises(lambda: g(a, b, algorithm="fastest"), "algorithm must be one of", "fastest")
     raises(lambda: torch.ops.pto.gemm_allreduce(a, b, "no-such-group"), "group_name 'no-such-group'")
     raises(lambda: torch_gemm_ar.gemm_allreduce(a, b, group=3), "group must be a ProcessGroup", exc=TypeError)
+    # Every wrapper's group error names its op.
+    for name in ("gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"):
+        raises(lambda: getattr(torch_gemm_ar, name)(a, b, group=3), f"{name}: group must be", exc=TypeError)
     # Still usable after all of that.
     out = g(a, b, algorithm="sequential")
     assert out.shape == (8, 3)

@@ -1,28 +1,11 @@
-"""The Python entry point of the op: group resolution, then torch.ops.pto.gemm_allreduce."""
-from typing import Optional, Tuple, Union
+"""The Python entry points of the ops: the group resolved (naming the op in its errors), then torch.ops.pto.<op>."""
+from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
+
+from ._groups import GroupLike, group_name_of
 
 ALGORITHMS = ("auto", "sequential", "chunked", "fused")
-
-GroupLike = Union[None, str, dist.ProcessGroup]
-
-
-def group_name_of(group: GroupLike) -> str:
-    """The c10d group name of `group` (None: the default group), as torch.ops.pto.gemm_allreduce takes it."""
-    if isinstance(group, str):
-        return group
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "gemm_allreduce: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group() first or pass group="
-            )
-        group = dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"gemm_allreduce: group must be a ProcessGroup, a group name or None; got {type(group)}")
-    return group.group_name
 
 
 def gemm_allreduce(
@@ -38,7 +21,8 @@ def gemm_allreduce(
     a: [M, K] or [B, S, K], this rank's shard. b: [K, N], any strides (weight.t() of an nn.Linear is not copied).
     bias: [N], added once to the reduced result. algorithm: one of auto, sequential, chunked, fused.
     """
-    return torch.ops.pto.gemm_allreduce(a, b, group_name_of(group), bias=bias, algorithm=algorithm)
+    name = group_name_of(group, "gemm_allreduce")
+    return torch.ops.pto.gemm_allreduce(a, b, name, bias=bias, algorithm=algorithm)
 
 
 def gemm_reduce_scatter(
@@ -58,7 +42,7 @@ def gemm_reduce_scatter(
     Backward: an all-gather of the gradient (allgather_gemm).
     """
     return torch.ops.pto.gemm_reduce_scatter(
-        a, b, group_name_of(group), scatter_dim=scatter_dim, bias=bias, algorithm=algorithm
+        a, b, group_name_of(group, "gemm_reduce_scatter"), scatter_dim=scatter_dim, bias=bias, algorithm=algorithm
     )
 
 
@@ -80,7 +64,8 @@ def allgather_gemm(
     a's gradient (gemm_reduce_scatter); gathered_a is returned without gradient.
     """
     out, gathered = torch.ops.pto.allgather_gemm(
-        a, b, group_name_of(group), gather_dim=gather_dim, bias=bias, return_gathered=return_gathered,
+        a, b, group_name_of(group, "allgather_gemm"), gather_dim=gather_dim, bias=bias,
+        return_gathered=return_gathered,
         algorithm=algorithm,
     )
     return (out, gathered) if return_gathered else out
@@ -104,7 +89,8 @@ def gemm_allreduce_add_rmsnorm(
     computed in fp32 (fp64 for float64). Backward needs no communication, as for gemm_allreduce.
     """
     return torch.ops.pto.gemm_allreduce_add_rmsnorm(
-        a, b, residual, norm_weight, group_name_of(group), eps=eps, bias=bias, algorithm=algorithm
+        a, b, residual, norm_weight, group_name_of(group, "gemm_allreduce_add_rmsnorm"), eps=eps, bias=bias,
+        algorithm=algorithm,
     )
 
 
@@ -133,6 +119,7 @@ def gemm_allreduce_add_rmsnorm_(
             "(use gemm_allreduce_add_rmsnorm to train, or run under torch.no_grad() / torch.inference_mode())"
         )
     return torch.ops.pto.gemm_allreduce_add_rmsnorm_(
-        a, b, residual, norm_weight, group_name_of(group), eps=eps, bias=bias, algorithm=algorithm
+        a, b, residual, norm_weight, group_name_of(group, "gemm_allreduce_add_rmsnorm_"), eps=eps, bias=bias,
+        algorithm=algorithm,
     )
 

@@ -27,7 +27,8 @@ from typing import Iterable, List, Optional, Sequence
 import torch
 
 from . import _C
-from ._ops import GroupLike, gemm_allreduce, group_name_of
+from ._groups import GroupLike, group_name_of
+from ._ops import gemm_allreduce
 
 logger = logging.getLogger("torch_gemm_ar.tuning")
 _C._set_tuner_logger(logger.info)
@@ -56,7 +57,7 @@ def decision_for(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, *, 
 
     if isinstance(group, str):
         group = _resolve_process_group(group)
-    group_name = group_name_of(group)  # the library's message for what is not a usable group
+    group_name = group_name_of(group, "tune")  # the library's message for what is not a usable group
     world = dist.get_world_size(group)
     if world < 1:
         raise ValueError(f"decision_for: this rank is not a member of group {group_name!r}")
@@ -87,7 +88,7 @@ def calls_to_decide() -> int:
 def in_progress(group: GroupLike = None) -> bool:
     """Whether `auto` is still tuning a shape bucket of `group` (None: of any group) in this process. Ranks of a
     group make the same calls, so they see the same answer: warm a model up until it is False before timing it."""
-    return _C._tuner_in_progress(group_name_of(group) if group is not None else "")
+    return _C._tuner_in_progress(group_name_of(group, "tuning.in_progress") if group is not None else "")
 
 
 def warm_up_until_tuned(step, min_steps: int = 1, group: GroupLike = None) -> int:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .._ops import GroupLike, allgather_gemm
-from ._groups import GroupInfo, resolve_group
+from .._groups import GroupInfo, resolve_group
 from .reduced_input_grad import linear_with_reduced_input_grad
 from .row_parallel_linear import check_algorithm
 

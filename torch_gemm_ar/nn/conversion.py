@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._groups import GroupInfo
+from .._groups import GroupInfo
 from .dtensor_row_parallel import read_transformers_style
 
 PROBE_ROWS = 5

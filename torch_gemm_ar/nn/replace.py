@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ops import GroupLike
-from ._groups import GroupInfo, resolve_group
+from .._groups import GroupInfo, resolve_group
 from ._probe_timeout import run_bounded_probe
 from .conversion import (
     PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, probe_close,

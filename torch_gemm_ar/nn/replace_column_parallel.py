@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ops import GroupLike
-from ._groups import GroupInfo, resolve_group
+from .._groups import GroupInfo, resolve_group
 from .column_parallel_linear import ColumnParallelLinear
 from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems, read_colwise_style
 from .dtensor_row_parallel import is_dtensor

@@ -7,7 +7,7 @@ from torch import nn
 
 from .._ops import ALGORITHMS, GroupLike, gemm_allreduce, gemm_reduce_scatter
 from ._add_norm import add_rmsnorm_after_reduction, check_norm
-from ._groups import GroupInfo, resolve_group
+from .._groups import GroupInfo, resolve_group
 
 
 def check_algorithm(algorithm: str, who: str) -> str:

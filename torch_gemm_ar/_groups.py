@@ -1,9 +1,11 @@
-"""Resolving the `group=` argument of the nn layers: the group object, its c10d name, its size and this rank's place."""
+"""Resolving a `group=` argument (the ops' wrappers, the nn layers, the converters, tuning): the group object, its
+c10d name, its size and this rank's place, with the same errors everywhere, naming the caller."""
 from dataclasses import dataclass
+from typing import Union
 
 import torch.distributed as dist
 
-from .._ops import GroupLike
+GroupLike = Union[None, str, dist.ProcessGroup]
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,11 @@ def resolve_group(group: GroupLike, who: str) -> GroupInfo:
             f"{group.group_name!r}; pass the tensor-parallel group this rank belongs to"
         )
     return GroupInfo(group=group, name=group.group_name, world=dist.get_world_size(group), rank=rank)
+
+
+def group_name_of(group: GroupLike, who: str = "gemm_allreduce") -> str:
+    """The c10d group name of `group` (None: the default group), as the torch.ops.pto ops take it. A name is passed
+    through as it is: the op itself raises, naming the op, when no group has it."""
+    if isinstance(group, str):
+        return group
+    return resolve_group(group, who).name
