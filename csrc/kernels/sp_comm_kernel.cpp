@@ -154,23 +154,25 @@ class SpCommBlock : public ReduceScatterBlock {
     return gm_at<T>(args_.out, 0) + (row0 + s.row_in_tile) * args_.ldo + s.col0;
   }
 
-  // Tile row mi of a: in its rank's window (the rank's shard, ld k), or in this rank's gathered buffer (every
-  // shard, scratch offset 0, ld k).
+  // Tile row mi of a: in its rank's window (the rank's shard, ld k), or in this rank's gathered a (every shard,
+  // ld k; AllgatherLayout).
   AICORE inline __gm__ T* shard_in_window(int32_t rank, int64_t mi) const {
-    return win_.at<T>(rank, args_.layout.reduced_offset) +
+    return win_.at<T>(rank, allgather_layout(args_.layout).shard_offset) +
            chunked_owner_row0(args_.plan, args_.chunks, mi, world_) * args_.plan.k;
   }
   AICORE inline __gm__ T* gathered(int64_t mi) const {
-    return gm_at<T>(args_.scratch, 0) + chunked_tile_row0(args_.plan, args_.chunks, mi) * args_.plan.k;
+    return gm_at<T>(args_.scratch, allgather_layout(args_.layout).gathered_offset) +
+           chunked_tile_row0(args_.plan, args_.chunks, mi) * args_.plan.k;
   }
 
   // In `rank`'s window: "source has pulled the tile rows comm block c handles of rank's shard".
   AICORE inline __gm__ uint32_t* consumed_flag(int32_t source, int32_t rank) const {
-    return win_.at<uint32_t>(rank, sp_consumed_flag_offset(args_.layout, source, c_, args_.comm_blocks));
+    return win_.at<uint32_t>(rank,
+                             ag_consumed_flag_offset(allgather_layout(args_.layout), source, c_, args_.comm_blocks));
   }
   AICORE inline __gm__ uint32_t* consumed_flag(int32_t source) const { return consumed_flag(source, me_); }
   AICORE inline __gm__ uint32_t* row_ready_flag(int64_t mi) const {
-    return win_.at<uint32_t>(me_, sp_row_ready_flag_offset(args_.layout, mi));
+    return win_.at<uint32_t>(me_, ag_row_ready_flag_offset(allgather_layout(args_.layout), mi));
   }
 
   // rows x cols from src (ld src_ld) to dst (ld dst_ld) and, if dst2 != nullptr, to dst2 (ld dst_ld) through UB.

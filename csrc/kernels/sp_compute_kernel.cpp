@@ -25,7 +25,7 @@ namespace {
 // call failed (recorded here, or by the block that failed first).
 AICORE inline bool wait_row_ready(const KernelArgs& args, const RemoteWindows& win, int64_t block, int32_t shard,
                                   int64_t mi) {
-  __gm__ uint32_t* flag = win.local<uint32_t>(sp_row_ready_flag_offset(args.layout, mi));
+  __gm__ uint32_t* flag = win.local<uint32_t>(ag_row_ready_flag_offset(allgather_layout(args.layout), mi));
   const uint32_t tag = signal_tag(args.epoch);
   const uint32_t tag_high = signal_tag_high(args.epoch);
   const uint64_t timeout = args.wait_timeout_us != 0 ? args.wait_timeout_us : kDefaultWaitTimeoutUs;
@@ -66,7 +66,9 @@ AICORE inline void compute_sp_items(const KernelArgs& args, int64_t block, uint3
         ready_row = mi;
       }
       note_guarded_access();  // the gathered rows the row-ready flag published
-      src = ARows{args.scratch, p.k, chunked_tile_row0(p, c, mi)};  // the gathered a: every shard, packed (ld k)
+      // The gathered a: every shard, packed (ld k).
+      src = ARows{args.scratch + static_cast<uint64_t>(allgather_layout(args.layout).gathered_offset), p.k,
+                  chunked_tile_row0(p, c, mi)};
     }
     computer.run(mi, tile_col(p, t), add_bias, src);
     queue_publish(args, block, j, t);

@@ -494,23 +494,16 @@ std::tuple<at::Tensor, at::Tensor> FusedEngine::run_allgather(const CallArgs& ca
   auto gathered = at::empty({m, call.k}, call.a2d.options().memory_format(at::MemoryFormat::Contiguous));
   LocalGemm gemm(gathered, call.b, call.bias, /*add_bias=*/true);
   CallJob job;
-  // The window holds this rank's shard where the partial products would be (layout.hpp, shard_row_offset), one
-  // flag per tile row, and one final flag (copies done).
+  // The window holds this rank's shard where the partial products would be, one flag per tile row, and one final
+  // flag (copies done): allgather_layout_params (layout.hpp).
   TilePlan plan{};
   RowChunks c{};
   TORCH_CHECK(make_row_chunked_plan(&plan, &c, chunks.count, chunks.rows, call.n, call.k, config_.base_m,
                                     config_.base_n, 1, 1, config_.sub_m),
               call.op_name, ": invalid tile plan for M=", m, " N=", call.n, " K=", call.k);
-  LayoutParams need{};
-  need.pad_m = 1;
-  need.pad_n = std::max<int64_t>(1, call.m * call.k * static_cast<int64_t>(c10::elementSize(call.dtype)));
-  need.elem_bytes = need.partial_elem_bytes = 1;
-  need.world = world_;
-  need.tiles = std::max(plan.tiles, plan.m_tiles);
-  need.max_owned_subtiles = 1;
-  need.compute_blocks = config_.compute_blocks;
-  need.comm_blocks = config_.comm_blocks;
-  need.queue_capacity = 0;
+  const auto a_elem = static_cast<int64_t>(c10::elementSize(call.dtype));
+  const LayoutParams need = allgather_layout_params(call.m, call.k, a_elem, world_, plan.tiles, plan.m_tiles,
+                                                    config_.compute_blocks, config_.comm_blocks);
   prepare_job(job, call, gemm, chunks, need);
   auto out = pooled_empty(m, call.n, call.dtype);
   job.out = static_cast<uint8_t*>(out.data_ptr());

@@ -117,8 +117,26 @@ GEMM_AR_FN int64_t queue_entry_offset(const WindowLayout& w, int64_t b, int64_t 
   return queue_count_offset(w, b) + kCounterBytes * (1 + j);
 }
 
-// The all-gather GEMM has no partial products: its rank's shard of a ([rows, K], row-major, in the rank's own row
-// order) lies where they would. Element (row, 0) of that shard:
+// allgather_gemm's window: no partial products, but its rank's shard of a ([shard_rows, K], row-major, in the rank's
+// own row order) where they would be, one tile flag per tile row (of `tiles` and `m_tiles`, the larger) and no
+// owner-local subtiles beyond one final flag; no ready queues.
+GEMM_AR_FN LayoutParams allgather_layout_params(int64_t shard_rows, int64_t k, int64_t elem_bytes, int64_t world,
+                                                int64_t tiles, int64_t m_tiles, int64_t compute_blocks,
+                                                int64_t comm_blocks) {
+  LayoutParams p{};
+  p.pad_m = 1;
+  p.pad_n = shard_rows * k * elem_bytes > 1 ? shard_rows * k * elem_bytes : 1;  // the shard, as bytes
+  p.elem_bytes = p.partial_elem_bytes = 1;
+  p.world = world;
+  p.tiles = tiles > m_tiles ? tiles : m_tiles;
+  p.max_owned_subtiles = 1;
+  p.compute_blocks = compute_blocks;
+  p.comm_blocks = comm_blocks;
+  p.queue_capacity = 0;
+  return p;
+}
+
+// Element (row, 0) of that shard:
 GEMM_AR_FN int64_t shard_row_offset(const WindowLayout& w, int64_t row, int64_t k, int64_t elem_bytes) {
   return w.partial_offset + row * k * elem_bytes;
 }

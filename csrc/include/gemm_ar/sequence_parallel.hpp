@@ -15,22 +15,13 @@
 // What is op-specific lives here: the order the compute blocks walk the tiles, the allgather's flags, the layout's
 // region sizes (placed by kernel_args.hpp's place_kernel_layout).
 //
-// KernelArgs::layout (KernelLayout) keeps its field names; their meaning for these ops:
-//   reduce-scatter  reduced  = this rank's chunk, padded (its tiles; chunked_owner_padded_row0), pad_n wide (atomic
-//                              adds of every rank, then copied to out)
-//                   contrib  = [owner-local subtile][source] flags (run_local_subtile), as for gemm_allreduce;
-//                              arrival unused (0 bytes)
-//                   partial  = the pad_m x pad_n partial products of the whole plan (scratch), queue as usual
-//   allgather       reduced  = this rank's shard of a, m_sub x k (ld k), published for the peers to pull
-//                   contrib  = [source][comm block] "consumed" flags: the source has pulled all of my shard that
-//                              block handles (I may leave the call only after every one of them)
-//                   arrival  = [tile row] "row ready" flags, written and read by this rank only (comm kernel ->
-//                              compute kernel): that tile row's rows of a are in the gathered buffer
-//                   scratch [0, partial_offset) = the gathered a, world * m_sub x k (ld k), returned to the caller
-//                   partial  = the pad_m x pad_n products of the whole plan (scratch), copied to `out` by the comm
-//                              kernel
-// The prepared flags keep their place and banking; for allgather prepared[owner][c] means "owner's comm block c
-// has published its tile rows of the shard" (a chunk's local tile row i belongs to comm block i % Q on every rank).
+// The reduce-scatter uses KernelArgs::layout (KernelLayout) as gemm_allreduce does: reduced = this rank's chunk,
+// padded (its tiles; chunked_owner_padded_row0), pad_n wide (atomic adds of every rank, then copied to out);
+// contrib = [owner-local subtile][source] flags (run_local_subtile); arrival unused (0 bytes); partial = the
+// pad_m x pad_n partial products of the whole plan (scratch), queue as usual.
+// The allgather has regions of its own, placed in the same slots: AllgatherLayout names them. The prepared flags
+// keep their place and banking; for allgather prepared[owner][c] means "owner's comm block c has published its tile
+// rows of the shard" (a chunk's local tile row i belongs to comm block i % Q on every rank).
 #pragma once
 #include <cstdint>
 
@@ -91,13 +82,37 @@ GEMM_AR_FN KernelLayout make_sp_kernel_layout(const TilePlan& plan, const RowChu
   return place_kernel_layout(plan, elem_bytes, world, compute_blocks, r);
 }
 
-// Allgather flags (see the top of this file), relative to the window region.
-GEMM_AR_FN int64_t sp_consumed_flag_offset(const KernelLayout& k, int64_t source, int64_t comm_block,
-                                           int64_t comm_blocks) {
-  return k.contrib_offset + (source * comm_blocks + comm_block) * kFlagStride;
+// allgather_gemm's regions, in the slots make_sp_kernel_layout sized for them (window offsets relative to the
+// window region, scratch offsets to KernelArgs::scratch).
+struct AllgatherLayout {
+  int64_t shard_offset, shard_bytes;          // window: this rank's shard of a, m_sub x k (ld k), for the peers
+  int64_t consumed_offset, consumed_bytes;    // window: [source][comm block] flags: the source has pulled all of my
+                                              // shard that block handles (I leave the call only after every one)
+  int64_t row_ready_offset, row_ready_bytes;  // window, this rank only: [tile row] flags (comm kernel -> compute
+                                              // kernel): that tile row's rows of a are in the gathered a
+  int64_t gathered_offset;                    // scratch: the gathered a, world * m_sub x k (ld k), returned
+  int64_t products_offset;                    // scratch: the pad_m x pad_n products, copied to `out`
+};
+
+GEMM_AR_FN AllgatherLayout allgather_layout(const KernelLayout& k) {
+  AllgatherLayout g{};
+  g.shard_offset = k.reduced_offset;
+  g.shard_bytes = k.reduced_bytes;
+  g.consumed_offset = k.contrib_offset;
+  g.consumed_bytes = k.contrib_bytes;
+  g.row_ready_offset = k.arrival_offset;
+  g.row_ready_bytes = k.arrival_bytes;
+  g.gathered_offset = 0;  // the scratch's head (LayoutRegionBytes::scratch_head)
+  g.products_offset = k.partial_offset;
+  return g;
 }
-GEMM_AR_FN int64_t sp_row_ready_flag_offset(const KernelLayout& k, int64_t mi) {
-  return k.arrival_offset + mi * kFlagStride;
+
+GEMM_AR_FN int64_t ag_consumed_flag_offset(const AllgatherLayout& g, int64_t source, int64_t comm_block,
+                                           int64_t comm_blocks) {
+  return g.consumed_offset + (source * comm_blocks + comm_block) * kFlagStride;
+}
+GEMM_AR_FN int64_t ag_row_ready_flag_offset(const AllgatherLayout& g, int64_t mi) {
+  return g.row_ready_offset + mi * kFlagStride;
 }
 
 // plan_kernel_args for the sequence-parallel kernels: m_sub is the rows of one chunk (the reduce-scatter's output
