@@ -23,9 +23,8 @@ using OpSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const 
                                                        const std::optional<at::Tensor>&, c10::string_view);
 
 const c10::TypedOperatorHandle<OpSignature>& out_of_place_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("pto::gemm_allreduce_add_rmsnorm", "")
-                             .typed<OpSignature>();
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("pto::gemm_allreduce_add_rmsnorm", "").typed<OpSignature>();
   return op;
 }
 
@@ -41,9 +40,8 @@ std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& a, cons
 class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAllreduceAddRmsNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
-                               const at::Tensor& residual, const at::Tensor& norm_weight,
-                               c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias,
-                               c10::string_view algorithm) {
+                               const at::Tensor& residual, const at::Tensor& norm_weight, c10::string_view group_name,
+                               double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
     const bool has_bias = bias.has_value() && bias->defined();
     auto [out, normed] = call_below_autograd(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
     // `out` is all the norm's backward needs (its statistics are recomputed from it, as in the forward).
@@ -82,7 +80,8 @@ class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAll
       if (ctx->needs_input_grad(1)) grad_b = grad_of_b(b, a.reshape({-1, a.size(-1)}), grad2d);
       if (ctx->needs_input_grad(2)) grad_residual = grad2d.reshape(out.sizes());
       // needs_input_grad counts tensor inputs only: a, b, residual, norm_weight, then bias when given.
-      if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(4)) grad_bias = grad_total.sum(0).to(out.scalar_type());
+      if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(4))
+        grad_bias = grad_total.sum(0).to(out.scalar_type());
     }
     return {grad_a, grad_b, grad_residual, grad_weight, at::Tensor(), at::Tensor(), grad_bias, at::Tensor()};
   }
@@ -91,17 +90,15 @@ class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAll
 std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_autograd(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
-  auto outputs =
-      GemmAllreduceAddRmsNormFunction::apply(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+  auto outputs = GemmAllreduceAddRmsNormFunction::apply(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
   return {outputs[0], outputs[1]};
 }
 
 // gemm_allreduce_add_rmsnorm_ on a backend without its own in-place kernel (the NPU): the op, then the new residual
 // stream copied into `residual`. Correct, but it saves no traffic; the CPU kernel adds into `residual` directly.
-at::Tensor gemm_allreduce_add_rmsnorm_inplace_composite(const at::Tensor& a, const at::Tensor& b,
-                                                        at::Tensor& residual, const at::Tensor& norm_weight,
-                                                        c10::string_view group_name, double eps,
-                                                        const std::optional<at::Tensor>& bias,
+at::Tensor gemm_allreduce_add_rmsnorm_inplace_composite(const at::Tensor& a, const at::Tensor& b, at::Tensor& residual,
+                                                        const at::Tensor& norm_weight, c10::string_view group_name,
+                                                        double eps, const std::optional<at::Tensor>& bias,
                                                         c10::string_view algorithm) {
   auto [out, normed] = out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
   residual.copy_(out);

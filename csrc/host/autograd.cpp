@@ -25,9 +25,8 @@ at::Tensor call_below_autograd(const at::Tensor& a, const at::Tensor& b, c10::st
 
 class GemmAllreduceFunction : public torch::autograd::Function<GemmAllreduceFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
-                            c10::string_view group_name, const std::optional<at::Tensor>& bias,
-                            c10::string_view algorithm) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
+                            const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
     ctx->save_for_backward({a, b});
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     return call_below_autograd(a, b, group_name, bias, algorithm);

@@ -36,9 +36,8 @@ at::Tensor rows_of(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
 
 class GemmReduceScatterFunction : public torch::autograd::Function<GemmReduceScatterFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
-                            c10::string_view group_name, int64_t scatter_dim, const std::optional<at::Tensor>& bias,
-                            c10::string_view algorithm) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
+                            int64_t scatter_dim, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
     ctx->save_for_backward({a, b});
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->saved_data["group_name"] = std::string(group_name);
@@ -74,8 +73,8 @@ class GemmReduceScatterFunction : public torch::autograd::Function<GemmReduceSca
 class AllgatherGemmFunction : public torch::autograd::Function<AllgatherGemmFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
-                               c10::string_view group_name, int64_t gather_dim,
-                               const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+                               c10::string_view group_name, int64_t gather_dim, const std::optional<at::Tensor>& bias,
+                               c10::string_view algorithm) {
     at::Tensor out, gathered;
     {
       at::AutoDispatchBelowADInplaceOrView guard;

@@ -1,6 +1,6 @@
-// The add+RMSNorm epilogue of GemmCommKernel (docs/decisions/0011-add-rmsnorm-epilogue.md; gemm_ar/epilogue_args.hpp): once a row band is reduced on
-// this rank, out = reduced + residual (rounded to the call dtype) and normed = out * rsqrt(mean(out^2) + eps) *
-// weight, the row statistics in fp32.
+// The add+RMSNorm epilogue of GemmCommKernel (docs/decisions/0011-add-rmsnorm-epilogue.md; gemm_ar/epilogue_args.hpp):
+// once a row band is reduced on this rank, out = reduced + residual (rounded to the call dtype) and normed = out *
+// rsqrt(mean(out^2) + eps) * weight, the row statistics in fp32.
 //
 // Who normalises what. A row band is one stripe of a tile row (sub_m rows) across all N columns; its subtiles
 // belong to different owners and are finalised by different comm blocks, and a row's statistics need all of them.
@@ -26,26 +26,26 @@
 namespace gemm_ar {
 namespace device {
 
-constexpr int kEpilogueRows = 16;                          // rows per chunk
-constexpr int kEpilogueCols = static_cast<int>(kNpuBaseN); // one column tile per step
-constexpr int kStatCols = 8;                               // one 32-byte block of fp32 per row
+constexpr int kEpilogueRows = 16;                           // rows per chunk
+constexpr int kEpilogueCols = static_cast<int>(kNpuBaseN);  // one column tile per step
+constexpr int kStatCols = 8;                                // one 32-byte block of fp32 per row
 
 // The epilogue's UB, from `base` on (the comm kernel puts it after its own staging tiles).
 struct EpilogueUb {
   static constexpr uint32_t kHalfTile = kEpilogueRows * kEpilogueCols * 2;
   static constexpr uint32_t kFloatTile = kEpilogueRows * kEpilogueCols * 4;
   static constexpr uint32_t kStat = kEpilogueRows * kStatCols * 4;
-  static constexpr uint32_t kIn = 0;                         // dtype: reduced, then out
-  static constexpr uint32_t kAux = kIn + kHalfTile;          // dtype: residual, then normed
-  static constexpr uint32_t kX = kAux + kHalfTile;           // fp32 working tile
-  static constexpr uint32_t kY = kX + kFloatTile;            // fp32: residual; the row sum's scratch
-  static constexpr uint32_t kAcc = kY + kFloatTile;          // fp32: sum of out^2 per element over the band
-  static constexpr uint32_t kWeightIn = kAcc + kFloatTile;   // dtype [1 x cols]
+  static constexpr uint32_t kIn = 0;                                  // dtype: reduced, then out
+  static constexpr uint32_t kAux = kIn + kHalfTile;                   // dtype: residual, then normed
+  static constexpr uint32_t kX = kAux + kHalfTile;                    // fp32 working tile
+  static constexpr uint32_t kY = kX + kFloatTile;                     // fp32: residual; the row sum's scratch
+  static constexpr uint32_t kAcc = kY + kFloatTile;                   // fp32: sum of out^2 per element over the band
+  static constexpr uint32_t kWeightIn = kAcc + kFloatTile;            // dtype [1 x cols]
   static constexpr uint32_t kWeight = kWeightIn + kEpilogueCols * 2;  // fp32 [1 x cols]
   static constexpr uint32_t kSum = kWeight + kEpilogueCols * 4;       // [rows x 8], column 0: the row sum
-  static constexpr uint32_t kMoment = kSum + kStat;          // [rows x 8]: mean(out^2) + eps, all 8 equal
-  static constexpr uint32_t kRstd = kMoment + kStat;         // [rows x 8]: rsqrt of it
-  static constexpr uint32_t kOnes = kRstd + kStat;           // TRSQRT's 32-byte scratch
+  static constexpr uint32_t kMoment = kSum + kStat;                   // [rows x 8]: mean(out^2) + eps, all 8 equal
+  static constexpr uint32_t kRstd = kMoment + kStat;                  // [rows x 8]: rsqrt of it
+  static constexpr uint32_t kOnes = kRstd + kStat;                    // TRSQRT's 32-byte scratch
   static constexpr uint32_t kBytes = kOnes + 32;
 };
 
@@ -56,12 +56,11 @@ class AddRmsNormEpilogue {
                            pto::DYNAMIC>;
   using FloatTile = pto::Tile<pto::TileType::Vec, float, kEpilogueRows, kEpilogueCols, pto::BLayout::RowMajor,
                               pto::DYNAMIC, pto::DYNAMIC>;
-  using InRow = pto::Tile<pto::TileType::Vec, T, 1, kEpilogueCols, pto::BLayout::RowMajor, pto::DYNAMIC,
-                          pto::DYNAMIC>;
-  using FloatRow = pto::Tile<pto::TileType::Vec, float, 1, kEpilogueCols, pto::BLayout::RowMajor, pto::DYNAMIC,
+  using InRow = pto::Tile<pto::TileType::Vec, T, 1, kEpilogueCols, pto::BLayout::RowMajor, pto::DYNAMIC, pto::DYNAMIC>;
+  using FloatRow =
+      pto::Tile<pto::TileType::Vec, float, 1, kEpilogueCols, pto::BLayout::RowMajor, pto::DYNAMIC, pto::DYNAMIC>;
+  using StatTile = pto::Tile<pto::TileType::Vec, float, kEpilogueRows, kStatCols, pto::BLayout::RowMajor, pto::DYNAMIC,
                              pto::DYNAMIC>;
-  using StatTile = pto::Tile<pto::TileType::Vec, float, kEpilogueRows, kStatCols, pto::BLayout::RowMajor,
-                            pto::DYNAMIC, pto::DYNAMIC>;
 
   AICORE inline AddRmsNormEpilogue(const KernelArgs& args, int64_t block, uint32_t ub_base)
       : args_(args), e_(args.epilogue), c_(block), ub_(ub_base) {}
@@ -91,8 +90,8 @@ class AddRmsNormEpilogue {
         const int64_t t = band_tile(col_);
         if (static_cast<int32_t>(owner_of(t, args_.world)) == args_.rank) {
           const int64_t l = local_subtile(t, band_stripe(), args_.world, p.stripes);
-          while (source_ < args_.world && flag_raised(contrib_flag(l, static_cast<int32_t>(source_)), tag_,
-                                                      tag_high_)) {
+          while (source_ < args_.world &&
+                 flag_raised(contrib_flag(l, static_cast<int32_t>(source_)), tag_, tag_high_)) {
             ++source_;
             progress = true;
           }
@@ -129,7 +128,8 @@ class AddRmsNormEpilogue {
     }
   }
 
-  // A failed call's poison (docs/decisions/0005-bounded-waits-and-failure-reporting.md) for the second output: NaN over all of `normed`, after this block's own last store there.
+  // A failed call's poison (docs/decisions/0005-bounded-waits-and-failure-reporting.md) for the second output: NaN over
+  // all of `normed`, after this block's own last store there.
   AICORE inline void poison() {
     if (e_.kind != kEpilogueAddRmsNorm || e_.normed == 0) return;
     pipe_barrier(PIPE_ALL);
@@ -165,8 +165,7 @@ class AddRmsNormEpilogue {
     return win_->at<uint32_t>(args_.rank, contrib_flag_offset(args_.layout, l, source, args_.world));
   }
   AICORE inline __gm__ uint32_t* arrival_flag(int64_t t) const {
-    return win_->at<uint32_t>(args_.rank,
-                              arrival_flag_offset(args_.layout, t, band_stripe(), args_.plan.stripes));
+    return win_->at<uint32_t>(args_.rank, arrival_flag_offset(args_.layout, t, band_stripe(), args_.plan.stripes));
   }
 
   // Pipe hand-overs inside one block: `to` starts only after `from`'s earlier work is done.

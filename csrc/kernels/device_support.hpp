@@ -4,10 +4,11 @@
 //
 // Every scalar access to GM goes through scalar_load / scalar_store / flush_line. On the device they are plain
 // volatile accesses and dcci; in the simulator they run against sim_data_cache.hpp's per-core non-coherent cache,
-// so a missing flush or invalidate shows up there as a timeout, a corrupt queue or a lost store (docs/decisions/0007-npu-scalar-cache-discipline.md, docs/decisions/0009-checking-npu-code-without-hardware.md).
-// A simulator build with -DGEMM_AR_PLAIN_SCALARS compiles them as on the device instead (plain volatile accesses,
-// dcci a no-op, no negative controls): tests/test_kernels_device_build.py checks that code the way the device
-// compiler sees it.
+// so a missing flush or invalidate shows up there as a timeout, a corrupt queue or a lost store
+// (docs/decisions/0007-npu-scalar-cache-discipline.md, docs/decisions/0009-checking-npu-code-without-hardware.md). A
+// simulator build with -DGEMM_AR_PLAIN_SCALARS compiles them as on the device instead (plain volatile accesses, dcci a
+// no-op, no negative controls): tests/test_kernels_device_build.py checks that code the way the device compiler sees
+// it.
 #pragma once
 #include <pto/pto-inst.hpp>
 
@@ -41,7 +42,7 @@ constexpr int kBaseN = static_cast<int>(kNpuBaseN);
 constexpr int kSubM = static_cast<int>(kNpuSubM);
 
 constexpr uint32_t kDefaultWaitTimeoutUs = 30u * 1000u * 1000u;  // used when KernelArgs::wait_timeout_us == 0
-constexpr uint64_t kSysCntPerUs = 50;                              // A2/A3 system counter runs at 50 MHz
+constexpr uint64_t kSysCntPerUs = 50;                            // A2/A3 system counter runs at 50 MHz
 
 static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied as 64-bit words");
 
@@ -51,59 +52,62 @@ static_assert(sizeof(KernelArgs) % sizeof(uint64_t) == 0, "KernelArgs is copied 
 // always gets kControlNone.
 enum NegativeControl : int {
   kControlNone = 0,
-  kControlQueueFlush = 1,        // queue_publish does not flush the tile id's line (docs/decisions/0007-npu-scalar-cache-discipline.md, ready-queue slot)
-  kControlDropFlush = 2,         // raise_flag does not write its line back
-  kControlDropInvalidate = 3,    // flag_raised reads without dropping its cached copy
-  kControlSingleWordFlags = 4,   // flag_raised checks the tag word only, not its complement (docs/decisions/0003-epoch-tagged-flags-never-reset.md)
-  kControlSkipSignatureCheck = 5,   // peers' call signatures are waited for but not compared (docs/decisions/0004-rank-agreement-before-data-moves.md)
-  kControlSignatureUnflushed = 6,   // the signature words are not written back before their flag
-  kControlPayloadUnfenced = 7,      // a reduce-scatter contribution's flag is raised without the release fence
+  kControlQueueFlush = 1,          // queue_publish does not flush the tile id's line
+                                   // (docs/decisions/0007-npu-scalar-cache-discipline.md, ready-queue slot)
+  kControlDropFlush = 2,           // raise_flag does not write its line back
+  kControlDropInvalidate = 3,      // flag_raised reads without dropping its cached copy
+  kControlSingleWordFlags = 4,     // flag_raised checks the tag word only, not its complement
+                                   // (docs/decisions/0003-epoch-tagged-flags-never-reset.md)
+  kControlSkipSignatureCheck = 5,  // peers' call signatures are waited for but not compared
+                                   // (docs/decisions/0004-rank-agreement-before-data-moves.md)
+  kControlSignatureUnflushed = 6,  // the signature words are not written back before their flag
+  kControlPayloadUnfenced = 7,     // a reduce-scatter contribution's flag is raised without the release fence
   // One per remaining flush/invalidate site: the site named is left out (tests/test_kernels_sim.py says which the
   // model catches; docs/ascend.md says why the others cannot be seen).
-  kControlArgsStale = 8,             // load_kernel_args reads KernelArgs without dropping cached lines
-  kControlCounterStale = 9,          // load_kernel_args reads the epoch counter without dropping its line
-  kControlFlagNotDropped = 10,       // raise_flag stores into the flag's line without dropping it first
-  kControlRecordNotDropped = 11,     // report_error stores the fields without dropping the record's line first
+  kControlArgsStale = 8,               // load_kernel_args reads KernelArgs without dropping cached lines
+  kControlCounterStale = 9,            // load_kernel_args reads the epoch counter without dropping its line
+  kControlFlagNotDropped = 10,         // raise_flag stores into the flag's line without dropping it first
+  kControlRecordNotDropped = 11,       // report_error stores the fields without dropping the record's line first
   kControlRecordFieldsUnflushed = 12,  // report_error does not write the fields back before the tag
-  kControlRecordTagUnflushed = 13,   // report_error does not write the tag back
-  kControlQueueNotDropped = 14,      // queue_publish stores the id without dropping the slot's line first
-  kControlQueueIdStale = 15,         // queue_read_id reads the id without dropping the slot's line
-  kControlSignatureNotDropped = 16,  // publish_signature stores without dropping the payload lines first
-  kControlSignatureStale = 17,       // read_signature reads the payload without dropping its lines
-  kControlContextStale = 18,         // RemoteWindows::init reads the CommContext without dropping its lines
+  kControlRecordTagUnflushed = 13,     // report_error does not write the tag back
+  kControlQueueNotDropped = 14,        // queue_publish stores the id without dropping the slot's line first
+  kControlQueueIdStale = 15,           // queue_read_id reads the id without dropping the slot's line
+  kControlSignatureNotDropped = 16,    // publish_signature stores without dropping the payload lines first
+  kControlSignatureStale = 17,         // read_signature reads the payload without dropping its lines
+  kControlContextStale = 18,           // RemoteWindows::init reads the CommContext without dropping its lines
   // One per acquire_fence() after a flag was seen: the fence named is left out.
-  kControlQueueAcquire = 19,         // QueueCursor::poll: before the tile's id and data are read
-  kControlSignatureAcquire = 20,     // check_signatures: before the peers' signature words are read
-  kControlPreparedAcquire = 21,      // wait_prepared: before the atomic add into the owner's zeroed subtile
-  kControlContribAcquire = 22,       // try_item (own subtile): before the reduced subtile is read
-  kControlArrivalAcquire = 23,       // try_item (peer's subtile): before the gathered subtile is read
+  kControlQueueAcquire = 19,      // QueueCursor::poll: before the tile's id and data are read
+  kControlSignatureAcquire = 20,  // check_signatures: before the peers' signature words are read
+  kControlPreparedAcquire = 21,   // wait_prepared: before the atomic add into the owner's zeroed subtile
+  kControlContribAcquire = 22,    // try_item (own subtile): before the reduced subtile is read
+  kControlArrivalAcquire = 23,    // try_item (peer's subtile): before the gathered subtile is read
   // The add+RMSNorm epilogue of the comm kernel (add_rmsnorm_epilogue.hpp).
-  kControlEpilogueAcquire = 24,      // a row band is read after its subtiles' flags without the acquire fence
-  kControlEpilogueNoWait = 25,       // a row band is normalised without waiting for its subtiles to be final
-  kControlSignaturePush = 26,        // the signature is pushed into every peer's window (maybe still HCCL's)
-                                     // instead of published in this rank's own (call_signature.hpp)
+  kControlEpilogueAcquire = 24,  // a row band is read after its subtiles' flags without the acquire fence
+  kControlEpilogueNoWait = 25,   // a row band is normalised without waiting for its subtiles to be final
+  kControlSignaturePush = 26,    // the signature is pushed into every peer's window (maybe still HCCL's)
+                                 // instead of published in this rank's own (call_signature.hpp)
   // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
   // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
-  kControlRsPayloadUnfenced = 40,    // reduce-scatter: contribution flag raised without a fence after the add
-  kControlRsPreparedAcquire = 41,    // reduce-scatter: atomic add into the owner's chunk after its prepared flag
-  kControlRsContribAcquire = 42,     // reduce-scatter: own chunk's subtile read after its contribution flags
-  kControlAgPublishUnfenced = 43,    // allgather: prepared ("published") flags raised without a fence after the
-                                     // shard's stores
-  kControlAgPublishedAcquire = 44,   // allgather: a peer's shard pulled after its published flag
-  kControlAgPullUnfenced = 45,       // allgather: row-ready flag raised without a fence after the pulled rows
-  kControlAgRowAcquire = 46,         // allgather compute: gathered rows loaded after their row-ready flag
-  kControlAgNoRowWait = 47,          // allgather compute: peers' rows used without waiting for their flag
-  kControlRsZeroUnfenced = 48,       // reduce-scatter: prepared flags raised without a fence after the zeroing
+  kControlRsPayloadUnfenced = 40,   // reduce-scatter: contribution flag raised without a fence after the add
+  kControlRsPreparedAcquire = 41,   // reduce-scatter: atomic add into the owner's chunk after its prepared flag
+  kControlRsContribAcquire = 42,    // reduce-scatter: own chunk's subtile read after its contribution flags
+  kControlAgPublishUnfenced = 43,   // allgather: prepared ("published") flags raised without a fence after the
+                                    // shard's stores
+  kControlAgPublishedAcquire = 44,  // allgather: a peer's shard pulled after its published flag
+  kControlAgPullUnfenced = 45,      // allgather: row-ready flag raised without a fence after the pulled rows
+  kControlAgRowAcquire = 46,        // allgather compute: gathered rows loaded after their row-ready flag
+  kControlAgNoRowWait = 47,         // allgather compute: peers' rows used without waiting for their flag
+  kControlRsZeroUnfenced = 48,      // reduce-scatter: prepared flags raised without a fence after the zeroing
   // From 60 on: bugs only the optional parts of the simulator's models can see (sim_data_cache.hpp; each passes
   // with that part off, tests/test_kernels_sim_models.py), or the flag balance check (62).
-  kControlFlagStoredEarly = 60,      // reduce-scatter: a contribution flag's words stored before the release fence
-                                     // after the atomic add (written back after it): eviction shows it
-  kControlSignatureUnfenced = 61,    // publish_signature raises the flag without the release fence after the
-                                     // words' write-back: posted write-backs show it
-  kControlDropWaitFlag = 62,         // compute tile: the last wait_flag(PIPE_M, PIPE_MTE1, EVENT_ID1) left out, its
-                                     // set_flag pending at the kernel's end: the flag balance counts it (always on)
-  kControlMoveTileReused = 63,       // sequence-parallel move(): no MTE3 -> MTE2 hand-over after the stores, so the
-                                     // next TLOAD refills the UB tile they read: asynchronous DMA shows it
+  kControlFlagStoredEarly = 60,    // reduce-scatter: a contribution flag's words stored before the release fence
+                                   // after the atomic add (written back after it): eviction shows it
+  kControlSignatureUnfenced = 61,  // publish_signature raises the flag without the release fence after the
+                                   // words' write-back: posted write-backs show it
+  kControlDropWaitFlag = 62,       // compute tile: the last wait_flag(PIPE_M, PIPE_MTE1, EVENT_ID1) left out, its
+                                   // set_flag pending at the kernel's end: the flag balance counts it (always on)
+  kControlMoveTileReused = 63,     // sequence-parallel move(): no MTE3 -> MTE2 hand-over after the stores, so the
+                                   // next TLOAD refills the UB tile they read: asynchronous DMA shows it
 };
 #if GEMM_AR_SIM_MODEL
 inline int negative_control() {
@@ -184,8 +188,7 @@ AICORE inline uint64_t object_word(const T& object, uint64_t i) {
 }
 template <typename T>
 AICORE inline void set_object_word(T* object, uint64_t i, uint64_t word) {
-  __builtin_memcpy(static_cast<uint8_t*>(static_cast<void*>(object)) + i * sizeof(uint64_t), &word,
-                   sizeof(uint64_t));
+  __builtin_memcpy(static_cast<uint8_t*>(static_cast<void*>(object)) + i * sizeof(uint64_t), &word, sizeof(uint64_t));
 }
 
 // The host's KernelArgs copy, read word by word (kernel parameters can only be pointers and scalars).
@@ -214,9 +217,9 @@ AICORE inline void load_kernel_args(GmBytes src, KernelArgs* dst) {
 
 AICORE inline uint64_t now_us() {
 #if defined(__CPU_SIM)
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 #else
   return static_cast<uint64_t>(get_sys_cnt()) / kSysCntPerUs;
 #endif
@@ -315,8 +318,8 @@ AICORE inline void acquire_fence() {
 // A flag is four 32-bit words at the start of its own cache line: the call's 64-bit tag (signal_tag,
 // signal_tag_high) and its complement. Data (ours from another call, or what HCCL's collectives leave in the window)
 // would have to hold exactly that 128-bit pattern to pass for a flag; a word equal to the tag no longer does
-// (docs/decisions/0003-epoch-tagged-flags-never-reset.md). Callers pass signal_tag(epoch); the other words follow from it.
-// Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
+// (docs/decisions/0003-epoch-tagged-flags-never-reset.md). Callers pass signal_tag(epoch); the other words follow from
+// it. Release side: the caller's release_fence() made the payload visible first; the line is dropped before the store
 // so a stale cached copy can never be written back over it, and written back after so the flag leaves this core.
 AICORE inline void raise_flag(__gm__ uint32_t* flag, uint32_t tag, uint32_t tag_high) {
 #if defined(__CPU_SIM)
@@ -385,7 +388,7 @@ AICORE inline Gm2D<T, pto::Layout::DN> dn_view(__gm__ T* ptr, int64_t rows, int6
 // Records why this rank gave up on the call, then tells its other blocks to stop. The record is tagged with the
 // call's signal tag, written last, so the host can tell a fresh record from an old one without ever clearing it.
 AICORE inline void report_error(const KernelArgs& args, int32_t code, int32_t peer, int64_t item, int32_t block,
-                                    int32_t stage) {
+                                int32_t stage) {
   if (args.error == 0) return;
   __gm__ ErrorRecord* rec = reinterpret_cast<__gm__ ErrorRecord*>(args.error);
   const uint32_t tag = signal_tag(args.epoch);
@@ -445,19 +448,20 @@ AICORE inline bool same_words(const Words& want, const Words& got) {
 }
 
 // The plan and the operands alone (not who runs it or where the windows are): enough to know `out` and its shape,
-// so that a call refused for its header can still poison its output (docs/decisions/0005-bounded-waits-and-failure-reporting.md). sp_op: 0 for gemm_allreduce's
-// kernels, else the OpKind whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
+// so that a call refused for its header can still poison its output
+// (docs/decisions/0005-bounded-waits-and-failure-reporting.md). sp_op: 0 for gemm_allreduce's kernels, else the OpKind
+// whose layout the arguments must carry (gemm_ar/sequence_parallel.hpp).
 AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op = 0) {
   const TilePlan& p = args.plan;
   if (args.magic != kKernelArgsMagic) return false;
-  if (args.world < 1 || args.world > kMaxWorld || args.compute_blocks < 1 ||
-      args.compute_blocks > kMaxComputeBlocks || args.comm_blocks < 1 || args.comm_blocks > kMaxCommBlocks) {
+  if (args.world < 1 || args.world > kMaxWorld || args.compute_blocks < 1 || args.compute_blocks > kMaxComputeBlocks ||
+      args.comm_blocks < 1 || args.comm_blocks > kMaxCommBlocks) {
     return false;
   }
   if (args.signature_only != 0 || dtype_bytes(args.dtype) == 0) return false;
   if (args.b_layout != kBRowMajor && args.b_layout != kBTransposed) return false;
-  if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK ||
-      p.k_step != kNpuBaseK * kNpuKSlices || p.sub_m != kNpuSubM || p.stripes != kNpuBaseM / kNpuSubM) {
+  if (p.base_m != kNpuBaseM || p.base_n != kNpuBaseN || p.base_k != kNpuBaseK || p.k_step != kNpuBaseK * kNpuKSlices ||
+      p.sub_m != kNpuSubM || p.stripes != kNpuBaseM / kNpuSubM) {
     return false;
   }
   if (p.m < 1 || p.n < 1 || p.k < 1 || p.tiles != p.m_tiles * p.n_tiles) return false;

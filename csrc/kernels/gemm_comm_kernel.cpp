@@ -1,5 +1,6 @@
 // GemmCommKernel (vector cores): reduce-scatter every finished tile into its owner's window, all-gather each fully
-// reduced subtile to every rank, and write this rank's result into `out` (docs/architecture.md §3.2 steps 3-5, §3.4 "Push").
+// reduced subtile to every rank, and write this rank's result into `out` (docs/architecture.md §3.2 steps 3-5, §3.4
+// "Push").
 //
 // Comm block c of every rank:
 //  0. agree: block 0 publishes this rank's call signature in its own window, and every block reads every peer's
@@ -92,8 +93,8 @@ class CommBlock : public ReduceScatterBlock {
     epilogue_.init_call(&win_, tag_, tag_high_);
   }
 
-  // docs/decisions/0005-bounded-waits-and-failure-reporting.md: NaN over every element of `out` (all of it: every rank writes the whole result), and of `normed`
-  // when the call has the epilogue.
+  // docs/decisions/0005-bounded-waits-and-failure-reporting.md: NaN over every element of `out` (all of it: every rank
+  // writes the whole result), and of `normed` when the call has the epilogue.
   AICORE inline void poison() {
     poison_rows<T>(args_.plan.m);
     epilogue_.poison();
@@ -101,8 +102,8 @@ class CommBlock : public ReduceScatterBlock {
 
   AICORE inline void prepare() {
     load_zeros<T>();
-    const int64_t mine = ag_subtile_count(c_, owned_subtile_count(args_.plan.tiles, world_, me_, args_.plan.stripes),
-                                          args_.comm_blocks);
+    const int64_t mine =
+        ag_subtile_count(c_, owned_subtile_count(args_.plan.tiles, world_, me_, args_.plan.stripes), args_.comm_blocks);
     for (int64_t j = 0; j < mine; ++j) {
       const int64_t l = ag_subtile(c_, j, args_.comm_blocks);
       const SubtileSpan s = span_of(l, me_);
@@ -326,9 +327,9 @@ class CommBlock : public ReduceScatterBlock {
   QueueCursor queues_;
   int64_t list_len_ = 0;
   int64_t list_base_ = 0;
-  uint64_t list_done_ = 0;                 // bit k: item list_base_ + k is finished
-  int32_t sources_seen_[kListWindow];      // for my own items, by item index mod kListWindow: contrib flags seen
-  AddRmsNormEpilogue<T> epilogue_;         // idle unless the call carries one
+  uint64_t list_done_ = 0;             // bit k: item list_base_ + k is finished
+  int32_t sources_seen_[kListWindow];  // for my own items, by item index mod kListWindow: contrib flags seen
+  AddRmsNormEpilogue<T> epilogue_;     // idle unless the call carries one
 };
 
 // `usable`: kernel_args_usable() passed (a signature-only call never moves data and has nothing to poison).

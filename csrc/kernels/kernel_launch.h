@@ -8,8 +8,8 @@
 // gemm_reduce_scatter never wait; allgather_gemm's waits for rows its comm kernel delivers, so the two kernels of a
 // call must run on different streams (the host gives each group its own comm stream).
 // Launch both kernels for every call on every rank, the comm kernel of call e+1 only after the comm kernel of call
-// e has finished (the group's order of fused calls guarantees it: npu/fused_call_sequence.h), and the compute kernel of call e+1 only after the comm
-// kernel of call e has finished if they share the scratch.
+// e has finished (the group's order of fused calls guarantees it: npu/fused_call_sequence.h), and the compute kernel of
+// call e+1 only after the comm kernel of call e has finished if they share the scratch.
 #pragma once
 #include <cstdint>
 

@@ -32,8 +32,8 @@ AICORE inline __gm__ uint32_t* queue_slot(const KernelArgs& args, int64_t block,
 
 // Producer side: call after the tile's TSTORE was issued. The first fence waits for the FIXPIPE store and pushes it
 // to GM. The id is flushed from its own address: the flag's flush starts 16 bytes higher and, dcci covering only up to
-// the next line boundary, would leave the id in this core's cache (docs/decisions/0007-npu-scalar-cache-discipline.md). The second fence orders the
-// id's write-back before the flag.
+// the next line boundary, would leave the id in this core's cache (docs/decisions/0007-npu-scalar-cache-discipline.md).
+// The second fence orders the id's write-back before the flag.
 AICORE inline void queue_publish(const KernelArgs& args, int64_t block, int64_t j, int64_t tile) {
   release_fence();
   __gm__ uint32_t* slot = queue_slot(args, block, j);
@@ -67,9 +67,8 @@ class QueueCursor {
       const int64_t q = comm_block_queue(comm_block, k, args.comm_blocks);
       queue_[k] = static_cast<int32_t>(q);
       head_[k] = 0;
-      length_[k] = static_cast<int32_t>(
-          sp_op == 0 ? queue_length(args.plan, args.compute_blocks, q)
-                     : sp_block_item_count(args.plan, args.compute_blocks, q));
+      length_[k] = static_cast<int32_t>(sp_op == 0 ? queue_length(args.plan, args.compute_blocks, q)
+                                                   : sp_block_item_count(args.plan, args.compute_blocks, q));
     }
     next_ = 0;
   }
@@ -83,10 +82,9 @@ class QueueCursor {
       __gm__ uint32_t* slot = queue_slot(args, queue_[k], head_[k]);
       if (!flag_raised(slot + 4, tag, tag_high)) continue;
       if (site_kept(kControlQueueAcquire)) acquire_fence();
-      const int64_t expected =
-          sp_op_ == 0 ? queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k])
-                      : sp_block_item(args.plan, args.chunks, args.rank, sp_op_, args.compute_blocks, queue_[k],
-                                      head_[k]);
+      const int64_t expected = sp_op_ == 0 ? queue_tile(args.plan, args.compute_blocks, queue_[k], head_[k])
+                                           : sp_block_item(args.plan, args.chunks, args.rank, sp_op_,
+                                                           args.compute_blocks, queue_[k], head_[k]);
       int64_t id = queue_read_id(slot);
       for (int attempt = 1; id != expected && attempt < kQueueIdRereads; ++attempt) {
         idle_pause();

@@ -1,6 +1,7 @@
-// Remote-address translation over HCCL's symmetric windows (docs/architecture.md §3.4; docs/decisions/0013-npu-hccl-windows-and-setup.md): every rank carves the same regions at
-// the same offsets, so a peer's copy of a local window address is windows_in[peer] + (local - windows_in[me]).
-// Our region starts window_offset bytes into each window.
+// Remote-address translation over HCCL's symmetric windows (docs/architecture.md §3.4;
+// docs/decisions/0013-npu-hccl-windows-and-setup.md): every rank carves the same regions at the same offsets, so a
+// peer's copy of a local window address is windows_in[peer] + (local - windows_in[me]). Our region starts window_offset
+// bytes into each window.
 #pragma once
 #include "device_support.hpp"
 

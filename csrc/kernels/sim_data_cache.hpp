@@ -85,9 +85,9 @@ inline const Options& options() {
 }
 
 inline uint64_t model_now_us() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 }
 
 // Dirty lines dropped at thread exit over the whole process: stores no write-back ever published.
@@ -355,7 +355,8 @@ struct CoreCache {
   void wait_posted() {
     while (!posted.empty()) {
       const uint64_t now = model_now_us();
-      if (posted.front().due_us > now) std::this_thread::sleep_for(std::chrono::microseconds(posted.front().due_us - now));
+      if (posted.front().due_us > now)
+        std::this_thread::sleep_for(std::chrono::microseconds(posted.front().due_us - now));
       land_due();
     }
   }

@@ -88,7 +88,7 @@ class SpCommBlock : public ReduceScatterBlock {
     bool drained = queues_.done();
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    int32_t announced = 0;  // owners whose prepared[owner][c] flag I have seen
+    int32_t announced = 0;                                    // owners whose prepared[owner][c] flag I have seen
     int32_t consumed = op_ == kOpAllgatherGemm ? 0 : world_;  // peers seen done with my shard (allgather)
     if (consumed == me_) ++consumed;
     while (!drained || !own_done() || !pulls_done() || announced < world_ || consumed < world_) {
@@ -150,7 +150,7 @@ class SpCommBlock : public ReduceScatterBlock {
   // The span's place in `out`: rows of this rank's chunk (reduce-scatter) or of every chunk (allgather).
   AICORE inline __gm__ T* out_at(const Span& s) const {
     const int64_t row0 = op_ == kOpGemmReduceScatter ? chunked_owner_row0(args_.plan, args_.chunks, s.mi, world_)
-                                                 : chunked_tile_row0(args_.plan, args_.chunks, s.mi);
+                                                     : chunked_tile_row0(args_.plan, args_.chunks, s.mi);
     return gm_at<T>(args_.out, 0) + (row0 + s.row_in_tile) * args_.ldo + s.col0;
   }
 
@@ -176,8 +176,8 @@ class SpCommBlock : public ReduceScatterBlock {
   }
 
   // rows x cols from src (ld src_ld) to dst (ld dst_ld) and, if dst2 != nullptr, to dst2 (ld dst_ld) through UB.
-  AICORE inline void move(__gm__ T* src, int64_t src_ld, __gm__ T* dst, __gm__ T* dst2, int64_t dst_ld,
-                          int64_t rows, int64_t cols) {
+  AICORE inline void move(__gm__ T* src, int64_t src_ld, __gm__ T* dst, __gm__ T* dst2, int64_t dst_ld, int64_t rows,
+                          int64_t cols) {
     SubTile<T> tile(static_cast<unsigned>(rows), static_cast<unsigned>(cols));
     TASSIGN(tile, kUbMove);
     auto from = nd_view<T>(src, rows, cols, src_ld);
@@ -203,8 +203,8 @@ class SpCommBlock : public ReduceScatterBlock {
       for (int64_t c0 = 0; c0 < k; c0 += kBaseN) {
         const int64_t h = rows - r0 < kSubM ? rows - r0 : kSubM;
         const int64_t w = k - c0 < kBaseN ? k - c0 : kBaseN;
-        move(src + r0 * src_ld + c0, src_ld, dst + r0 * k + c0, dst2 == nullptr ? nullptr : dst2 + r0 * k + c0, k,
-             h, w);
+        move(src + r0 * src_ld + c0, src_ld, dst + r0 * k + c0, dst2 == nullptr ? nullptr : dst2 + r0 * k + c0, k, h,
+             w);
       }
     }
   }

@@ -18,25 +18,24 @@
 using gemm_ar::KernelArgs;
 
 // Every field of KernelArgs, by name (signature[] is checked word by word below).
-#define GEMM_AR_KERNEL_ARGS_FIELDS(X)                                                                                 \
-  X(magic) X(dtype) X(b_layout) X(epoch) X(a) X(b) X(bias) X(out) X(lda) X(ldb) X(ldo) X(comm_ctx) X(window_offset)  \
-  X(window_bytes) X(scratch) X(error) X(epoch_counter) X(rank) X(world) X(compute_blocks) X(comm_blocks)             \
-  X(bias_rank) X(wait_timeout_us) X(signature_only) X(reserved0)                                                     \
-  X(plan.m) X(plan.n) X(plan.k) X(plan.base_m) X(plan.base_n) X(plan.base_k) X(plan.k_step) X(plan.m_tiles)          \
-  X(plan.n_tiles) X(plan.tiles) X(plan.pad_m) X(plan.pad_n) X(plan.pad_k) X(plan.sub_m) X(plan.stripes)              \
-  X(chunks.count) X(chunks.rows) X(chunks.m_tiles)                                                                   \
-  X(layout.prepared_offset) X(layout.prepared_bytes) X(layout.signature_offset) X(layout.signature_bytes)            \
-  X(layout.reduced_offset) X(layout.reduced_bytes) X(layout.contrib_offset) X(layout.contrib_bytes)                  \
-  X(layout.arrival_offset) X(layout.arrival_bytes) X(layout.window_bytes) X(layout.partial_offset)                   \
-  X(layout.partial_bytes) X(layout.queue_offset) X(layout.queue_stride) X(layout.queue_capacity)                     \
-  X(layout.scratch_bytes)                                                                                            \
-  X(epilogue.kind) X(epilogue.eps) X(epilogue.residual) X(epilogue.norm_weight) X(epilogue.normed)                   \
-  X(epilogue.ld_residual) X(epilogue.ld_normed)
+// clang-format off
+#define GEMM_AR_KERNEL_ARGS_FIELDS(X)                                                                                  \
+  X(magic) X(dtype) X(b_layout) X(epoch) X(a) X(b) X(bias) X(out) X(lda) X(ldb) X(ldo) X(comm_ctx)                     \
+  X(window_offset) X(window_bytes) X(scratch) X(error) X(epoch_counter) X(rank) X(world) X(compute_blocks)             \
+  X(comm_blocks) X(bias_rank) X(wait_timeout_us) X(signature_only) X(reserved0) X(plan.m) X(plan.n) X(plan.k)          \
+  X(plan.base_m) X(plan.base_n) X(plan.base_k) X(plan.k_step) X(plan.m_tiles) X(plan.n_tiles) X(plan.tiles)            \
+  X(plan.pad_m) X(plan.pad_n) X(plan.pad_k) X(plan.sub_m) X(plan.stripes) X(chunks.count) X(chunks.rows)               \
+  X(chunks.m_tiles) X(layout.prepared_offset) X(layout.prepared_bytes) X(layout.signature_offset)                      \
+  X(layout.signature_bytes) X(layout.reduced_offset) X(layout.reduced_bytes) X(layout.contrib_offset)                  \
+  X(layout.contrib_bytes) X(layout.arrival_offset) X(layout.arrival_bytes) X(layout.window_bytes)                      \
+  X(layout.partial_offset) X(layout.partial_bytes) X(layout.queue_offset) X(layout.queue_stride)                       \
+  X(layout.queue_capacity) X(layout.scratch_bytes) X(epilogue.kind) X(epilogue.eps) X(epilogue.residual)               \
+  X(epilogue.norm_weight) X(epilogue.normed) X(epilogue.ld_residual) X(epilogue.ld_normed)
+// clang-format on
 
 #define GEMM_AR_FIELD_BYTES(f) +sizeof(KernelArgs{}.f)
 #define GEMM_AR_FIELD_ONE(f) +1
-constexpr uint64_t kListedBytes =
-    0 GEMM_AR_KERNEL_ARGS_FIELDS(GEMM_AR_FIELD_BYTES) + sizeof(KernelArgs{}.signature);
+constexpr uint64_t kListedBytes = 0 GEMM_AR_KERNEL_ARGS_FIELDS(GEMM_AR_FIELD_BYTES) + sizeof(KernelArgs{}.signature);
 static_assert(kListedBytes == sizeof(KernelArgs), "a KernelArgs field is missing from the list above");
 constexpr int kNamedFields = 0 GEMM_AR_KERNEL_ARGS_FIELDS(GEMM_AR_FIELD_ONE);
 constexpr int kFields = kNamedFields + static_cast<int>(gemm_ar::kSignatureWords);

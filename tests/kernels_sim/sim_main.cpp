@@ -28,10 +28,10 @@
 //          "m n k b_layout has_bias lda ldb ldo epoch skip_rank clobber_after late_rank late_us sig_rank sig_word
 //          sig_value bad_rank bad_code out_fill via_counter hccl_rank hccl_us".
 // Inputs (raw little-endian): c<call>_a<rank>.bin (m*lda 16-bit), c<call>_b.bin (k*ldb or n*ldb 16-bit),
-// c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of the call (a dead peer); late_rank >= 0
-// starts that rank's comm kernel only once every other rank's compute kernel of the call has finished, plus late_us
-// (a late peer: the others have every tile ready and want to add into its subtiles before it has zeroed them; for
-// the allgather only the delay, since the others' compute kernels wait for its rows).
+// c<call>_bias.bin (n float32; zero-padded here to pad_n like the host does). skip_rank >= 0 leaves that rank out of
+// the call (a dead peer); late_rank >= 0 starts that rank's comm kernel only once every other rank's compute kernel of
+// the call has finished, plus late_us (a late peer: the others have every tile ready and want to add into its subtiles
+// before it has zeroed them; for the allgather only the delay, since the others' compute kernels wait for its rows).
 // clobber_after 1 overwrites windows and scratch with random bytes after the call, 2 with the next call's tag in
 // every 32-bit word (data that forges single-word flags).
 // Call signatures (KernelArgs::signature) are what the NPU host publishes: word 0 the rank's error code, then M, K,
@@ -111,7 +111,7 @@ constexpr uint32_t kSimAddRmsNorm = 3;  // Job::op of gemm_allreduce with the ad
 
 struct Job {
   int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
-  uint32_t op = 0;  // 0: gemm_allreduce; kSimAddRmsNorm; else the OpKind of a sequence-parallel kernel pair
+  uint32_t op = 0;        // 0: gemm_allreduce; kSimAddRmsNorm; else the OpKind of a sequence-parallel kernel pair
   bool epilogue = false;  // an eps followed the op: every call carries the add+RMSNorm epilogue arguments
   float eps = 0;
   uint32_t dtype = 0, timeout_us = 0;
@@ -213,7 +213,7 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   const int64_t m_sub = job.op == gemm_ar::kOpGemmReduceScatter ? s.m / job.world : s.m;
   const bool sequence_parallel = job.op == gemm_ar::kOpGemmReduceScatter || job.op == gemm_ar::kOpAllgatherGemm;
   if (sequence_parallel ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
-                  : !gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
+                        : !gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
     std::fprintf(stderr, "plan_kernel_args rejected m=%lld n=%lld k=%lld\n", static_cast<long long>(s.m),
                  static_cast<long long>(s.n), static_cast<long long>(s.k));
     std::exit(2);
@@ -223,7 +223,7 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.signature[3] = s.n;
   a.signature[4] = job.dtype;
   a.signature[5] = s.has_bias;
-  a.signature[6] = 3;  // Algorithm::Fused
+  a.signature[6] = 3;        // Algorithm::Fused
   a.signature[12] = job.op;  // kSigOp (the host's OpKind); word 13, the dim, is 0 (add+RMSNorm: eps's bits)
   if (job.op == kSimAddRmsNorm) {
     const double eps = job.eps;
@@ -327,10 +327,10 @@ int run(const std::string& dir) {
       remote[p].nextDevicePtr = reinterpret_cast<uint64_t>(&relations[r][p]);
     }
     try {
-      gemm_ar::npu::assemble_ring_context(
-          block.data(), &ctx, [](void* host, const void* device, size_t bytes, const char*) {
-            std::memcpy(host, device, bytes);
-          });
+      gemm_ar::npu::assemble_ring_context(block.data(), &ctx,
+                                          [](void* host, const void* device, size_t bytes, const char*) {
+                                            std::memcpy(host, device, bytes);
+                                          });
     } catch (const gemm_ar::npu::RingContextError& e) {
       std::printf("ring_context_error %s\n", e.what());
       return 3;
@@ -364,7 +364,7 @@ int run(const std::string& dir) {
       // 0xFF: the NaN pattern, unwritten stays NaN; 0 where a test wants to see the kernel's poison.
       const int64_t out_rows = job.op == gemm_ar::kOpGemmReduceScatter ? s.m / world
                                : job.op == gemm_ar::kOpAllgatherGemm   ? s.m * world
-                                                                   : s.m;
+                                                                       : s.m;
       out[c].emplace_back(static_cast<size_t>(out_rows * s.ldo) * elem, static_cast<unsigned char>(s.out_fill));
     }
   }
@@ -483,12 +483,13 @@ int run(const std::string& dir) {
           }
           const auto compute_kernel = job.op == gemm_ar::kOpGemmReduceScatter ? GemmRsComputeKernel
                                       : job.op == gemm_ar::kOpAllgatherGemm   ? AgGemmComputeKernel
-                                                                          : GemmComputeKernel;
+                                                                              : GemmComputeKernel;
           const auto comm_kernel = job.op == gemm_ar::kOpGemmReduceScatter ? GemmRsCommKernel
                                    : job.op == gemm_ar::kOpAllgatherGemm   ? AgGemmCommKernel
-                                                                       : GemmCommKernel;
-          const auto run_compute = [&]() { return launch(compute_kernel, job.compute_blocks, &a,
-                                                         compute_cores[slot].get()); };
+                                                                           : GemmCommKernel;
+          const auto run_compute = [&]() {
+            return launch(compute_kernel, job.compute_blocks, &a, compute_cores[slot].get());
+          };
           const auto run_comm = [&]() {
             return launch(comm_kernel, job.comm_blocks, &a, comm_cores[slot].get(), resident[r].get());
           };

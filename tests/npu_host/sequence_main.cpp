@@ -43,7 +43,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kKernelWait = std::chrono::milliseconds(1500);  // the fake kernels' bound (TORCH_GEMM_AR_TIMEOUT_S)
-constexpr auto kStreamWaitLimit = std::chrono::seconds(60);     // a wait the emulation itself never needs this long
+constexpr auto kStreamWaitLimit = std::chrono::seconds(60);    // a wait the emulation itself never needs this long
 
 class EmuEvent {
  public:
@@ -135,8 +135,8 @@ struct Rank {
   Event copy_landed;
   gemm_ar::KernelErrorWatch watch;
   gemm_ar::npu::GroupOrder<Event> order;
-  std::mutex group_mutex;              // CommState::mutex
-  Stream comm_stream;                  // the group's own comm stream (CommState::comm_stream)
+  std::mutex group_mutex;  // CommState::mutex
+  Stream comm_stream;      // the group's own comm stream (CommState::comm_stream)
   std::mutex live_mutex;
   std::map<int, int> live;  // call index -> its kernels running on the device now
   std::mutex results_mutex;

@@ -43,14 +43,17 @@ void bind_tile_plan(py::module_& m) {
       },
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("base_m"), py::arg("base_n"), py::arg("base_k"),
       py::arg("k_slices"), py::arg("sub_m"), "TilePlan, or None when the arguments are rejected.");
-  m.def("tile_row", [](const TilePlan& p, int64_t t) { return tile_row(p, t); }, py::arg("plan"), py::arg("t"));
-  m.def("tile_col", [](const TilePlan& p, int64_t t) { return tile_col(p, t); }, py::arg("plan"), py::arg("t"));
-  m.def("tile_rows", [](const TilePlan& p, int64_t mi) { return tile_rows(p, mi); }, py::arg("plan"),
-        py::arg("mi"));
-  m.def("tile_cols", [](const TilePlan& p, int64_t ni) { return tile_cols(p, ni); }, py::arg("plan"),
-        py::arg("ni"));
-  m.def("stripe_rows", [](const TilePlan& p, int64_t mi, int64_t s) { return stripe_rows(p, mi, s); },
-        py::arg("plan"), py::arg("mi"), py::arg("stripe"));
+  m.def(
+      "tile_row", [](const TilePlan& p, int64_t t) { return tile_row(p, t); }, py::arg("plan"), py::arg("t"));
+  m.def(
+      "tile_col", [](const TilePlan& p, int64_t t) { return tile_col(p, t); }, py::arg("plan"), py::arg("t"));
+  m.def(
+      "tile_rows", [](const TilePlan& p, int64_t mi) { return tile_rows(p, mi); }, py::arg("plan"), py::arg("mi"));
+  m.def(
+      "tile_cols", [](const TilePlan& p, int64_t ni) { return tile_cols(p, ni); }, py::arg("plan"), py::arg("ni"));
+  m.def(
+      "stripe_rows", [](const TilePlan& p, int64_t mi, int64_t s) { return stripe_rows(p, mi, s); }, py::arg("plan"),
+      py::arg("mi"), py::arg("stripe"));
   m.def("ceil_div", &ceil_div, py::arg("a"), py::arg("b"));
 }
 
@@ -76,15 +79,14 @@ void bind_ownership_and_schedule(py::module_& m) {
   m.def("subtile_stripe", &subtile_stripe, py::arg("l"), py::arg("stripes"));
   m.def("owned_subtile_count", &owned_subtile_count, py::arg("tiles"), py::arg("world"), py::arg("rank"),
         py::arg("stripes"));
-  m.def("max_owned_subtile_count", &max_owned_subtile_count, py::arg("tiles"), py::arg("world"),
-        py::arg("stripes"));
+  m.def("max_owned_subtile_count", &max_owned_subtile_count, py::arg("tiles"), py::arg("world"), py::arg("stripes"));
   m.def("run_owner_of", &run_owner_of, py::arg("t"), py::arg("world"), py::arg("run"));
   m.def("run_owned_tile_count", &run_owned_tile_count, py::arg("tiles"), py::arg("world"), py::arg("rank"),
         py::arg("run"));
   m.def("run_max_owned_subtile_count", &run_max_owned_subtile_count, py::arg("tiles"), py::arg("world"),
         py::arg("stripes"), py::arg("run"));
-  m.def("run_local_subtile", &run_local_subtile, py::arg("t"), py::arg("stripe"), py::arg("world"),
-        py::arg("stripes"), py::arg("run"));
+  m.def("run_local_subtile", &run_local_subtile, py::arg("t"), py::arg("stripe"), py::arg("world"), py::arg("stripes"),
+        py::arg("run"));
   m.def("run_subtile_tile", &run_subtile_tile, py::arg("l"), py::arg("owner"), py::arg("world"), py::arg("stripes"),
         py::arg("run"));
 
@@ -114,8 +116,7 @@ void bind_ownership_and_schedule(py::module_& m) {
   m.def("chunked_owner_padded_row0", &chunked_owner_padded_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
         py::arg("world"));
   m.def("chunked_tile_row0", &chunked_tile_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"));
-  m.def("chunked_owner_row0", &chunked_owner_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
-        py::arg("world"));
+  m.def("chunked_owner_row0", &chunked_owner_row0, py::arg("plan"), py::arg("chunks"), py::arg("mi"), py::arg("world"));
   m.def("chunked_tile_rows", &chunked_tile_rows, py::arg("plan"), py::arg("chunks"), py::arg("mi"));
   m.def("chunked_stripe_rows", &chunked_stripe_rows, py::arg("plan"), py::arg("chunks"), py::arg("mi"),
         py::arg("stripe"));
@@ -144,12 +145,13 @@ void bind_layout(py::module_& m) {
       .def(py::init([](int64_t pad_m, int64_t pad_n, int64_t elem_bytes, int64_t partial_elem_bytes, int64_t world,
                        int64_t tiles, int64_t max_owned_subtiles, int64_t compute_blocks, int64_t comm_blocks,
                        int64_t queue_capacity) {
-             return LayoutParams{pad_m, pad_n, elem_bytes, partial_elem_bytes, world, tiles, max_owned_subtiles,
-                                 compute_blocks, comm_blocks, queue_capacity};
+             return LayoutParams{pad_m,       pad_n,         elem_bytes,         partial_elem_bytes,
+                                 world,       tiles,         max_owned_subtiles, compute_blocks,
+                                 comm_blocks, queue_capacity};
            }),
-           py::arg("pad_m"), py::arg("pad_n"), py::arg("elem_bytes"), py::arg("partial_elem_bytes"),
-           py::arg("world"), py::arg("tiles"), py::arg("max_owned_subtiles"), py::arg("compute_blocks"),
-           py::arg("comm_blocks"), py::arg("queue_capacity"))
+           py::arg("pad_m"), py::arg("pad_n"), py::arg("elem_bytes"), py::arg("partial_elem_bytes"), py::arg("world"),
+           py::arg("tiles"), py::arg("max_owned_subtiles"), py::arg("compute_blocks"), py::arg("comm_blocks"),
+           py::arg("queue_capacity"))
       .def_readonly("pad_m", &LayoutParams::pad_m)
       .def_readonly("pad_n", &LayoutParams::pad_n)
       .def_readonly("elem_bytes", &LayoutParams::elem_bytes)

@@ -69,11 +69,11 @@ inline __attribute__((always_inline)) void add_rmsnorm_row(T* __restrict__ out, 
   scale_row<T, Acc, Cast>(out, weight, normed, 0, n, rstd);
 }
 
-
 // residual == nullptr: normalise only (kAdd=false), in every row function below.
 GEMM_AR_VECTOR_CLONES void add_rmsnorm_row_f32(float* out, const float* residual, const float* weight, float* normed,
                                                int64_t n, float eps) {
-  if (residual == nullptr) return add_rmsnorm_row<float, float, Casts<float, float>, false>(out, residual, weight, normed, n, eps);
+  if (residual == nullptr)
+    return add_rmsnorm_row<float, float, Casts<float, float>, false>(out, residual, weight, normed, n, eps);
   add_rmsnorm_row<float, float>(out, residual, weight, normed, n, eps);
 }
 
@@ -94,9 +94,10 @@ __attribute__((target("avx2"))) inline __m256 widen(const uint16_t* p) {
 __attribute__((target("avx2"))) inline __m128i narrow(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
   const __m256i chosen = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
   // 32 -> 16 bits (values fit): packus works per 128-bit half, so gather the two halves' low quadwords.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(chosen, chosen), 0x08);
@@ -141,7 +142,7 @@ __attribute__((target("avx2"))) void row(uint16_t* out, const uint16_t* residual
     _mm_storeu_si128(reinterpret_cast<__m128i*>(normed + j), v);
   }
   scale_row<at::BFloat16, float, Cast>(out16, reinterpret_cast<const at::BFloat16*>(weight),
-                                      reinterpret_cast<at::BFloat16*>(normed), j, n, rstd);
+                                       reinterpret_cast<at::BFloat16*>(normed), j, n, rstd);
 }
 
 }  // namespace avx2_bf16
@@ -205,16 +206,16 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
   }
   if (!norm_weight.defined()) return fail(kBadNormWeightError, "norm_weight is undefined");
   if (norm_weight.dim() != 1 || norm_weight.size(0) != call.n) {
-    return fail(kBadNormWeightError, "norm_weight must be 1-D [N] with N=" + std::to_string(call.n) +
-                                         "; got shape " + shape_str(norm_weight.sizes()));
+    return fail(kBadNormWeightError, "norm_weight must be 1-D [N] with N=" + std::to_string(call.n) + "; got shape " +
+                                         shape_str(norm_weight.sizes()));
   }
   if (norm_weight.scalar_type() != call.dtype) {
     return fail(kBadNormWeightError, "norm_weight must have the dtype of a (" + dtype + "); got " +
                                          std::string(c10::toString(norm_weight.scalar_type())));
   }
   if (norm_weight.device() != a.device()) {
-    return fail(kBadNormWeightError, "norm_weight must be on the device of a (" + a.device().str() + "); got " +
-                                         norm_weight.device().str());
+    return fail(kBadNormWeightError,
+                "norm_weight must be on the device of a (" + a.device().str() + "); got " + norm_weight.device().str());
   }
   // The statistics are fp32 (and the NPU kernels take eps as a float): eps must be a finite float too.
   if (!(eps >= 0) || !(eps <= static_cast<double>(std::numeric_limits<float>::max()))) {
@@ -255,8 +256,10 @@ void check_in_place_residual(CallArgs& call, const at::Tensor& residual, const a
   };
   // Written while the call reads its inputs: no element of it may be an element of theirs, or of itself twice.
   if (at::has_internal_overlap(residual) == at::MemOverlap::Yes) {
-    return fail("residual is written in place, so its elements must not overlap (e.g. an expanded tensor); got "
-                "strides " + shape_str(residual.strides()));
+    return fail(
+        "residual is written in place, so its elements must not overlap (e.g. an expanded tensor); got "
+        "strides " +
+        shape_str(residual.strides()));
   }
   const std::pair<const char*, const at::Tensor*> inputs[] = {
       {"a", &a}, {"b", &b}, {"norm_weight", &norm_weight}, {"bias", bias ? &*bias : nullptr}};
@@ -278,11 +281,13 @@ using UnfusedAddRmsNorm = std::function<void(at::Tensor& out2d, const AddRmsNorm
 // The op's flow for every backend: gemm_allreduce with the epilogue inside the fused path when `fused` is given and
 // the call runs fused, else `unfused` after it. `in_place`: the new residual stream goes into `residual` (returned
 // as out), and `fused` adds into ops.residual2d itself.
-std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
-    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
-    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedAddRmsNorm& fused, const UnfusedAddRmsNorm& unfused,
-    const OutputAllocator& allocate_normed, bool in_place) {
+std::tuple<at::Tensor, at::Tensor> run_with_epilogue(const at::Tensor& a, const at::Tensor& b,
+                                                     const at::Tensor& residual, const at::Tensor& norm_weight,
+                                                     std::string_view group_name, double eps,
+                                                     const std::optional<at::Tensor>& bias, std::string_view algorithm,
+                                                     const BackendHooks& backend, const FusedAddRmsNorm& fused,
+                                                     const UnfusedAddRmsNorm& unfused,
+                                                     const OutputAllocator& allocate_normed, bool in_place) {
   AddRmsNormOperands ops;
   ops.eps = eps;
   ops.in_place = in_place;
@@ -332,11 +337,13 @@ std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
 }
 
 // The CPU row loop as a backend's epilogue: inside its fused path per row block, or in one pass afterwards.
-std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(
-    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
-    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed,
-    bool in_place) {
+std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(const at::Tensor& a, const at::Tensor& b,
+                                                         const at::Tensor& residual, const at::Tensor& norm_weight,
+                                                         std::string_view group_name, double eps,
+                                                         const std::optional<at::Tensor>& bias,
+                                                         std::string_view algorithm, const BackendHooks& backend,
+                                                         const FusedWithEpilogue& fused_with_epilogue,
+                                                         const OutputAllocator& allocate_normed, bool in_place) {
   FusedAddRmsNorm fused;
   if (fused_with_epilogue) {
     // The fused path calls back per row block, on the host, once those rows are final.
@@ -370,10 +377,12 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
                                fused_with_epilogue, allocate_normed, /*in_place=*/false);
 }
 
-at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(
-    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
-    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
+at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual,
+                                                  const at::Tensor& norm_weight, std::string_view group_name,
+                                                  double eps, const std::optional<at::Tensor>& bias,
+                                                  std::string_view algorithm, const BackendHooks& backend,
+                                                  const FusedWithEpilogue& fused_with_epilogue,
+                                                  const OutputAllocator& allocate_normed) {
   return std::get<1>(run_with_row_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend,
                                            fused_with_epilogue, allocate_normed, /*in_place=*/true));
 }

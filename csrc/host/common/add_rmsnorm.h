@@ -27,8 +27,8 @@ void add_rmsnorm_rows(at::Tensor& out2d, const at::Tensor& residual2d, const at:
 
 // A fused path that runs a per-row-block epilogue itself (common/row_epilogue.h). A defined `add_into` (contiguous
 // [M, N]): the path adds its result into that tensor, which is its output (the in-place variant).
-using FusedWithEpilogue = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&,
-                                                   const at::Tensor& add_into)>;
+using FusedWithEpilogue =
+    std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const RowEpilogue&, const at::Tensor& add_into)>;
 
 // An uninitialised [rows, cols] output on the call's device (a backend's pool; empty: at::empty).
 using OutputAllocator = std::function<at::Tensor(int64_t rows, int64_t cols, at::ScalarType dtype)>;
@@ -53,11 +53,12 @@ struct AddRmsNormOperands {
 // gemm_allreduce_add_rmsnorm_ (in place): the same op, with the new residual stream written into `residual`
 // itself; returns normed. The fused path adds the reduced sum straight into `residual` during the reduction and
 // the copy-out, so no separate output is written and read back.
-at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(
-    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
-    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue,
-    const OutputAllocator& allocate_normed = {});
+at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual,
+                                                  const at::Tensor& norm_weight, std::string_view group_name,
+                                                  double eps, const std::optional<at::Tensor>& bias,
+                                                  std::string_view algorithm, const BackendHooks& backend,
+                                                  const FusedWithEpilogue& fused_with_epilogue,
+                                                  const OutputAllocator& allocate_normed = {});
 
 // The in-place variant's extra checks: `residual` has no overlapping elements and shares no memory with a, b,
 // norm_weight or bias.
@@ -66,8 +67,7 @@ void check_in_place_residual(CallArgs& call, const at::Tensor& residual, const a
 
 // A fused path that applies the epilogue on the device itself (the NPU comm kernel): returns `out` (call.out_shape)
 // and has filled ops.normed2d.
-using FusedAddRmsNorm =
-    std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const AddRmsNormOperands& ops)>;
+using FusedAddRmsNorm = std::function<at::Tensor(const CallArgs&, c10d::ProcessGroup&, const AddRmsNormOperands& ops)>;
 
 // The same op for a device backend whose memory the row loop cannot read: the epilogue inside `fused_add_rmsnorm`
 // when the call runs fused, otherwise add_rmsnorm_tensor_ops() after the backend's unfused gemm_allreduce.

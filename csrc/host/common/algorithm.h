@@ -13,7 +13,13 @@ namespace gemm_ar {
 // `auto`'s own: the CPU engine's flow for outputs much larger than the inputs (cpu/gathered_inputs.h), where every
 // owner multiplies its rows by all ranks' inputs instead of reducing their partial products.
 enum class Algorithm : int64_t {
-  Auto = 0, Sequential = 1, Chunked = 2, Fused = 3, FusedTiles = 4, FusedFewProducts = 5, FusedGatheredInputs = 6
+  Auto = 0,
+  Sequential = 1,
+  Chunked = 2,
+  Fused = 3,
+  FusedTiles = 4,
+  FusedFewProducts = 5,
+  FusedGatheredInputs = 6
 };
 
 // The `algorithm=` names (auto, sequential, chunked, fused).

@@ -49,15 +49,15 @@ struct FastKeyHash {
 
 // A shape bucket of one group: its race (common/tuning_race.h), then its decision.
 struct TuneBucket : TuningRace {
-  std::string key;                      // persisted key: op, world, M bucket, K, N, dtype, bias, device, fused
-  FastKey fast;                         // the same, as numbers
-  int64_t step = 0;                     // next tuning step (0: the bucket is met by its next call)
-  double last_seconds = 0;              // this rank's time of the previous step
+  std::string key;                             // persisted key: op, world, M bucket, K, N, dtype, bias, device, fused
+  FastKey fast;                                // the same, as numbers
+  int64_t step = 0;                            // next tuning step (0: the bucket is met by its next call)
+  double last_seconds = 0;                     // this rank's time of the previous step
   int64_t last_start_us = 0, last_end_us = 0;  // ... on this host's monotonic clock (0: timed on a device)
-  std::function<double()> pending_seconds;  // ... when a device clock still has to be read (record_pending)
+  std::function<double()> pending_seconds;     // ... when a device clock still has to be read (record_pending)
   bool decided = false;
   Algorithm decision = Algorithm::Sequential;
-  uint64_t last_used = 0;               // the group's call clock: least recently used buckets go first
+  uint64_t last_used = 0;  // the group's call clock: least recently used buckets go first
 };
 
 // Bounds that keep a process whose shapes never repeat from growing: per group (evicted least recently used first,
@@ -180,8 +180,9 @@ std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available
 // A bucket's identity: the one place that lays out its fields.
 FastKey bucket_of(const std::string& group_name, int64_t op, int64_t world, int64_t m, int64_t k, int64_t n,
                   at::ScalarType dtype, bool bias, c10::DeviceType device, bool fused_available) {
-  return FastKey{group_name, {op, world, next_power_of_two(m), k, n, static_cast<int64_t>(dtype), bias ? 1 : 0,
-                              static_cast<int64_t>(device), fused_available ? 1 : 0}};
+  return FastKey{group_name,
+                 {op, world, next_power_of_two(m), k, n, static_cast<int64_t>(dtype), bias ? 1 : 0,
+                  static_cast<int64_t>(device), fused_available ? 1 : 0}};
 }
 
 FastKey fast_key(const CallArgs& call, c10d::ProcessGroup& group, const at::Device& device, bool fused_available) {
@@ -195,8 +196,7 @@ std::string bucket_key(const FastKey& fast) {
   std::ostringstream os;
   os << "op=" << f[0] << ";world=" << f[1] << ";m<=" << f[2] << ";k=" << f[3] << ";n=" << f[4]
      << ";dtype=" << c10::toString(static_cast<at::ScalarType>(f[5])) << ";bias=" << f[6]
-     << ";device=" << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[7]), /*lower_case=*/true)
-     << ";fused=" << f[8];
+     << ";device=" << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[7]), /*lower_case=*/true) << ";fused=" << f[8];
   return tune_cache_text(os.str());
 }
 
@@ -247,8 +247,8 @@ Algorithm AutoTuner::before_agreement(CallArgs& call, c10d::ProcessGroup& group,
   if (bucket.step == 0) {
     bucket.key = key;
     bucket.fast = std::move(fast);
-    bucket.candidates = candidates_for(call, fused_available,
-                                       fused_variants ? fused_variants() : std::vector<Algorithm>{});
+    bucket.candidates =
+        candidates_for(call, fused_available, fused_variants ? fused_variants() : std::vector<Algorithm>{});
     if (bucket.candidates.size() == 1) {
       // Nothing to choose between (sequential, the only candidate without fused or a row per chunk): decided at
       // once, so the next calls take the fast path (before, each call built the bucket again and dropped it).
@@ -309,11 +309,12 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
       if (++bucket.position == bucket.order.size()) {
         if (race_over(bucket)) {
           const size_t winner = trusted_leader(bucket);
-          TunerDecision decision{group.getGroupName(), bucket.key, algorithm_name(bucket.candidates[winner]),
-                                 "measured", {}, {}, {}};
+          TunerDecision decision{
+              group.getGroupName(), bucket.key, algorithm_name(bucket.candidates[winner]), "measured", {}, {}, {}};
           std::ostringstream os;
           os << "torch_gemm_ar auto: group '" << group.getGroupName() << "' " << bucket.key << " -> "
-             << decision.algorithm << " (median of its runs, from the last rank's start, and relative to each round's "
+             << decision.algorithm
+             << " (median of its runs, from the last rank's start, and relative to each round's "
                 "fastest run:";
           for (size_t i = 0; i < bucket.candidates.size(); ++i) {
             const char* name = algorithm_name(bucket.candidates[i]);
@@ -322,10 +323,9 @@ Algorithm AutoTuner::after_agreement(const CallArgs& call, c10d::ProcessGroup& g
             decision.candidate_relative.emplace_back(name, relative_time(bucket, i));
             char relative[32];
             std::snprintf(relative, sizeof relative, "%.3f", decision.candidate_relative.back().second);
-            os << " " << name << " " << static_cast<int64_t>(decision.candidate_us.back().second) << " us ("
-               << relative << "x its rounds' fastest) in " << bucket.samples[i].size() << " runs"
-               << (bucket.beaten[i] ? " (out of the race)" : "")
-               << (i + 1 < bucket.candidates.size() ? "," : "");
+            os << " " << name << " " << static_cast<int64_t>(decision.candidate_us.back().second) << " us (" << relative
+               << "x its rounds' fastest) in " << bucket.samples[i].size() << " runs"
+               << (bucket.beaten[i] ? " (out of the race)" : "") << (i + 1 < bucket.candidates.size() ? "," : "");
           }
           os << ")";
           message = os.str();

@@ -22,8 +22,8 @@
 namespace gemm_ar {
 
 struct TunerDecision {
-  std::string group, bucket, algorithm, source;  // source: measured | cache
-  std::vector<std::pair<std::string, double>> candidate_us;  // per candidate: the median of its runs
+  std::string group, bucket, algorithm, source;                 // source: measured | cache
+  std::vector<std::pair<std::string, double>> candidate_us;     // per candidate: the median of its runs
   std::vector<std::pair<std::string, int64_t>> candidate_runs;  // per candidate: how many runs it had
   // per candidate: the median of its runs over the fastest run of their rounds (the winner has the lowest)
   std::vector<std::pair<std::string, double>> candidate_relative;
@@ -39,9 +39,8 @@ class AutoTuner {
   // may_tune=false (a graph being captured): only a decision already made in this process, else static_choice.
   // `fused_variants` (BackendHooks::fused_variants) join the candidates of a bucket met for the first time (asked
   // only then).
-  Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available,
-                             Algorithm static_choice, bool may_tune = true,
-                             const std::function<std::vector<Algorithm>()>& fused_variants = {});
+  Algorithm before_agreement(CallArgs& call, c10d::ProcessGroup& group, bool fused_available, Algorithm static_choice,
+                             bool may_tune = true, const std::function<std::vector<Algorithm>()>& fused_variants = {});
   // After a successful agreement of a tuning call: records the peers' times of the previous step, and returns
   // what this call runs (the next candidate, or the decision once every sample is in).
   Algorithm after_agreement(const CallArgs& call, c10d::ProcessGroup& group, const std::vector<CallSignature>& all);

@@ -71,8 +71,8 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
   }
   if (b.dim() != 2) return fail(kBadB, "b must be 2-D [K, N]; got shape " + shape_str(b));
   if (a.device() != b.device()) {
-    return fail(kDevice, "a and b must be on the same device; got a on " + a.device().str() + ", b on " +
-                             b.device().str());
+    return fail(kDevice,
+                "a and b must be on the same device; got a on " + a.device().str() + ", b on " + b.device().str());
   }
   if (a.device().type() != device_type) {
     return fail(kDevice, "this kernel handles " + std::string(c10::DeviceTypeName(device_type, true)) +
@@ -90,8 +90,7 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
   }
   if (a.size(-1) != b.size(0)) {
     return fail(kKMismatch, "a has K=" + std::to_string(a.size(-1)) + " (last dim of " + shape_str(a) +
-                                ") but b has K=" + std::to_string(b.size(0)) + " (first dim of " + shape_str(b) +
-                                ")");
+                                ") but b has K=" + std::to_string(b.size(0)) + " (first dim of " + shape_str(b) + ")");
   }
   const int64_t n = b.size(1);
   if (bias.has_value() && bias->defined()) {
@@ -100,8 +99,8 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
       return fail(kBadBias, "bias must be 1-D [N] with N=" + std::to_string(n) + "; got shape " + shape_str(c));
     }
     if (c.scalar_type() != a.scalar_type()) {
-      return fail(kDtype, "bias must have the dtype of a (" + std::string(c10::toString(a.scalar_type())) +
-                              "); got " + std::string(c10::toString(c.scalar_type())));
+      return fail(kDtype, "bias must have the dtype of a (" + std::string(c10::toString(a.scalar_type())) + "); got " +
+                              std::string(c10::toString(c.scalar_type())));
     }
     if (c.device() != a.device()) {
       return fail(kDevice, "bias must be on the device of a (" + a.device().str() + "); got " + c.device().str());

@@ -34,16 +34,16 @@ struct CallArgs {
   // engine's geometry rules, else the family `auto` measured faster here.
   int64_t fused_family = 0;
   std::string op_name = "gemm_allreduce";  // prefix of every message about this call
-  int64_t op = 0;                  // which op (OpKind): ranks calling different ops disagree
-  int64_t shard_dim = 0;           // scatter_dim / gather_dim of the sequence-parallel ops, normalised (0 otherwise)
+  int64_t op = 0;                          // which op (OpKind): ranks calling different ops disagree
+  int64_t shard_dim = 0;  // scatter_dim / gather_dim of the sequence-parallel ops, normalised (0 otherwise)
   // `auto` tuning (common/auto_tuner.h): this call's step in tuning its bucket (-1: not a tuning call), this
   // rank's cached decision for the bucket (-1: none) and its time of the previous step in microseconds; where
   // that step started and ended on this host's monotonic clock `tune_clock` (all 0 when timed on a device).
   int64_t tune_step = -1, tune_cached = -1, tune_last_us = 0;
   int64_t tune_last_start_us = 0, tune_last_end_us = 0, tune_clock = 0;
-  std::string tune_bucket;         // the tuner's name for this call's group and shape bucket
-  std::string error;               // the local error message, if any
-  int64_t error_code = 0;          // nonzero with `error`: which check failed (shared with peers)
+  std::string tune_bucket;              // the tuner's name for this call's group and shape bucket
+  std::string error;                    // the local error message, if any
+  int64_t error_code = 0;               // nonzero with `error`: which check failed (shared with peers)
   AgreementPayload* payload = nullptr;  // set by the op flow for calls whose result may ride on the agreement
 };
 
@@ -53,8 +53,7 @@ struct CallArgs {
 // rank can raise together after the agreement exchange).
 CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                       std::string_view algorithm, c10::DeviceType device_type,
-                      const std::vector<at::ScalarType>& supported_dtypes,
-                      std::string_view op_name = "gemm_allreduce");
+                      const std::vector<at::ScalarType>& supported_dtypes, std::string_view op_name = "gemm_allreduce");
 
 // Error code of a rank that was asked for algorithm='fused' where it cannot run.
 constexpr int64_t kFusedUnavailableError = 8;

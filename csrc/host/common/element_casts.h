@@ -46,7 +46,7 @@ struct BFloat16Bits {
 
 // The branch-free conversions for bf16 with an fp32 accumulator, plain casts otherwise.
 template <class T, class Acc>
-using FastCasts = std::conditional_t<std::is_same_v<T, at::BFloat16> && std::is_same_v<Acc, float>, BFloat16Bits,
-                                     Casts<T, Acc>>;
+using FastCasts =
+    std::conditional_t<std::is_same_v<T, at::BFloat16> && std::is_same_v<Acc, float>, BFloat16Bits, Casts<T, Acc>>;
 
 }  // namespace gemm_ar

@@ -18,7 +18,8 @@ int64_t monotonic_us() {
 int64_t monotonic_clock_domain() {
   // A time namespace may offset CLOCK_MONOTONIC, so the boot alone does not name the time line.
   static const int64_t domain = [] {
-    const std::string id = first_line_of("/proc/sys/kernel/random/boot_id") + "/" + symlink_target("/proc/self/ns/time");
+    const std::string id =
+        first_line_of("/proc/sys/kernel/random/boot_id") + "/" + symlink_target("/proc/self/ns/time");
     return static_cast<int64_t>(std::hash<std::string>{}(id) >> 2) + 1;  // positive, never 0 ("no clock")
   }();
   return domain;

@@ -31,8 +31,8 @@ class KernelErrorWatch {
   // yet, or "" (no error, an old or foreign record, or already reported). Marks it reported. A rank's own rejection
   // of its arguments is never raised from the record: its host raised it when it queued the call (whatever epoch
   // the kernel then ran with, graph replays included); only a rejection by the kernel itself is.
-  std::string take_unreported(const ErrorRecord& record, const std::string& group_name,
-                              SignatureFieldName field_name, ErrorCodeSummary code_summary);
+  std::string take_unreported(const ErrorRecord& record, const std::string& group_name, SignatureFieldName field_name,
+                              ErrorCodeSummary code_summary);
 
  private:
   uint32_t first_epoch_;

@@ -29,8 +29,7 @@ bool reorders_b_per_product(at::ScalarType dtype) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && cpu_has_fast(dtype);
 }
 
-LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                     bool add_bias) {
+LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool add_bias) {
   const bool widen = computes_in_fp32(a2d);
   // .to() keeps b's strides, so a transposed weight view stays a transposed view for BLAS.
   a_ = widen ? a2d.to(at::kFloat) : a2d;

@@ -34,8 +34,9 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
     if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
       call.error_code = kFusedUnavailableError;
       call.error = call.op_name + ": algorithm='fused' is not available for this call: " + fused_reason +
-                   (call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm ? " (use algorithm='auto', 'chunked' or 'sequential')"
-                                                : " (use algorithm='auto' or 'sequential')");
+                   (call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm
+                        ? " (use algorithm='auto', 'chunked' or 'sequential')"
+                        : " (use algorithm='auto' or 'sequential')");
     }
   } else if (call.error.empty() && chosen == Algorithm::Auto) {
     chosen = backend.choose_auto(call, group, fused_reason.empty());
@@ -47,8 +48,7 @@ Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const Back
         return fused_reason.empty() && backend.fused_variants ? backend.fused_variants(call, group)
                                                               : std::vector<Algorithm>{};
       };
-      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune,
-                                                      variants);
+      chosen = AutoTuner::instance().before_agreement(call, group, fused_reason.empty(), chosen, may_tune, variants);
     }
   }
   if (before_exchange) before_exchange(chosen);
@@ -79,7 +79,8 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
     return out;
   }
   AutoTuner& tuner = AutoTuner::instance();
-  if (const int64_t delay = test_hooks::tuner_start_delay_us(); delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+  if (const int64_t delay = test_hooks::tuner_start_delay_us(); delay > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(delay));
   const int64_t start = monotonic_us();
   if (const int64_t slower = tuner.slowdown_us(call, group); slower > 0) {
     std::this_thread::sleep_for(std::chrono::microseconds(slower));
@@ -91,8 +92,7 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend,
-                              const std::function<void(CallArgs&)>& extra_checks) {
+                              const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks) {
   auto group = resolve_group(group_name);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
   if (extra_checks && call.error.empty()) extra_checks(call);

@@ -75,7 +75,6 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
 // are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend,
-                              const std::function<void(CallArgs&)>& extra_checks = {});
+                              const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks = {});
 
 }  // namespace gemm_ar

@@ -14,22 +14,28 @@ const char* const kTuneStepFieldName =
 
 namespace {
 
-const char* const kFieldNames[kSigComparedFields] = {"error", "M", "K", "N", "dtype", "bias", "algorithm",
-                                                   "tile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
-                                                   "geometry options)",
-                                                   "tile columns (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
-                                                   "geometry options)",
-                                                   "subtile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
-                                                   "geometry options)",
-                                                   "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
-                                                   "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
-                                                   "op",
-                                                   "the op's parameter (scatter_dim/gather_dim and a's rows from "
-                                                   "it on, or eps)",
-                                                   kTuneStepFieldName,
-                                                   "the CPU engine's options (torch_gemm_ar.engine_options, "
-                                                   "TORCH_GEMM_AR_SHARED_OUTPUTS, whether TORCH_GEMM_AR_CPU_TILE "
-                                                   "is set)"};
+const char* const kFieldNames[kSigComparedFields] = {"error",
+                                                     "M",
+                                                     "K",
+                                                     "N",
+                                                     "dtype",
+                                                     "bias",
+                                                     "algorithm",
+                                                     "tile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
+                                                     "geometry options)",
+                                                     "tile columns (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
+                                                     "geometry options)",
+                                                     "subtile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
+                                                     "geometry options)",
+                                                     "compute threads (TORCH_GEMM_AR_COMPUTE_THREADS)",
+                                                     "comm threads (TORCH_GEMM_AR_COMM_THREADS)",
+                                                     "op",
+                                                     "the op's parameter (scatter_dim/gather_dim and a's rows from "
+                                                     "it on, or eps)",
+                                                     kTuneStepFieldName,
+                                                     "the CPU engine's options (torch_gemm_ar.engine_options, "
+                                                     "TORCH_GEMM_AR_SHARED_OUTPUTS, whether TORCH_GEMM_AR_CPU_TILE "
+                                                     "is set)"};
 
 // The sequence-parallel ops compare their sharded dim together with the rows of one chunk along it and the dims
 // after it (K excluded): [2, 6, K] and [4, 3, K] along dim 1 agree on M but not on how rows interleave by rank.
@@ -121,7 +127,8 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
     if (same) return std::string();
     std::ostringstream os;
     os << mine.op_name << ": ranks of group '" << group_name << "' disagree on " << kFieldNames[f] << ":";
-    for (int r = 0; r < world; ++r) os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f], all[r][kSigOp]);
+    for (int r = 0; r < world; ++r)
+      os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f], all[r][kSigOp]);
     return os.str();
   };
   // The op first: other fields (the CPU engine's tile geometry, the op's parameter) follow from it.
@@ -172,7 +179,8 @@ std::vector<CallSignature> exchange_cpu_buffer(c10d::ProcessGroup& group, const 
   float* own = slots + group.getRank() * kTableSlotsPerRank;
   for (int64_t f = 0; f < kSignatureFields; ++f) {
     const auto bits = static_cast<uint64_t>(mine[f]);
-    for (int64_t p = 0; p < kPiecesPerField; ++p) own[f * kPiecesPerField + p] = static_cast<float>((bits >> (16 * p)) & 0xFFFF);
+    for (int64_t p = 0; p < kPiecesPerField; ++p)
+      own[f * kPiecesPerField + p] = static_cast<float>((bits >> (16 * p)) & 0xFFFF);
   }
   if (payload != nullptr && payload->data.defined()) {
     TORCH_CHECK(payload->data.numel() <= kAgreementPayloadSlots && payload->data.scalar_type() == at::kFloat,
@@ -210,10 +218,11 @@ bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, con
 
 int64_t agreement_payload_calls() { return payload_calls.load(std::memory_order_relaxed); }
 
-std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device) {
+std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen,
+                                             const at::Device& device) {
   const CallSignature mine = call_signature(call, chosen);
-  std::vector<CallSignature> all = device.is_cpu() ? exchange_cpu_buffer(group, mine, call.payload)
-                                                   : exchange_int64_table(group, mine, device);
+  std::vector<CallSignature> all =
+      device.is_cpu() ? exchange_cpu_buffer(group, mine, call.payload) : exchange_int64_table(group, mine, device);
   std::string problem = diagnose_signatures(all, group.getRank(), call, group.getGroupName());
   if (call.payload != nullptr && call.payload->reduced) {
     if (problem.empty()) {

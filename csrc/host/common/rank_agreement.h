@@ -14,17 +14,28 @@ namespace gemm_ar {
 
 enum SignatureField : int64_t {
   kSigError,  // local error code (0: arguments valid)
-  kSigM, kSigK, kSigN, kSigDtype, kSigBias, kSigAlgorithm,
-  kSigTileM, kSigTileN, kSigSubM, kSigComputeBlocks, kSigCommBlocks,  // fused-engine configuration (0 otherwise)
-  kSigOp, kSigShardDim,  // which op (OpKind) and its parameter: scatter/gather dim, or eps's bits (add+RMSNorm)
-  kSigTuneStep,          // `auto` tuning step of the call's bucket (-1: not tuning): ranks must be at the same one
-  kSigEngineMode,        // CPU engine: its process-wide options that change how a call uses the windows (0 otherwise)
+  kSigM,
+  kSigK,
+  kSigN,
+  kSigDtype,
+  kSigBias,
+  kSigAlgorithm,
+  kSigTileM,
+  kSigTileN,
+  kSigSubM,
+  kSigComputeBlocks,
+  kSigCommBlocks,  // fused-engine configuration (0 otherwise)
+  kSigOp,
+  kSigShardDim,    // which op (OpKind) and its parameter: scatter/gather dim, or eps's bits (add+RMSNorm)
+  kSigTuneStep,    // `auto` tuning step of the call's bucket (-1: not tuning): ranks must be at the same one
+  kSigEngineMode,  // CPU engine: its process-wide options that change how a call uses the windows (0 otherwise)
   kSigComparedFields,
   // Carried, not compared: what each rank tells the others for `auto` tuning (common/auto_tuner.h).
   kSigTuneCached = kSigComparedFields,  // this rank's cached decision for the bucket (-1: none)
   kSigTuneLastUs,                       // this rank's time of the previous tuning step, microseconds
-  kSigTuneLastStartUs, kSigTuneLastEndUs,  // ... its start and end on this host's monotonic clock (0: not known)
-  kSigTuneClock,                        // which monotonic clock those are on (common/host_clock.h; 0: none)
+  kSigTuneLastStartUs,
+  kSigTuneLastEndUs,  // ... its start and end on this host's monotonic clock (0: not known)
+  kSigTuneClock,      // which monotonic clock those are on (common/host_clock.h; 0: none)
   kSignatureFields
 };
 using CallSignature = std::array<int64_t, kSignatureFields>;
@@ -55,7 +66,8 @@ bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, con
 // with `call.payload` puts its partial product in the data slots: when every rank agrees, the sum is its result
 // and the call needs no second collective (docs/decisions/0004-rank-agreement-before-data-moves.md). A payload of
 // a call whose signatures disagree is dropped with the error.
-std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen, const at::Device& device);
+std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const CallArgs& call, Algorithm chosen,
+                                             const at::Device& device);
 
 // Data slots of the CPU agreement exchange: 64 KiB of fp32. A gloo all_reduce on one host is latency-bound at these
 // sizes (64 KiB costs about what 1 KiB does), so calls that carry no payload lose little, and outputs of up to 16384

@@ -86,10 +86,11 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
   });
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
-    const at::Tensor& a, const at::Tensor& b, std::string_view group_name, int64_t gather_dim,
-    const std::optional<at::Tensor>& bias, bool return_gathered, std::string_view algorithm,
-    const BackendHooks& backend) {
+std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(const at::Tensor& a, const at::Tensor& b,
+                                                                     std::string_view group_name, int64_t gather_dim,
+                                                                     const std::optional<at::Tensor>& bias,
+                                                                     bool return_gathered, std::string_view algorithm,
+                                                                     const BackendHooks& backend) {
   auto group = resolve_group(group_name, kAllgatherName);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes, kAllgatherName);
   const CurrentOp op(call.op_name);  // errors deep in the engines name this op

@@ -17,9 +17,10 @@ at::Tensor run_gemm_reduce_scatter(const at::Tensor& a, const at::Tensor& b, std
                                    std::string_view algorithm, const BackendHooks& backend);
 
 // (all_gather(a, gather_dim) @ b (+ bias), the gathered a when `return_gathered`).
-std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(
-    const at::Tensor& a, const at::Tensor& b, std::string_view group_name, int64_t gather_dim,
-    const std::optional<at::Tensor>& bias, bool return_gathered, std::string_view algorithm,
-    const BackendHooks& backend);
+std::tuple<at::Tensor, std::optional<at::Tensor>> run_allgather_gemm(const at::Tensor& a, const at::Tensor& b,
+                                                                     std::string_view group_name, int64_t gather_dim,
+                                                                     const std::optional<at::Tensor>& bias,
+                                                                     bool return_gathered, std::string_view algorithm,
+                                                                     const BackendHooks& backend);
 
 }  // namespace gemm_ar

@@ -45,8 +45,8 @@ double env_double(Setting setting, double fallback, double min_value, double max
   errno = 0;
   double value = std::strtod(text, &end);
   TORCH_CHECK(errno == 0 && end != text && *end == '\0' && value >= min_value && value <= max_value,
-              "environment variable ", setting_info(setting).variable, "='", text, "' must be a number in [",
-              min_value, ", ", max_value, "]");
+              "environment variable ", setting_info(setting).variable, "='", text, "' must be a number in [", min_value,
+              ", ", max_value, "]");
   return value;
 }
 

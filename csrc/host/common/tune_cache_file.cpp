@@ -100,7 +100,7 @@ void load_tune_cache(const std::string& path, TuneCacheFile& file) {
       if (!read_string(text, i, have_key ? &value : &key)) return;
       if (have_key && depth == 2 && !section.empty() &&
           (parse_tuned_algorithm(value).has_value() || (key == kTuneCacheWrittenKey && !value.empty() &&
-                                                  value.find_first_not_of("0123456789") == std::string::npos))) {
+                                                        value.find_first_not_of("0123456789") == std::string::npos))) {
         file[section][key] = value;
       }
       have_key = !have_key;

@@ -18,9 +18,7 @@ double quantile(std::vector<double> v, size_t numerator, size_t denominator) {
 
 int64_t min_reps() { return env_int(Setting::kAutotuneReps, 3, 1, 100); }
 int64_t max_reps() { return std::max(min_reps(), env_int(Setting::kAutotuneMaxReps, 25, 1, 1000)); }
-double budget_seconds() {
-  return static_cast<double>(env_int(Setting::kAutotuneBudgetMs, 2000, 0, 3'600'000)) * 1e-3;
-}
+double budget_seconds() { return static_cast<double>(env_int(Setting::kAutotuneBudgetMs, 2000, 0, 3'600'000)) * 1e-3; }
 
 // How much slower than the leader a candidate must be in three rounds of four to leave the race: candidates that
 // cost the same stay in it (either would do; the margin keeps timer jitter from deciding).

@@ -37,8 +37,8 @@ at::Tensor gemm_allreduce_add_rmsnorm_inplace_cpu(const at::Tensor& a, const at:
   at::Tensor normed;
   with_call_engine("gemm_allreduce_add_rmsnorm_", name, [&] {
     normed = run_gemm_allreduce_add_rmsnorm_inplace(a, b, residual, norm_weight, name, eps, bias,
-                                                    std::string_view(algorithm.data(), algorithm.size()),
-                                                    cpu_backend(), &run_fused_with_epilogue, &pooled_empty);
+                                                    std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
+                                                    &run_fused_with_epilogue, &pooled_empty);
   });
   return normed;
 }

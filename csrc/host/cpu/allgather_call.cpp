@@ -65,8 +65,7 @@ void run_gather_compute(CallJob& job, const std::function<bool()>& progress) {
         all_in = chunked_tile_rows(p, c, mi) == 0 || job.rows_arrived[mi].load(std::memory_order_acquire) != 0;
       }
       if (all_in && !job.abort.load(std::memory_order_acquire)) {
-        job.gemm->compute(0, p.m, 0, p.n,
-                          at::from_blob(job.out, {p.m, p.n}, at::TensorOptions().dtype(job.out_dtype)));
+        job.gemm->compute(0, p.m, 0, p.n, at::from_blob(job.out, {p.m, p.n}, at::TensorOptions().dtype(job.out_dtype)));
         count_one_product_call();
         progress();
       }
@@ -88,7 +87,8 @@ void run_gather_compute(CallJob& job, const std::function<bool()>& progress) {
                      [&] { return progress ? progress() : false; }, [&] { watch_peers(job, call_name); },
                      [&] {
                        return current_op() + ": rank " + std::to_string(run_owner_of(mi, job.world, c.m_tiles)) +
-                              " did not publish tile row " + std::to_string(mi) + " of its shard in " + call_name + wait_bound(job);
+                              " did not publish tile row " + std::to_string(mi) + " of its shard in " + call_name +
+                              wait_bound(job);
                      },
                      bell, job.timeout, &job.abort);
         const int64_t row0 = chunked_tile_row0(p, c, mi), rows = chunked_tile_rows(p, c, mi);

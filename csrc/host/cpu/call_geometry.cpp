@@ -38,8 +38,8 @@ Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtyp
   return same_geometry(rules, forced) ? Algorithm::Auto : other;
 }
 
-EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
-                         int64_t family, int64_t chunk_rows) {
+EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world, int64_t family,
+                         int64_t chunk_rows) {
   const EngineConfig config = engine_config(world);
   if (op == kOpGemmAllreduce && family == 3) {
     // The gathered-inputs flow: one full-width tile row per rank, its rows multiplied in one product.
@@ -79,8 +79,7 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
 }
 
 bool gathers_in_one_product(const EngineConfig& config) {
-  return config.one_product && config.comm_inline && config.compute_blocks == 1 &&
-         option(engine_options().one_product);
+  return config.one_product && config.comm_inline && config.compute_blocks == 1 && option(engine_options().one_product);
 }
 
 bool multiplies_in_one_product(const EngineConfig& config) {

@@ -12,9 +12,7 @@ namespace gemm_ar::cpu {
 static_assert(sizeof(CallHeader) <= static_cast<size_t>(kHeaderBytes), "call header outgrew its window region");
 
 namespace {
-CallHeader* header_of(const void* window) {
-  return static_cast<CallHeader*>(const_cast<void*>(window));
-}
+CallHeader* header_of(const void* window) { return static_cast<CallHeader*>(const_cast<void*>(window)); }
 }  // namespace
 
 void publish_header(void* window, uint32_t epoch, const CallSignature& signature) {

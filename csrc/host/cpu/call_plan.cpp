@@ -44,8 +44,8 @@ CallPlan plan_call(const CallPlanInputs& in) {
   plan.one_product = geometry_one_product && plain_allreduce && !gathered;
   // Peers copy the owners' rows from their outputs (the owner-last walk writes them once and last); not where the
   // output changes after the rows are final (an epilogue, the in-place residual).
-  const bool slot_output = !one_shot && in.op == kOpGemmAllreduce && in.world > 1 && !in.row_epilogue &&
-                           !in.in_place && in.m * in.n * in.out_elem >= kMinSlotOutputBytes && in.output_slots > 0;
+  const bool slot_output = !one_shot && in.op == kOpGemmAllreduce && in.world > 1 && !in.row_epilogue && !in.in_place &&
+                           in.m * in.n * in.out_elem >= kMinSlotOutputBytes && in.output_slots > 0;
   plan.slot_output_bytes = slot_output ? in.m * in.n * in.out_elem : 0;
   return plan;
 }

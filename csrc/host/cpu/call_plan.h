@@ -32,7 +32,7 @@ struct CallPlanInputs {
   int64_t op = 0;  // OpKind as the engine runs it (gemm_allreduce_add_rmsnorm as gemm_allreduce)
   int64_t m = 0, n = 0;
   int world = 1;
-  int64_t row_chunks = 1;                 // the sequence-parallel ops' chunks (one otherwise)
+  int64_t row_chunks = 1;                  // the sequence-parallel ops' chunks (one otherwise)
   int64_t partial_elem = 4, out_elem = 4;  // bytes per element of the partial products and of the output
   bool partial_is_out_dtype = true;
   int64_t gathered_input_bytes = 0;  // what the gathered-inputs flow would publish (cpu/gathered_inputs.h)
@@ -48,8 +48,8 @@ struct CallPlanInputs {
 
 struct CallPlan {
   DataFlow flow = DataFlow::kCommBlocks;
-  bool one_product = false;          // this rank's whole partial (allgather_gemm: all rows) in one GEMM call
-  int64_t slot_output_bytes = 0;     // > 0: the output goes into a window slot of this size where one is free
+  bool one_product = false;       // this rank's whole partial (allgather_gemm: all rows) in one GEMM call
+  int64_t slot_output_bytes = 0;  // > 0: the output goes into a window slot of this size where one is free
   bool owner_reduces_in_compute() const { return flow != DataFlow::kCommBlocks && flow != DataFlow::kGatheredShards; }
 };
 

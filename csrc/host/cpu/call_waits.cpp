@@ -26,7 +26,6 @@ void watch_peers(const CallJob& job, const std::string& call_name) {
   }
 }
 
-
 std::string wait_bound(const CallJob& job) {
   return " within " + std::to_string(job.timeout.count() / 1000.0) + " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " +
          std::to_string(job.rank) + "]";

@@ -22,12 +22,12 @@ struct CallRejected : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-constexpr int64_t kWaitSleepSliceNs = 2'000'000;    // a sleeper re-checks at least this often
+constexpr int64_t kWaitSleepSliceNs = 2'000'000;  // a sleeper re-checks at least this often
 constexpr auto kWatchEvery = std::chrono::milliseconds(50);
 
 // Waits until ready(), running progress() meanwhile (it returns whether it did anything), sleeping on `bell`
-// after a short spin (`max_spins` pauses). Every `kWatchEvery` it runs watch() (which throws when a peer died or gave up); after
-// `timeout` without success it throws describe().
+// after a short spin (`max_spins` pauses). Every `kWatchEvery` it runs watch() (which throws when a peer died or gave
+// up); after `timeout` without success it throws describe().
 template <class Ready, class Progress, class Watch, class Describe>
 void bounded_wait(Ready ready, Progress progress, Watch watch, Describe describe, Doorbell bell,
                   std::chrono::milliseconds timeout, const std::atomic<bool>* stop, int max_spins = kWaitSpins) {
@@ -82,9 +82,7 @@ std::string late_ranks(int world, int except, Late late) {
 void watch_peers(const CallJob& job, const std::string& call_name);
 
 // Whether `flag` (a tile, final or row flag read with acquire order) belongs to this call.
-inline bool is_current(const CallJob& job, uint32_t flag) {
-  return job.ignore_epochs ? flag != 0 : flag == job.epoch;
-}
+inline bool is_current(const CallJob& job, uint32_t flag) { return job.ignore_epochs ? flag != 0 : flag == job.epoch; }
 
 // Whether rank r published its partial product of tile t in this call (acquire: its payload is visible then).
 inline bool tile_ready(const CallJob& job, int r, int64_t t) {

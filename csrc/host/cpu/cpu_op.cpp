@@ -23,8 +23,8 @@ namespace gemm_ar::cpu {
 thread_local FusedEngine* current_engine = nullptr;
 
 FusedEngine& engine_of_this_call(c10d::ProcessGroup& group) {
-  TORCH_CHECK(current_engine != nullptr, current_op(), ": internal error: no engine for group '",
-              group.getGroupName(), "' on this thread");
+  TORCH_CHECK(current_engine != nullptr, current_op(), ": internal error: no engine for group '", group.getGroupName(),
+              "' on this thread");
   return *current_engine;
 }
 
@@ -36,7 +36,8 @@ class DeferredHostClock final : public DeviceClock {
   explicit DeferredHostClock(bool fails) : fails_(fails), start_(std::chrono::steady_clock::now()) {}
   void stop() override { stop_ = std::chrono::steady_clock::now(); }
   double seconds() override {
-    TORCH_CHECK(!fails_, "the call's kernels did not finish (a deliberate failure: the test hook deferred_tuner_clock=2)");
+    TORCH_CHECK(!fails_,
+                "the call's kernels did not finish (a deliberate failure: the test hook deferred_tuner_clock=2)");
     return std::chrono::duration<double>(stop_ - start_).count();
   }
 

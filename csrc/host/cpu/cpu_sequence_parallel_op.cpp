@@ -43,9 +43,10 @@ at::Tensor gemm_reduce_scatter_cpu(const at::Tensor& a, const at::Tensor& b, c10
   return out;
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> allgather_gemm_cpu(
-    const at::Tensor& a, const at::Tensor& b, c10::string_view group_name, int64_t gather_dim,
-    const std::optional<at::Tensor>& bias, bool return_gathered, c10::string_view algorithm) {
+std::tuple<at::Tensor, std::optional<at::Tensor>> allgather_gemm_cpu(const at::Tensor& a, const at::Tensor& b,
+                                                                     c10::string_view group_name, int64_t gather_dim,
+                                                                     const std::optional<at::Tensor>& bias,
+                                                                     bool return_gathered, c10::string_view algorithm) {
   std::tuple<at::Tensor, std::optional<at::Tensor>> result;
   with_call_engine("allgather_gemm", view_of(group_name), [&] {
     result = run_allgather_gemm(a, b, view_of(group_name), gather_dim, bias, return_gathered, view_of(algorithm),

@@ -42,7 +42,8 @@ EngineConfig engine_config(int local_ranks) {
   config.comm_blocks = std::max<int64_t>(1, comm_threads);
   TORCH_CHECK(!config.comm_inline || config.compute_blocks == 1,
               "TORCH_GEMM_AR_COMM_THREADS=0 (communication between tiles) needs one compute thread; got "
-              "TORCH_GEMM_AR_COMPUTE_THREADS=", config.compute_blocks);
+              "TORCH_GEMM_AR_COMPUTE_THREADS=",
+              config.compute_blocks);
   return config;
 }
 

@@ -13,7 +13,7 @@ struct EngineConfig {
   // when this rank's share of the cores is one: a comm thread could only take turns with the GEMM there);
   // N >= 1 runs N comm blocks on N threads (default 1 elsewhere).
   bool comm_inline;
-  bool tile_from_env = false;     // TORCH_GEMM_AR_CPU_TILE was set: every call keeps that geometry
+  bool tile_from_env = false;  // TORCH_GEMM_AR_CPU_TILE was set: every call keeps that geometry
   // Set by the geometries for products that reorder all of B per call (tile_row_per_rank_geometry,
   // column_panel_geometry; call_config keeps it where prefers_one_product): where the owner reduces in the compute
   // block, the rank's whole partial comes from one GEMM call (CallJob::one_product), so B is reordered once per

@@ -30,7 +30,7 @@ int64_t engine_options_signature() {
   const EngineOptions& o = engine_options();
   int64_t bits = 0;
   int shift = 0;
-#define GEMM_AR_ENGINE_OPTION_BITS(type, name, initial, largest, what)                      \
+#define GEMM_AR_ENGINE_OPTION_BITS(type, name, initial, largest, what)                     \
   {                                                                                        \
     constexpr int width = signature_width(largest);                                        \
     bits |= (static_cast<int64_t>(option(o.name)) & ((int64_t{1} << width) - 1)) << shift; \

@@ -7,21 +7,21 @@
 #include <cstdint>
 
 // X(type, name, default, largest value, what turning it away from the default does)
-#define GEMM_AR_ENGINE_OPTION_LIST(X)                                                                                  \
-  X(bool, overlap, true, 1,                                                                                            \
-    "False: comm starts after the whole GEMM (the \"sequential (same engine)\" benchmark row)")                        \
-  X(bool, owner_last, true, 1,                                                                                         \
-    "False: on one core per rank the owner reduces in its comm block, as with comm threads")                           \
-  X(bool, row_epilogue_geometry, true, 1, "False: add+RMSNorm calls keep the engine's default tile geometry")          \
-  X(bool, wide_row_panels, true, 1,                                                                                    \
-    "False: gemm_allreduce and gemm_reduce_scatter keep the default tile geometry on one-core ranks")                  \
-  X(bool, packed_b, true, 1, "False: tiles multiply through at::mm even where B's panels could be packed once")        \
-  X(int64_t, fewer_b_reorders, 1, 2,                                                                                   \
-    "calls on one-core ranks taking the fewer-tile-row geometries: 1 those whose products reorder B per call and "     \
-    "long-K gemm_allreduce calls, 0 none, 2 every call")                                                               \
-  X(bool, one_shot, true, 1, "False: small gemm_allreduce calls reduce-scatter and all-gather instead of one shot")    \
-  X(bool, one_product, true, 1, "False: calls whose geometry asks for one GEMM per call multiply tile by tile")        \
-  X(bool, tune_tile_family, true, 1, "False: `auto` races fused only with the geometry rules' tiles")                  \
+#define GEMM_AR_ENGINE_OPTION_LIST(X)                                                                               \
+  X(bool, overlap, true, 1,                                                                                         \
+    "False: comm starts after the whole GEMM (the \"sequential (same engine)\" benchmark row)")                     \
+  X(bool, owner_last, true, 1,                                                                                      \
+    "False: on one core per rank the owner reduces in its comm block, as with comm threads")                        \
+  X(bool, row_epilogue_geometry, true, 1, "False: add+RMSNorm calls keep the engine's default tile geometry")       \
+  X(bool, wide_row_panels, true, 1,                                                                                 \
+    "False: gemm_allreduce and gemm_reduce_scatter keep the default tile geometry on one-core ranks")               \
+  X(bool, packed_b, true, 1, "False: tiles multiply through at::mm even where B's panels could be packed once")     \
+  X(int64_t, fewer_b_reorders, 1, 2,                                                                                \
+    "calls on one-core ranks taking the fewer-tile-row geometries: 1 those whose products reorder B per call and "  \
+    "long-K gemm_allreduce calls, 0 none, 2 every call")                                                            \
+  X(bool, one_shot, true, 1, "False: small gemm_allreduce calls reduce-scatter and all-gather instead of one shot") \
+  X(bool, one_product, true, 1, "False: calls whose geometry asks for one GEMM per call multiply tile by tile")     \
+  X(bool, tune_tile_family, true, 1, "False: `auto` races fused only with the geometry rules' tiles")               \
   X(bool, tune_gathered_inputs, true, 1, "False: `auto` does not time the gathered-inputs flow")
 
 namespace gemm_ar::cpu {

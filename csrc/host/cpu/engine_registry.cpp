@@ -30,10 +30,10 @@ namespace {
 struct EngineSlot {
   explicit EngineSlot(c10d::ProcessGroup& g)
       : group(&g), alive(c10::intrusive_ptr<c10d::ProcessGroup>::unsafe_reclaim_from_nonowning(&g)) {}
-  const c10d::ProcessGroup* group;                     // identity only: never dereferenced
-  c10::weak_intrusive_ptr<c10d::ProcessGroup> alive;   // expires when the group is garbage-collected
+  const c10d::ProcessGroup* group;                    // identity only: never dereferenced
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> alive;  // expires when the group is garbage-collected
   std::mutex setup_mutex;
-  std::shared_ptr<FusedEngine> engine;                 // guarded by setup_mutex
+  std::shared_ptr<FusedEngine> engine;  // guarded by setup_mutex
 };
 
 struct Registry {
@@ -162,9 +162,9 @@ std::shared_ptr<FusedEngine> FusedEngine::of(c10d::ProcessGroup& group) {
   {
     std::lock_guard<std::mutex> lock(reg.mutex);
     auto inherited = reg.inherited.find(name);
-    TORCH_CHECK(inherited == reg.inherited.end() || inherited->second != &group,
-                current_op(), ": process group '", name, "' was set up for the CPU fused engine by process ",
-                reg.parent, " before it forked this process (pid ", getpid(),
+    TORCH_CHECK(inherited == reg.inherited.end() || inherited->second != &group, current_op(), ": process group '",
+                name, "' was set up for the CPU fused engine by process ", reg.parent,
+                " before it forked this process (pid ", getpid(),
                 "); its shared windows and comm threads belong to the parent. Create process groups in the child "
                 "(or start workers with the 'spawn' method) to call gemm_allreduce there.");
     released = take_gone_slots(reg, &group);

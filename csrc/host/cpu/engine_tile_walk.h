@@ -12,7 +12,6 @@ namespace gemm_ar::cpu {
 // its geometry and compute blocks (call_config; several blocks run in parallel as in the engine), through B's panels
 // when the engine packs them (one compute block), into a fresh output of the compute dtype. No windows, no
 // communication.
-at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                            int world);
+at::Tensor engine_tile_walk(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias, int world);
 
 }  // namespace gemm_ar::cpu

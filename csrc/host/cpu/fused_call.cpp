@@ -65,8 +65,8 @@ std::string missing_ranks(const std::vector<char>& arrived, uint32_t epoch, std:
                           int rank) {
   std::ostringstream os;
   os << late_ranks(static_cast<int>(arrived.size()), -1, [&](int r) { return !arrived[r]; })
-     << " did not arrive at call " << epoch << " within "
-     << timeout.count() / 1000.0 << " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " << rank << "]";
+     << " did not arrive at call " << epoch << " within " << timeout.count() / 1000.0
+     << " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " << rank << "]";
   return os.str();
 }
 
@@ -140,9 +140,9 @@ void run_compute_blocks(CallJob& job, const std::function<bool()>& progress) {
       const int64_t rows = chunked_tile_rows(p, job.chunks, mi), cols = tile_cols(p, ni);
       const int64_t col0 = ni * p.base_n;
       // Padded position in the window (mi * base_m); the rows of a (row0) differ from it in row-chunked plans.
-      auto view = at::from_blob(
-          job.region(job.rank, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem)),
-          {rows, cols}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype));
+      auto view =
+          at::from_blob(job.region(job.rank, partial_entry_offset(w, mi * p.base_m, col0, p.pad_n, job.partial_elem)),
+                        {rows, cols}, {p.pad_n, 1}, at::TensorOptions().dtype(job.partial_dtype));
       job.gemm->compute(chunked_tile_row0(p, job.chunks, mi), rows, col0, cols, view);
       // Payload, then the entry, then the count with release order: the comm block sees a finished tile.
       *window_word(job.region(job.rank, queue_entry_offset(w, b, i))) = static_cast<uint32_t>(t);
@@ -165,8 +165,8 @@ class CommBlock {
  public:
   CommBlock(CallJob& job, int64_t c)
       : job_(job), c_(c), p_(job.plan), w_(job.layout), me_(job.rank), world_(job.world), epoch_(job.epoch),
-        bell_(doorbell(job.windows[job.rank], c)), call_name_("call " + std::to_string(job.epoch)),
-        all_(job.world), arrived_(job.world, 0), sources_(job.world) {
+        bell_(doorbell(job.windows[job.rank], c)), call_name_("call " + std::to_string(job.epoch)), all_(job.world),
+        arrived_(job.world, 0), sources_(job.world) {
     all_[me_] = job.signature;
     arrived_[me_] = 1;
     if (job.op == kOpAllgatherGemm) return;  // no ready queues: its tiles go straight into the output
@@ -191,8 +191,10 @@ class CommBlock {
   void finish() {
     if (!validated_) {
       bounded_wait([&] { return try_validate(); }, [&] { return drain(); }, [&] { watch(); },
-                   [&] { return c_ == 0 ? missing_ranks(arrived_, epoch_, job_.timeout, me_)
-                                        : (current_op() + ": internal: call header check did not finish"); },
+                   [&] {
+                     return c_ == 0 ? missing_ranks(arrived_, epoch_, job_.timeout, me_)
+                                    : (current_op() + ": internal: call header check did not finish");
+                   },
                    bell_, job_.timeout, &job_.abort);
     }
     // Overlap off: comm after the whole GEMM, the "sequential (same engine)" row of
@@ -205,8 +207,8 @@ class CommBlock {
     const auto& items = job_.items[c_];
     for (; next_ < items.size(); ++next_) {
       const WorkItem& item = items[next_];
-      bounded_wait([&] { return ready(item); }, [&] { return drain(); }, [&] { watch(); },
-                   [&] { return late(item); }, bell_, job_.timeout, &job_.abort);
+      bounded_wait([&] { return ready(item); }, [&] { return drain(); }, [&] { watch(); }, [&] { return late(item); },
+                   bell_, job_.timeout, &job_.abort);
       run_item(item);
     }
     // Every local tile must reach its owner, even when this block has nothing left to gather.
@@ -245,13 +247,15 @@ class CommBlock {
   // waits until every peer has said so: only then may a next call overwrite this rank's shard. A flag at a later
   // call counts too (that peer has moved on, so it finished this one).
   void finish_gather() {
-    bounded_wait([&] { return job_.copies_left.load(std::memory_order_acquire) == 0; }, no_progress,
-                 [&] { watch(); }, [&] { return current_op() + ": internal: shard copies did not finish"; }, bell_,
-                 job_.timeout, &job_.abort);
+    bounded_wait([&] { return job_.copies_left.load(std::memory_order_acquire) == 0; }, no_progress, [&] { watch(); },
+                 [&] { return current_op() + ": internal: shard copies did not finish"; }, bell_, job_.timeout,
+                 &job_.abort);
     store_release(window_word(job_.region(me_, final_entry_offset(w_, 0))), epoch_);
     for (int r = 0; r < world_; ++r)
       if (r != me_) doorbell(job_.windows[r], 0).ring();
-    auto done = [&](int r) { return counter_reached(load_acquire(window_word(job_.region(r, final_entry_offset(w_, 0)))), epoch_); };
+    auto done = [&](int r) {
+      return counter_reached(load_acquire(window_word(job_.region(r, final_entry_offset(w_, 0)))), epoch_);
+    };
     bounded_wait(
         [&] {
           for (int r = 0; r < world_; ++r)
@@ -261,9 +265,9 @@ class CommBlock {
         no_progress, [&] { watch(); },
         [&] {
           return late_ranks(world_, -1, [&](int r) { return !done(r); }) +
-                 " did not finish copying this rank's shard in " +
-                 call_name_ + " within " + std::to_string(job_.timeout.count() / 1000.0) +
-                 " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " + std::to_string(me_) + "]";
+                 " did not finish copying this rank's shard in " + call_name_ + " within " +
+                 std::to_string(job_.timeout.count() / 1000.0) + " s (TORCH_GEMM_AR_TIMEOUT_S) [rank " +
+                 std::to_string(me_) + "]";
         },
         bell_, job_.timeout, &job_.abort);
   }
@@ -297,7 +301,8 @@ class CommBlock {
   bool ready(const WorkItem& item) const {
     if (job_.op == kOpAllgatherGemm) return tile_ready(item.owner, item.tile);  // the shard's tile row flag
     if (item.owner != me_) {
-      return is_current(job_, load_acquire(window_word(job_.region(item.owner, final_entry_offset(w_, item.local_id)))));
+      return is_current(job_,
+                        load_acquire(window_word(job_.region(item.owner, final_entry_offset(w_, item.local_id)))));
     }
     for (int r = 0; r < world_; ++r)
       if (!tile_ready(r, item.tile)) return false;
@@ -315,7 +320,6 @@ class CommBlock {
     }
     return undelivered_tile(job_, item.tile);
   }
-
 
   // allgather_gemm: copies a tile row of a peer's shard into the gathered a; the compute blocks may use it then.
   void copy_shard_rows(const WorkItem& item) {
@@ -341,8 +345,9 @@ class CommBlock {
     const int64_t mi = tile_row(p_, item.tile), ni = tile_col(p_, item.tile);
     // Padded position in the windows, and where the rows go in the output (this rank's chunks only, when scattering).
     const int64_t padded_row0 = mi * p_.base_m + item.stripe * p_.sub_m, col0 = ni * p_.base_n;
-    const int64_t row0 = (scatter ? chunked_owner_row0(p_, job_.chunks, mi, world_)
-                                  : chunked_tile_row0(p_, job_.chunks, mi)) + item.stripe * p_.sub_m;
+    const int64_t row0 =
+        (scatter ? chunked_owner_row0(p_, job_.chunks, mi, world_) : chunked_tile_row0(p_, job_.chunks, mi)) +
+        item.stripe * p_.sub_m;
     const int64_t rows = chunked_stripe_rows(p_, job_.chunks, mi, item.stripe), cols = tile_cols(p_, ni);
     uint8_t* out = job_.out + (row0 * p_.n + col0) * job_.out_elem;
     const int64_t bank_offset = reduced_entry_offset(w_, job_.bank, padded_row0, col0, p_.pad_n, job_.out_elem);
@@ -355,9 +360,9 @@ class CommBlock {
       const uint8_t* source = job_.region(item.owner, bank_offset);
       int64_t stride = p_.pad_n;
       if (slot != kRowsInBank) {
-        TORCH_CHECK(slot <= static_cast<uint32_t>(job_.output_slots) && job_.output_slot_bytes > 0,
-                    current_op(), ": rank ", item.owner, " names output slot ", slot,
-                    " that the windows do not have [rank ", me_, "]");
+        TORCH_CHECK(slot <= static_cast<uint32_t>(job_.output_slots) && job_.output_slot_bytes > 0, current_op(),
+                    ": rank ", item.owner, " names output slot ", slot, " that the windows do not have [rank ", me_,
+                    "]");
         source = job_.windows[item.owner] +
                  output_slot_offset(job_.output_slots_offset, job_.output_slot_bytes, static_cast<int>(slot) - 1) +
                  (row0 * p_.n + col0) * job_.out_elem;
@@ -373,8 +378,8 @@ class CommBlock {
         sources_[r] = job_.region(r, partial_entry_offset(w_, padded_row0, col0, p_.pad_n, job_.partial_elem));
       // No bank where no peer copies from it: a reduce-scatter's result, an output in a window slot.
       reduce_rows(ReduceRows{sources_.data(), world_, p_.pad_n, job_.partial_dtype,
-                             scatter || job_.out_in_slot ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out,
-                             p_.n, job_.out_dtype, rows, cols, job_.out_holds_addend});
+                             scatter || job_.out_in_slot ? nullptr : job_.region(me_, bank_offset), p_.pad_n, out, p_.n,
+                             job_.out_dtype, rows, cols, job_.out_holds_addend});
       store_release(window_word(job_.region(me_, final_entry_offset(w_, item.local_id))), epoch_);
       for (int64_t i = 0; i + 1 < world_; ++i)
         doorbell(job_.windows[rotated_peer(me_, item.local_id, i, world_)], c_).ring();

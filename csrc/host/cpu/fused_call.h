@@ -50,10 +50,10 @@ inline void ring_every_doorbell(uint8_t* window, int64_t comm_blocks) {
 // A subtile one comm block handles: its owner reduces it, every other rank copies it once final (gemm_allreduce)
 // or only waits until it is (gemm_reduce_scatter). For allgather_gemm: a tile row of a peer's shard to copy.
 struct WorkItem {
-  int owner;         // allgather_gemm: the rank whose shard holds the rows
-  int64_t local_id;  // owner-local subtile id (allgather_gemm: the item's index)
+  int owner;             // allgather_gemm: the rank whose shard holds the rows
+  int64_t local_id;      // owner-local subtile id (allgather_gemm: the item's index)
   int64_t tile, stripe;  // allgather_gemm: tile = the tile row
-  int64_t step;      // when the tile is computed: its position in its compute block's walk
+  int64_t step;          // when the tile is computed: its position in its compute block's walk
 };
 
 struct CallJob {
@@ -61,8 +61,8 @@ struct CallJob {
   uint32_t epoch = 0;
   int64_t bank = 0;
   TilePlan plan{};
-  RowChunks chunks{};             // one chunk except for the sequence-parallel ops
-  int64_t own_run = 1;            // ownership run (gemm_ar/ownership.hpp): 1 = round-robin
+  RowChunks chunks{};   // one chunk except for the sequence-parallel ops
+  int64_t own_run = 1;  // ownership run (gemm_ar/ownership.hpp): 1 = round-robin
   // allgather_gemm: the gathered a ([M, K], this call's dtype), its element size, and per tile row whether its rows
   // are there (set with release order by the comm block that copied them); peers' rows still to copy.
   uint8_t* gathered = nullptr;
@@ -113,7 +113,7 @@ struct CallJob {
   // Where the output slots start in every window, their size and how many there are (0: the windows have none).
   int64_t output_slots_offset = 0, output_slot_bytes = 0, output_slots = 0;
   std::vector<std::vector<WorkItem>> items;  // per comm block
-  RowEpilogue row_epilogue;                   // common/row_epilogue.h; may be empty
+  RowEpilogue row_epilogue;                  // common/row_epilogue.h; may be empty
   // Per row block (tile row * stripes + stripe): its subtiles final on this rank; sized by plan_work.
   std::unique_ptr<std::atomic<int64_t>[]> row_block_done;
 
@@ -142,15 +142,15 @@ void run_compute_blocks(CallJob& job, const std::function<bool()>& progress);
 // and into the gathered a, and tells the peers (release order per tile row).
 void publish_shard(CallJob& job, const at::Tensor& a2d);
 // The per-op parts of plan_work and run_compute_blocks.
-void plan_gather_work(CallJob& job);                                                // allgather_call.cpp
+void plan_gather_work(CallJob& job);                                               // allgather_call.cpp
 void run_gather_compute(CallJob& job, const std::function<bool()>& progress);      // allgather_call.cpp
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress);  // owner_last_compute.cpp
 // The most a rank may read from its peers' windows in a one-shot call: (world - 1) x M x N partial elements.
 constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
-void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);    // one_shot_compute.cpp
-int64_t one_shot_call_count();  // calls this process reduced in one shot (tests: the path is really taken)
+void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);  // one_shot_compute.cpp
+int64_t one_shot_call_count();     // calls this process reduced in one shot (tests: the path is really taken)
 int64_t one_product_call_count();  // calls this process multiplied in one GEMM call (CallJob::one_product; tests)
-void count_one_product_call();    // one more such call (allgather_gemm's one product counts too)
+void count_one_product_call();     // one more such call (allgather_gemm's one product counts too)
 // CallJob::one_product: this rank's whole partial in one GEMM call into `partial` (rows pad_n apart, tile row mi at
 // padded row mi * base_m: one row chunk), counted in one_product_call_count. The owner-last walk (into the partial
 // region) and one shot (into the bank) both take it.

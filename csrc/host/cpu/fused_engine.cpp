@@ -85,17 +85,17 @@ FusedEngine::FusedEngine(c10d::ProcessGroup& group)
   // TORCH_GEMM_AR_CPU_ENGINE=0 on any rank turns the engine off for the whole group (as if the ranks were on
   // several hosts: `auto` then picks a portable algorithm), so it rides on the exchange every rank makes anyway.
   const bool enabled = env_int(Setting::kCpuEngine, 1, 0, 1) != 0;
-  auto values = exchange_over_store(*store, "gemm_ar/hosts", rank_, world_,
-                                    me + "|" + (enabled ? "1" : "0") + "|" + std::to_string(getpid()), wait_timeout(),
-                                    nullptr);
+  auto values =
+      exchange_over_store(*store, "gemm_ar/hosts", rank_, world_,
+                          me + "|" + (enabled ? "1" : "0") + "|" + std::to_string(getpid()), wait_timeout(), nullptr);
   std::vector<pid_t> pids(world_);
   for (int r = 0; r < world_; ++r) {
     const auto bar = values[r].rfind('|');
     pids[r] = static_cast<pid_t>(std::stol(values[r].substr(bar + 1)));
     values[r].resize(bar);
     if (values[r].back() == '0' && unavailable_.empty()) {
-      unavailable_ = "the CPU fused engine is turned off by TORCH_GEMM_AR_CPU_ENGINE=0 (on rank " + std::to_string(r) +
-                     ")";
+      unavailable_ =
+          "the CPU fused engine is turned off by TORCH_GEMM_AR_CPU_ENGINE=0 (on rank " + std::to_string(r) + ")";
     }
     values[r].resize(values[r].size() - 2);  // drop "|1" / "|0": the host identity remains
     if (values[r] != me && unavailable_.empty()) {
@@ -106,7 +106,8 @@ FusedEngine::FusedEngine(c10d::ProcessGroup& group)
   if (!unavailable_.empty()) return;
   windows_ = std::make_unique<WindowSet>(std::move(store), rank_, world_, std::move(pids));
   // Only the control area until the first fused call says how much it needs.
-  windows_->resize(kControlBytes, /*round=*/0, wait_timeout(), [this] { windows_->check_peers_alive("while setting up windows"); });
+  windows_->resize(kControlBytes, /*round=*/0, wait_timeout(),
+                   [this] { windows_->check_peers_alive("while setting up windows"); });
 }
 
 std::string FusedEngine::unavailable_reason() const {
@@ -221,12 +222,12 @@ void FusedEngine::grow(const LayoutParams& need, int64_t slot_bytes) {
   // (engine_mode_bits): every rank derives the same sizes. They stay with these windows.
   const int64_t slots_offset = slots_offset_of(regions);
   const int slot_count = shared_output_slots();
-  const int64_t next_slot_bytes =
-      slot_count == 0 ? 0
-      : slot_bytes > slot_bytes_ ? align_up(std::max(slot_bytes, 2 * slot_bytes_), kSlotAlignment)
-                                 : slot_bytes_;
-  const size_t bytes = static_cast<size_t>(
-      next_slot_bytes > 0 ? slots_offset + slot_count * next_slot_bytes : kControlBytes + regions.total_bytes);
+  const int64_t next_slot_bytes = slot_count == 0 ? 0
+                                  : slot_bytes > slot_bytes_
+                                      ? align_up(std::max(slot_bytes, 2 * slot_bytes_), kSlotAlignment)
+                                      : slot_bytes_;
+  const size_t bytes = static_cast<size_t>(next_slot_bytes > 0 ? slots_offset + slot_count * next_slot_bytes
+                                                               : kControlBytes + regions.total_bytes);
   const size_t rounded = (bytes + kGrowthQuantum - 1) / kGrowthQuantum * kGrowthQuantum;
   // Every rank has agreed on this call before growing (run() checked the headers), so all of them grow; while
   // waiting, a peer that died or gave up ends the wait at once.
@@ -314,8 +315,8 @@ int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const Local
   job.op = call.op == kOpGemmAllreduceAddRmsnorm ? kOpGemmAllreduce : call.op;
   job.epoch = epoch_;
   job.bank = call_bank(epoch_);
-  TORCH_CHECK(make_row_chunked_plan(&job.plan, &job.chunks, chunks.count, chunks.rows, call.n, call.k,
-                                    config_.base_m, config_.base_n, 1, 1, config_.sub_m),
+  TORCH_CHECK(make_row_chunked_plan(&job.plan, &job.chunks, chunks.count, chunks.rows, call.n, call.k, config_.base_m,
+                                    config_.base_n, 1, 1, config_.sub_m),
               call.op_name, ": invalid tile plan for M=", call.m, " N=", call.n, " K=", call.k);
   // gemm_reduce_scatter: every row chunk's tiles go to the chunk's rank.
   job.own_run = job.op == kOpGemmReduceScatter ? chunk_ownership_run(job.plan, job.chunks) : 1;
@@ -431,17 +432,18 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowEpilogue& row_epilogu
   // The data flow (cpu/call_plan.h): the same on every rank, except where this rank's output goes (a free slot or
   // not), which only this rank's peers need to know.
   auto choose_flow = [&](CallJob& j) -> int64_t {
-    const CallPlan flow = plan_call(plan_inputs(j.op, call.m, call.k, call.n, world_, j.chunks.count, j.partial_dtype,
-                                                call.dtype, j.plan, config_, static_cast<bool>(row_epilogue),
-                                                add_into.defined()));
+    const CallPlan flow =
+        plan_call(plan_inputs(j.op, call.m, call.k, call.n, world_, j.chunks.count, j.partial_dtype, call.dtype, j.plan,
+                              config_, static_cast<bool>(row_epilogue), add_into.defined()));
     j.owner_reduces_in_compute = flow.owner_reduces_in_compute();
     j.gathered_inputs = flow.flow == DataFlow::kGatheredInputs;
     j.one_shot = flow.flow == DataFlow::kOneShot;
     j.one_product = flow.one_product;
     return flow.slot_output_bytes;
   };
-  const bool wants_slot = prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false)
-                                                               : RowChunks{1, call.m, 0}, {}, choose_flow) > 0;
+  const bool wants_slot =
+      prepare_job(job, call, gemm, scatter ? sequence_chunks(call, world_, false) : RowChunks{1, call.m, 0}, {},
+                  choose_flow) > 0;
   std::vector<int64_t> out_shape = call.out_shape;
   if (scatter) out_shape[call.shard_dim] /= world_;
   at::Tensor out;

@@ -38,8 +38,8 @@ std::atomic<int64_t> one_shot_calls{0};
 int64_t one_shot_call_count() { return one_shot_calls.load(std::memory_order_relaxed); }
 
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
-  TORCH_CHECK(job.compute_blocks == 1 && job.op == kOpGemmAllreduce,
-              current_op(), ": internal: the one-shot reduction is for one compute block of gemm_allreduce");
+  TORCH_CHECK(job.compute_blocks == 1 && job.op == kOpGemmAllreduce, current_op(),
+              ": internal: the one-shot reduction is for one compute block of gemm_allreduce");
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
   uint32_t* count = window_word(job.region(job.rank, queue_count_offset(w, 0)));
@@ -81,8 +81,7 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
                  [&] {
                    return late_ranks(job.world, job.rank,
                                      [&](int r) { return !started_call(job.windows[r], job.epoch); }) +
-                          " did not arrive at call " +
-                          std::to_string(job.epoch) + wait_bound(job);
+                          " did not arrive at call " + std::to_string(job.epoch) + wait_bound(job);
                  },
                  doorbell(job.windows[job.rank], 0), job.timeout, &job.abort);
     for (int64_t i = 0; i < p.tiles; ++i) {
@@ -108,13 +107,11 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
               if (r != job.rank && !published(r, t)) return false;
             return true;
           },
-          [&] { return progress ? progress() : false; },
-          [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
+          [&] { return progress ? progress() : false; }, [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
           [&] {
             return late_ranks(job.world, job.rank, [&](int r) { return !published(r, t); }) +
-                   " did not deliver their partial of tile " +
-                   std::to_string(t) + " of call " + std::to_string(job.epoch) + " (one-shot reduction)" +
-                   wait_bound(job);
+                   " did not deliver their partial of tile " + std::to_string(t) + " of call " +
+                   std::to_string(job.epoch) + " (one-shot reduction)" + wait_bound(job);
           },
           doorbell(job.windows[job.rank], 0), job.timeout, &job.abort);
       // Stripe by stripe, as the two-phase way reduces: a row epilogue (add+RMSNorm) runs on a stripe's rows once

@@ -34,8 +34,8 @@ class OutputPool final : public c10::Allocator {
     Block* block = take(bytes);
     if (block == nullptr) {
       void* data = nullptr;
-      TORCH_CHECK(posix_memalign(&data, kAlignment, bytes) == 0, current_op(), ": out of memory allocating ",
-                  bytes, " bytes for the output");
+      TORCH_CHECK(posix_memalign(&data, kAlignment, bytes) == 0, current_op(), ": out of memory allocating ", bytes,
+                  " bytes for the output");
       block = new Block{data, bytes};
     }
     return c10::DataPtr(block->data, block, &release, c10::Device(c10::kCPU));

@@ -2,8 +2,8 @@
 // (CallJob::owner_reduces_in_compute). The comm blocks' way (every rank writes all its partials into its window, the
 // owner reads them all back) costs the owner a write and a read of its own partial through memory; here the owner's
 // own partial tile goes into a scratch (in cache for the usual 256-row tiles) and is reduced at once with the peers'
-// partials (into the output, and for gemm_allreduce into the bank the peers copy from). The peers' tiles come first (they
-// wait for them), the own tiles last: by then every peer has multiplied its part of them, so the waits below are
+// partials (into the output, and for gemm_allreduce into the bank the peers copy from). The peers' tiles come first
+// (they wait for them), the own tiles last: by then every peer has multiplied its part of them, so the waits below are
 // short and cannot form a cycle (no rank waits before it has published every tile the others need). The
 // reduction's rank order, and so every bit of the result, is that of the comm blocks' (reduce_rows).
 // With CallJob::one_product the whole partial comes from one GEMM call into the window first (products that reorder
@@ -56,8 +56,8 @@ void multiply_whole_partial(const CallJob& job, uint8_t* partial) {
 
 void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress) {
   const bool scatter = job.op == kOpGemmReduceScatter;
-  TORCH_CHECK(job.compute_blocks == 1 && (scatter || job.op == kOpGemmAllreduce),
-              current_op(), ": internal: the owner-last walk is for one compute block of gemm_allreduce or "
+  TORCH_CHECK(job.compute_blocks == 1 && (scatter || job.op == kOpGemmAllreduce), current_op(),
+              ": internal: the owner-last walk is for one compute block of gemm_allreduce or "
               "gemm_reduce_scatter");
   const TilePlan& p = job.plan;
   const WindowLayout& w = job.layout;
@@ -112,8 +112,8 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
                 if (r != job.rank && !tile_ready(job, r, t)) return false;
               return true;
             },
-            [&] { return progress ? progress() : false; }, [&] { watch_peers(job, "call " + std::to_string(job.epoch)); },
-            [&] { return undelivered_tile(job, t); },
+            [&] { return progress ? progress() : false; },
+            [&] { watch_peers(job, "call " + std::to_string(job.epoch)); }, [&] { return undelivered_tile(job, t); },
             doorbell(job.windows[job.rank], ag_block_of(first_local, job.comm_blocks)), job.timeout, &job.abort);
         // This rank's output holds only its own chunks when scattering; no peer copies a reduce-scatter's result.
         const int64_t out_row0 = scatter ? chunked_owner_row0(p, job.chunks, mi, job.world) : row0;
@@ -130,22 +130,23 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
             // output itself (in a window slot).
             if (!job.out_in_slot) {
               copy_rows(job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem, p.n * job.out_elem,
-                        job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n,
-                                                                  job.out_elem)),
+                        job.region(job.rank,
+                                   reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n, job.out_elem)),
                         p.pad_n * job.out_elem, stripe_rows, cols * job.out_elem);
             }
           } else if (stripe_rows > 0) {
             for (int r = 0; r < job.world; ++r) {
-              sources[r] = r == job.rank && !job.one_product ? static_cast<const uint8_t*>(scratch.data_ptr()) +
-                                               s * p.sub_m * p.pad_n * job.partial_elem
-                                         : job.region(r, partial_entry_offset(w, padded_row, col0, p.pad_n,
-                                                                              job.partial_elem));
+              sources[r] =
+                  r == job.rank && !job.one_product
+                      ? static_cast<const uint8_t*>(scratch.data_ptr()) + s * p.sub_m * p.pad_n * job.partial_elem
+                      : job.region(r, partial_entry_offset(w, padded_row, col0, p.pad_n, job.partial_elem));
             }
             uint8_t* out = job.out + ((out_row0 + s * p.sub_m) * p.n + col0) * job.out_elem;
             // No bank where no peer copies from it: a reduce-scatter's result, an output in a window slot.
-            uint8_t* bank = scatter || job.out_in_slot ? nullptr
-                                    : job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0,
-                                                                                p.pad_n, job.out_elem));
+            uint8_t* bank =
+                scatter || job.out_in_slot
+                    ? nullptr
+                    : job.region(job.rank, reduced_entry_offset(w, job.bank, padded_row, col0, p.pad_n, job.out_elem));
             reduce_rows(ReduceRows{sources.data(), job.world, p.pad_n, job.partial_dtype, bank, p.pad_n, out, p.n,
                                    job.out_dtype, stripe_rows, cols, job.out_holds_addend});
           }

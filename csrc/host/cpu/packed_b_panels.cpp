@@ -77,7 +77,8 @@ PackedBPanels::PackedBPanels(const at::Tensor& b, int64_t panel_cols, int64_t ti
   for (int64_t p = 0; p < panels; ++p) {
     offsets_.push_back(total);
     const int64_t cols = std::min(panel_cols, n_ - p * panel_cols);
-    const size_t bytes = api.get_size(kBMatrix, static_cast<int>(tile_rows), static_cast<int>(cols), static_cast<int>(k_));
+    const size_t bytes =
+        api.get_size(kBMatrix, static_cast<int>(tile_rows), static_cast<int>(cols), static_cast<int>(k_));
     if (bytes == 0) return;
     total += ceil_div(static_cast<int64_t>(bytes), 64) * 64;  // each panel 64-byte aligned
   }
@@ -113,9 +114,8 @@ bool PackedBPanels::multiply(const at::Tensor& a_rows, int64_t col0, int64_t col
   // Row-major operands as BLAS takes them: lda >= k and ldc >= cols (an expanded or single-row view of a may have
   // any row stride, which at::mm copes with and the packed GEMM would refuse without writing out).
   if (rows > tile_rows_ || a_rows.scalar_type() != at::kFloat || a_rows.size(1) != k_ || a_rows.stride(1) != 1 ||
-      a_rows.stride(0) < k_ || !fits_int(a_rows.stride(0)) || out.scalar_type() != at::kFloat ||
-      out.stride(1) != 1 || out.stride(0) < cols || !fits_int(out.stride(0)) || out.size(0) != rows ||
-      out.size(1) != cols) {
+      a_rows.stride(0) < k_ || !fits_int(a_rows.stride(0)) || out.scalar_type() != at::kFloat || out.stride(1) != 1 ||
+      out.stride(0) < cols || !fits_int(out.stride(0)) || out.size(0) != rows || out.size(1) != cols) {
     return false;
   }
   if (rows == 0) return true;

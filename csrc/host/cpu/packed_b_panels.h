@@ -26,8 +26,7 @@ class PackedBPanels final : public ColumnPanelGemm {
 
   // out (fp32, unit column stride) = a_rows @ b[:, col0 : col0 + cols] (+ out when `accumulate`); false (nothing
   // written) when a_rows or out do not suit the packed GEMM. Packs the panel on its first use; thread-safe.
-  bool multiply(const at::Tensor& a_rows, int64_t col0, int64_t cols, at::Tensor& out,
-                bool accumulate) const override;
+  bool multiply(const at::Tensor& a_rows, int64_t col0, int64_t cols, at::Tensor& out, bool accumulate) const override;
 
  private:
   void pack(int64_t panel) const;
@@ -36,8 +35,8 @@ class PackedBPanels final : public ColumnPanelGemm {
   bool usable_ = false;
   at::Tensor b_;
   int64_t k_ = 0, n_ = 0, panel_cols_ = 0, tile_rows_ = 0;
-  bool transposed_ = false;  // b is a transposed row-major [N, K]
-  at::Tensor storage_;       // every panel's packed form, from the output pool (no page faults per call)
+  bool transposed_ = false;       // b is a transposed row-major [N, K]
+  at::Tensor storage_;            // every panel's packed form, from the output pool (no page faults per call)
   std::vector<int64_t> offsets_;  // bytes into storage_ per panel
   std::unique_ptr<std::once_flag[]> packed_;
 };

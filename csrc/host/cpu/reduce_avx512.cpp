@@ -23,8 +23,8 @@ bool set_avx512_reduce(bool on) { return avx512_reduce_on().exchange(on); }
 #ifdef GEMM_AR_HAS_AVX512_REDUCE
 
 bool cpu_has_avx512_reduce() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
+  static const bool has =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
   return has;
 }
 

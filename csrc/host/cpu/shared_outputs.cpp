@@ -111,8 +111,7 @@ void wait_for_peer_copies(const CallJob& job) {
       no_progress, [&] { watch_peers(job, call_name); },
       [&] {
         return late_ranks(job.world, job.rank, [&](int r) { return !copied(r); }) +
-               " did not copy this rank's output rows of " +
-               call_name + wait_bound(job);
+               " did not copy this rank's output rows of " + call_name + wait_bound(job);
       },
       doorbell(job.windows[job.rank], kMainDoorbell), job.timeout, nullptr);
 }

@@ -73,8 +73,7 @@ SharedSegment SharedSegment::create(size_t bytes, const std::string& name_hint) 
 
 SharedSegment SharedSegment::open(const std::string& name, size_t bytes) {
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, current_op(), ": cannot open a peer's shared-memory window ", name, ": ",
-              std::strerror(errno));
+  TORCH_CHECK(fd >= 0, current_op(), ": cannot open a peer's shared-memory window ", name, ": ", std::strerror(errno));
   struct stat info {};
   if (fstat(fd, &info) != 0 || static_cast<size_t>(info.st_size) < bytes) {
     close(fd);

@@ -51,7 +51,8 @@ GEMM_AR_INLINE void reduce_typed(const ReduceRows& job) {
 }
 
 template <typename T, typename Acc>
-GEMM_AR_INLINE void add_typed(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t rows, int64_t cols) {
+GEMM_AR_INLINE void add_typed(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t rows,
+                              int64_t cols) {
   using Cast = FastCasts<T, Acc>;
   for (int64_t i = 0; i < rows; ++i) {
     const T* s = src + i * src_stride;
@@ -62,12 +63,12 @@ GEMM_AR_INLINE void add_typed(const T* src, int64_t src_stride, T* dst, int64_t 
 
 // The hot instantiations, compiled for each instruction set (element_casts.h).
 GEMM_AR_VECTOR_CLONES void reduce_f32(const ReduceRows& job) { reduce_typed<float, float, float>(job); }
-GEMM_AR_VECTOR_CLONES void reduce_f32_to_bf16(const ReduceRows& job) {
-  reduce_typed<float, float, c10::BFloat16>(job);
+GEMM_AR_VECTOR_CLONES void reduce_f32_to_bf16(const ReduceRows& job) { reduce_typed<float, float, c10::BFloat16>(job); }
+GEMM_AR_VECTOR_CLONES void reduce_bf16(const ReduceRows& job) {
+  reduce_typed<c10::BFloat16, float, c10::BFloat16>(job);
 }
-GEMM_AR_VECTOR_CLONES void reduce_bf16(const ReduceRows& job) { reduce_typed<c10::BFloat16, float, c10::BFloat16>(job); }
-GEMM_AR_VECTOR_CLONES void add_f32(const float* src, int64_t src_stride, float* dst, int64_t dst_stride,
-                                   int64_t rows, int64_t cols) {
+GEMM_AR_VECTOR_CLONES void add_f32(const float* src, int64_t src_stride, float* dst, int64_t dst_stride, int64_t rows,
+                                   int64_t cols) {
   add_typed<float, float>(src, src_stride, dst, dst_stride, rows, cols);
 }
 GEMM_AR_VECTOR_CLONES void add_bf16(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst,
@@ -90,23 +91,22 @@ void reduce_rows(const ReduceRows& job) {
   TORCH_CHECK(false, current_op(), ": no CPU reduction from ", in, " partials to ", out);
 }
 
-void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows,
-                   int64_t cols, at::ScalarType dtype) {
+void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows, int64_t cols,
+                   at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat:
       return add_f32(reinterpret_cast<const float*>(src), src_stride, reinterpret_cast<float*>(dst), dst_stride, rows,
                      cols);
     case at::kDouble:
-      return add_typed<double, double>(reinterpret_cast<const double*>(src), src_stride,
-                                       reinterpret_cast<double*>(dst), dst_stride, rows, cols);
+      return add_typed<double, double>(reinterpret_cast<const double*>(src), src_stride, reinterpret_cast<double*>(dst),
+                                       dst_stride, rows, cols);
     case at::kBFloat16:
       return add_bf16(reinterpret_cast<const c10::BFloat16*>(src), src_stride, reinterpret_cast<c10::BFloat16*>(dst),
                       dst_stride, rows, cols);
     case at::kHalf:
       return add_typed<c10::Half, float>(reinterpret_cast<const c10::Half*>(src), src_stride,
                                          reinterpret_cast<c10::Half*>(dst), dst_stride, rows, cols);
-    default:
-      TORCH_CHECK(false, "gemm_allreduce_add_rmsnorm_: no CPU residual add for ", dtype);
+    default: TORCH_CHECK(false, "gemm_allreduce_add_rmsnorm_: no CPU residual add for ", dtype);
   }
 }
 

@@ -10,11 +10,11 @@ namespace gemm_ar::cpu {
 struct ReduceRows {
   const uint8_t* const* sources;  // world pointers to the first element of each rank's partial rows
   int world;
-  int64_t source_stride;          // elements between rows of a partial
-  at::ScalarType partial_dtype;   // the dtype of the partial products (the sum is accumulated in float or double)
-  uint8_t* bank;                  // the owner's reduced rows (window; peers copy from it); nullptr: none
+  int64_t source_stride;         // elements between rows of a partial
+  at::ScalarType partial_dtype;  // the dtype of the partial products (the sum is accumulated in float or double)
+  uint8_t* bank;                 // the owner's reduced rows (window; peers copy from it); nullptr: none
   int64_t bank_stride;
-  uint8_t* out;                   // the owner's own output rows
+  uint8_t* out;  // the owner's own output rows
   int64_t out_stride;
   at::ScalarType out_dtype;
   int64_t rows, cols;
@@ -28,8 +28,8 @@ void reduce_rows(const ReduceRows& job);
 
 // dst = round(src + dst) elementwise, `rows` rows of `cols` elements of `dtype`, strides in elements: a finished
 // subtile of another owner added to this rank's residual (in-place add+RMSNorm).
-void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows,
-                   int64_t cols, at::ScalarType dtype);
+void add_rows_into(const uint8_t* src, int64_t src_stride, uint8_t* dst, int64_t dst_stride, int64_t rows, int64_t cols,
+                   at::ScalarType dtype);
 
 // Copies `rows` rows of `row_bytes` bytes between strided buffers.
 void copy_rows(const uint8_t* src, int64_t src_stride_bytes, uint8_t* dst, int64_t dst_stride_bytes, int64_t rows,

@@ -17,9 +17,10 @@ std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_npu(
     c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
   // Custom ops get no device guard from the dispatcher; every launch below must target a's device.
   c10::DeviceGuard device_guard(a.device());
-  return run_gemm_allreduce_add_rmsnorm_on_device(
-      a, b, residual, norm_weight, std::string_view(group_name.data(), group_name.size()), eps, bias,
-      std::string_view(algorithm.data(), algorithm.size()), npu_backend(), &run_fused_add_rmsnorm);
+  return run_gemm_allreduce_add_rmsnorm_on_device(a, b, residual, norm_weight,
+                                                  std::string_view(group_name.data(), group_name.size()), eps, bias,
+                                                  std::string_view(algorithm.data(), algorithm.size()), npu_backend(),
+                                                  &run_fused_add_rmsnorm);
 }
 
 }  // namespace

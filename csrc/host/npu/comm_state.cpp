@@ -28,7 +28,6 @@ namespace {
 
 namespace layout = hccl_layout;
 
-
 // How far one rank's setup got. The code travels to the other ranks so that every rank reaches the same decision
 // and can say who failed where.
 enum SetupStage : int64_t {
@@ -149,8 +148,9 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     // (docs/ascend.md, "Co-residency").
     const char* expansion = std::getenv("HCCL_OP_EXPANSION_MODE");
     if (expansion != nullptr && std::string(expansion) == "AIV") {
-      throw SetupError(kStageAivExpansion, "HCCL_OP_EXPANSION_MODE=AIV is set: unset it (or use another mode) on "
-                                           "every rank to run `fused`");
+      throw SetupError(kStageAivExpansion,
+                       "HCCL_OP_EXPANSION_MODE=AIV is set: unset it (or use another mode) on "
+                       "every rank to run `fused`");
     }
     // torch_npu only uses the rank argument to check that rank % device_count is the current device; passing the
     // device index itself satisfies that check for every rank layout.
@@ -296,7 +296,7 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
   if (failures.tellp()) {
     state.unavailable = "HCCL one-sided window setup failed (" + failures.str() + ")" +
                         (local.error.empty() ? std::string() : "; on this rank: " + local.error);
-    state.unavailable_kind = only_symbols ? FusedBlocker::kSymbols
+    state.unavailable_kind = only_symbols   ? FusedBlocker::kSymbols
                              : any_topology ? FusedBlocker::kTopology
                                             : FusedBlocker::kSetup;
     return;
@@ -308,10 +308,10 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
   state.epoch_device = at::full({1}, static_cast<int64_t>(static_cast<uint32_t>(rows[0][kFieldEpoch])),
                                 at::TensorOptions().dtype(at::kLong).device(state.device));
   state.aicore_timeout_ms = aicore_timeout_ms();
-  state.error_device = at::zeros({static_cast<int64_t>(sizeof(ErrorRecord))},
-                                 at::TensorOptions().dtype(at::kByte).device(state.device));
-  state.error_host = at::empty({static_cast<int64_t>(sizeof(ErrorRecord))},
-                               at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  state.error_device =
+      at::zeros({static_cast<int64_t>(sizeof(ErrorRecord))}, at::TensorOptions().dtype(at::kByte).device(state.device));
+  state.error_host =
+      at::empty({static_cast<int64_t>(sizeof(ErrorRecord))}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memset(state.error_host.data_ptr(), 0, sizeof(ErrorRecord));
 }
 
@@ -364,8 +364,8 @@ CommState& comm_state(c10d::ProcessGroup& group, const at::Device& device) {
   // process group to one device per rank).
   for (const auto& [other_key, other] : *registry) {
     TORCH_CHECK_VALUE(other->group_name != group.getGroupName(), current_op(), ": group '", group.getGroupName(),
-                      "' runs its fused calls on ", other->device.str(), " on this rank; got tensors on ",
-                      device.str(), " (use one device per rank and group, as HCCL does)");
+                      "' runs its fused calls on ", other->device.str(), " on this rank; got tensors on ", device.str(),
+                      " (use one device per rank and group, as HCCL does)");
   }
   auto state = std::make_unique<CommState>();
   state->group_name = group.getGroupName();

@@ -47,13 +47,13 @@ struct CommState {
   FusedBlocker unavailable_kind = FusedBlocker::kNone;
 
   HcclComm comm = nullptr;
-  bool mesh = false;              // L0 topology is a full mesh (A2); otherwise the RING (A3) context was assembled
-  uint64_t comm_ctx_device = 0;   // device address of the CommContext the kernels read
-  CommContext host_ctx{};         // host copy of it
-  at::Tensor assembled_ctx;       // RING: device memory holding the assembled CommContext
-  uint64_t window_bytes = 0;      // smallest window of the group
-  int32_t compute_blocks = 0;     // agreed over the group (cube cores)
-  int32_t comm_blocks = 0;        // agreed over the group (vector cores)
+  bool mesh = false;             // L0 topology is a full mesh (A2); otherwise the RING (A3) context was assembled
+  uint64_t comm_ctx_device = 0;  // device address of the CommContext the kernels read
+  CommContext host_ctx{};        // host copy of it
+  at::Tensor assembled_ctx;      // RING: device memory holding the assembled CommContext
+  uint64_t window_bytes = 0;     // smallest window of the group
+  int32_t compute_blocks = 0;    // agreed over the group (cube cores)
+  int32_t comm_blocks = 0;       // agreed over the group (vector cores)
 
   int64_t aicore_timeout_ms = 0;  // the runtime's AI Core op-execute timeout (common/kernel_timeout.h)
   // The comm kernels' stream, this group's own: a pool stream may be the caller's (allgather_gemm's compute kernel
@@ -68,14 +68,14 @@ struct CommState {
   // Set after the first fused call was agreed over the process group: from then on fused calls agree through the
   // window only (the comm kernel compares the ranks' signatures), with no host synchronisation.
   bool agreed = false;
-  at::Tensor epoch_device;        // int64 [1]: the epoch the kernels use (KernelArgs::epoch_counter), +1 on the
-                                  // caller's stream after every call, so graph replays get new epochs too
-  at::Tensor error_device;        // ErrorRecord the kernels write (plain device memory, zeroed once)
-  at::Tensor error_host;          // pinned copy, refreshed asynchronously after every call
+  at::Tensor epoch_device;  // int64 [1]: the epoch the kernels use (KernelArgs::epoch_counter), +1 on the
+                            // caller's stream after every call, so graph replays get new epochs too
+  at::Tensor error_device;  // ErrorRecord the kernels write (plain device memory, zeroed once)
+  at::Tensor error_host;    // pinned copy, refreshed asynchronously after every call
   std::shared_ptr<c10_npu::NPUEvent> error_copied;  // recorded after the refresh
   // Where the group's previous fused call ended, on whatever stream: the next one waits for it (fused_call_sequence.h).
   GroupOrder<std::shared_ptr<c10_npu::NPUEvent>> order;
-  std::vector<at::Tensor> captured_args;            // pinned KernelArgs copies graph replays read again
+  std::vector<at::Tensor> captured_args;  // pinned KernelArgs copies graph replays read again
 };
 
 // The state of `group`'s HCCL communicator on `device`, set up on first use. Collective over `group`: every rank

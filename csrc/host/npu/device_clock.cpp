@@ -41,8 +41,6 @@ class NpuEventClock final : public DeviceClock {
 
 std::unique_ptr<DeviceClock> start_npu_clock() { return std::make_unique<NpuEventClock>(); }
 
-bool npu_stream_capturing() {
-  return c10_npu::currentStreamCaptureStatusMayInitCtx() != c10_npu::CaptureStatus::None;
-}
+bool npu_stream_capturing() { return c10_npu::currentStreamCaptureStatusMayInitCtx() != c10_npu::CaptureStatus::None; }
 
 }  // namespace gemm_ar::npu

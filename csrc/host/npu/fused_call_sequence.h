@@ -5,8 +5,9 @@
 // Two rules live here (docs/ascend.md, "Ordering of fused calls" and "Errors"):
 //  - Per-group order: a call's kernels start only after the previous fused call of the same group finished on the
 //    device, whatever stream or thread queued it. The kernels read the group's device epoch counter when they start
-//    and the previous call adds 1 to it when it ends; two calls of one group running at once would share an epoch (and so
-//    the tag every flag carries), so each call's flags would satisfy the other's waits (silent corruption, or a cross-rank deadlock).
+//    and the previous call adds 1 to it when it ends; two calls of one group running at once would share an epoch (and
+//    so the tag every flag carries), so each call's flags would satisfy the other's waits (silent corruption, or a
+//    cross-rank deadlock).
 //  - A failure never shifts a rank's epochs: every call is queued (kernels and the counter increment) before an
 //    earlier call's failure is raised, so every rank counts every call, whenever its copy of the error record
 //    landed, and the next call on the group works.
@@ -46,8 +47,8 @@ std::string queue_fused_call(Runtime& rt, GroupOrder<typename Runtime::Event>& o
 #if defined(GEMM_AR_TEST_CONTROL_RAISE_BEFORE_LAUNCH)
   if (!earlier.empty()) return earlier;  // test builds only: the rank that saw its copy skips the call
 #endif
-  // An event recorded outside a capture cannot be waited for inside it (nor the reverse): a capture starts after the
-  // device was synchronised, and a replay is ordered by the stream it is replayed on (docs/ascend.md).
+    // An event recorded outside a capture cannot be waited for inside it (nor the reverse): a capture starts after the
+    // device was synchronised, and a replay is ordered by the stream it is replayed on (docs/ascend.md).
 #if !defined(GEMM_AR_TEST_CONTROL_NO_GROUP_ORDER)
   if (order.last_join && order.captured == capturing) rt.stream_waits_for(caller, order.last_join);
 #endif

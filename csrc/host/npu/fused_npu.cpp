@@ -108,8 +108,7 @@ bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   return plan_sp_kernel_args(args, sp_op, m_sub, call.n, call.k);
 }
 
-std::string window_too_small(const CallArgs& call, const CommState& state, const KernelArgs& args,
-                             uint64_t needed) {
+std::string window_too_small(const CallArgs& call, const CommState& state, const KernelArgs& args, uint64_t needed) {
   const int64_t needed_mib = (static_cast<int64_t>(needed) + kMiB - 1) / kMiB;
   std::ostringstream os;
   os << "the HCCL window of group '" << state.group_name << "' holds " << state.window_bytes / kMiB
@@ -123,8 +122,8 @@ std::string window_too_small(const CallArgs& call, const CommState& state, const
 
 // Queues a raw kernel launch on the task queue of `stream`, which must be the current stream (RunOpApi enqueues on
 // the current one); the launch itself runs later, in order with every other operation queued on that stream.
-void enqueue_launch(const c10_npu::NPUStream& stream, const char* name,
-                    void (*launch)(uint32_t, void*, void*), uint32_t blocks, void* args_device) {
+void enqueue_launch(const c10_npu::NPUStream& stream, const char* name, void (*launch)(uint32_t, void*, void*),
+                    uint32_t blocks, void* args_device) {
   TORCH_INTERNAL_ASSERT(c10_npu::getCurrentNPUStream(stream.device_index()) == stream);
   aclrtStream raw = stream.stream(false);
   at_npu::native::OpCommand::RunOpApi(name, [=]() -> int {
@@ -139,9 +138,7 @@ void keep_alive_on(const c10_npu::NPUStream& stream, std::initializer_list<at::T
 
 // Nothing the per-call path does may wait for the device or copy from it synchronously: a stream being captured
 // into an NPU graph must see only launches and asynchronous copies.
-bool capturing() {
-  return c10_npu::currentStreamCaptureStatusMayInitCtx() != c10_npu::CaptureStatus::None;
-}
+bool capturing() { return c10_npu::currentStreamCaptureStatusMayInitCtx() != c10_npu::CaptureStatus::None; }
 
 // The signature the kernels compare: the host's CallSignature plus the fused configuration (block counts and
 // tiles), so that ranks built or configured differently stop instead of mixing layouts.
@@ -177,7 +174,8 @@ void fill_call_header(KernelArgs* args, const CommState& state, uint32_t epoch, 
       TORCH_WARN("gemm_allreduce (fused, NPU): TORCH_GEMM_AR_TIMEOUT_S=", wait_timeout().count() / 1000,
                  " s is above the AI Core kernel execution timeout of ", state.aicore_timeout_ms / 1000,
                  " s (aclrtGetOpExecuteTimeout), after which the runtime kills the kernels and their error record "
-                 "is lost; the kernels wait at most ", bound.wait_ms / 1000, " s instead");
+                 "is lost; the kernels wait at most ",
+                 bound.wait_ms / 1000, " s instead");
     });
   }
   args->wait_timeout_us = static_cast<uint32_t>(std::min<int64_t>(bound.wait_ms * 1000, UINT32_MAX));
@@ -188,12 +186,12 @@ void fill_call_header(KernelArgs* args, const CommState& state, uint32_t epoch, 
 // upload asynchronous. A captured graph replays the copy from the same host address, so while capturing the
 // staging buffer is kept for good instead of going back to the pool (a few hundred bytes per captured call).
 at::Tensor upload_args(const KernelArgs& args, const at::Device& device, CommState& state) {
-  auto args_host = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
-                             at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  auto args_host =
+      at::empty({static_cast<int64_t>(sizeof(KernelArgs))}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(args_host.data_ptr(), &args, sizeof(args));
   if (capturing()) state.captured_args.push_back(args_host);
-  auto args_device = at::empty({static_cast<int64_t>(sizeof(KernelArgs))},
-                               at::TensorOptions().dtype(at::kByte).device(device));
+  auto args_device =
+      at::empty({static_cast<int64_t>(sizeof(KernelArgs))}, at::TensorOptions().dtype(at::kByte).device(device));
   args_device.copy_(args_host, /*non_blocking=*/true);
   return args_device;
 }
@@ -240,7 +238,8 @@ class NpuStreamRuntime {
 template <class Launch>
 void queue_in_group_order(CommState& state, const c10_npu::NPUStream& caller, const Launch& launch) {
   const c10_npu::NPUStream comm = c10_npu::getStreamFromExternal(state.comm_stream, caller.device_index());
-  TORCH_CHECK(comm != caller, current_op(), ": the current stream is the group's comm stream; fused calls cannot "
+  TORCH_CHECK(comm != caller, current_op(),
+              ": the current stream is the group's comm stream; fused calls cannot "
               "be queued from it");
   NpuStreamRuntime runtime(state);
   const std::string earlier = queue_fused_call(runtime, state.order, caller, comm, launch);
@@ -265,8 +264,8 @@ FusedCheck check_fused(const CallArgs& call, c10d::ProcessGroup& group) {
   CommState& state = comm_state(group, call_device(call));
   if (!call.error.empty()) return {FusedBlocker::kShape, call.error};  // raised by the agreement that follows
   if (dtype_code(call.dtype) == 0) {
-    return {FusedBlocker::kDtype, std::string("the fused NPU kernels take float16 and bfloat16, not ") +
-                                      c10::toString(call.dtype)};
+    return {FusedBlocker::kDtype,
+            std::string("the fused NPU kernels take float16 and bfloat16, not ") + c10::toString(call.dtype)};
   }
   if (!state.unavailable.empty()) return {state.unavailable_kind, state.unavailable};
   if (call.m == 0) return {};  // the op returns an empty tensor without running anything
@@ -310,8 +309,8 @@ constexpr KernelPair kAllgatherPair{"gemm_ar_ag_compute", &launch_ag_compute, "g
 // device), and returns the call's scratch (the allgather's gathered a lives at its start). check_fused must have
 // passed. `epilogue`: gemm_allreduce's add+RMSNorm operands, or none (every other call, the sequence-parallel ones
 // included: their kernels refuse an epilogue).
-at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const KernelPair& pair,
-                        const at::Tensor& out, const AddRmsNormOperands* epilogue = nullptr) {
+at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const KernelPair& pair, const at::Tensor& out,
+                        const AddRmsNormOperands* epilogue = nullptr) {
   const at::Device device = call_device(call);
   c10_npu::NPUGuard device_guard(device);
   CommState& state = comm_state(group, device);
@@ -361,19 +360,22 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   void* args_ptr = args_device.data_ptr();
 
   const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
-  queue_in_group_order(state, caller, [&](const c10_npu::NPUStream& compute_stream,
-                                          const c10_npu::NPUStream& comm_stream) {
-    enqueue_launch(compute_stream, pair.compute_name, pair.compute, static_cast<uint32_t>(state.compute_blocks),
-                   args_ptr);
-    c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
-    enqueue_launch(comm_stream, pair.comm_name, pair.comm, static_cast<uint32_t>(state.comm_blocks), args_ptr);
-    keep_alive_on(comm_stream, {args_device, scratch, out});
-    if (epilogue != nullptr) keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
-  });
+  queue_in_group_order(state, caller,
+                       [&](const c10_npu::NPUStream& compute_stream, const c10_npu::NPUStream& comm_stream) {
+                         enqueue_launch(compute_stream, pair.compute_name, pair.compute,
+                                        static_cast<uint32_t>(state.compute_blocks), args_ptr);
+                         c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
+                         enqueue_launch(comm_stream, pair.comm_name, pair.comm,
+                                        static_cast<uint32_t>(state.comm_blocks), args_ptr);
+                         keep_alive_on(comm_stream, {args_device, scratch, out});
+                         if (epilogue != nullptr)
+                           keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
+                       });
   // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp), which a
   // stream being captured cannot do: raised after queuing, as every rank queued the call.
   if (env_int(Setting::kNpuSyncErrors, 0, 0, 1) == 1) {
-    TORCH_CHECK(!capturing(), call.op_name, ": TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 waits for every call, which a stream "
+    TORCH_CHECK(!capturing(), call.op_name,
+                ": TORCH_GEMM_AR_NPU_SYNC_ERRORS=1 waits for every call, which a stream "
                 "being captured into a graph cannot; unset it while capturing (check_errors() reports after replays)");
     wait_and_raise_errors(state);
   }
@@ -435,9 +437,8 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
   // A rank with bad arguments cannot know what `auto` would have chosen; on a group that runs `fused` it assumes
   // its peers run the kernels. An explicit `sequential` / `chunked` keeps the exchange its peers are in, and so
   // does a rank whose previous tuning call's clock failed: its peers are tuning the same bucket, over the host.
-  const bool runs_kernels =
-      chosen == Algorithm::Fused ||
-      (!call.error.empty() && chosen == Algorithm::Auto && call.error_code != kTuningClockError);
+  const bool runs_kernels = chosen == Algorithm::Fused ||
+                            (!call.error.empty() && chosen == Algorithm::Auto && call.error_code != kTuningClockError);
   if (!agreed || !runs_kernels) {
     // Setup (the group's first fused call) and the algorithms that do not run the kernels: the exchange over the
     // process group, which synchronises (rank_agreement.cpp). Its first success on a usable communicator ends it.

@@ -15,9 +15,9 @@ constexpr uint32_t kAlgConfigBytes = 128;
 
 // ---- Mc2 tiling, version 2: one init block followed by `mc2HcommCnt` communication blocks ----
 struct Mc2InitTiling {
-  uint32_t version;                  // 100 = this layout
-  uint32_t mc2HcommCnt;              // number of Mc2CcTiling blocks
-  uint32_t offset[kMaxCcTilings];    // byte offset of each Mc2CcTiling from the start of this block
+  uint32_t version;                // 100 = this layout
+  uint32_t mc2HcommCnt;            // number of Mc2CcTiling blocks
+  uint32_t offset[kMaxCcTilings];  // byte offset of each Mc2CcTiling from the start of this block
   uint8_t debugMode;
   uint8_t preparePosition;
   uint16_t queueNum;
@@ -55,8 +55,8 @@ static_assert(sizeof(Mc2CcTiling) == 280, "Mc2CcTiling must be 280 bytes");
 constexpr uint32_t kInitTilingVersion = 100;
 constexpr uint8_t kTilingDevType = 4;
 constexpr uint8_t kCcTilingVersion = 1;
-constexpr uint8_t kCommEngineAiv = 3;          // commEngine 3: the AI vector cores drive the transfers
-constexpr uint32_t kOpTypeBatchWrite = 18;     // opType 18: one-sided writes into the peers' windows
+constexpr uint8_t kCommEngineAiv = 3;       // commEngine 3: the AI vector cores drive the transfers
+constexpr uint32_t kOpTypeBatchWrite = 18;  // opType 18: one-sided writes into the peers' windows
 constexpr const char* kAlgConfigFullMesh = "BatchWrite=level0:fullmesh";
 
 // On MESH topologies HcclAllocComResourceByTiling returns a device context whose first fields are

@@ -14,14 +14,13 @@ PyObject* check_errors(PyObject* /*self*/, PyObject* /*args*/) {
   std::string failure;
   bool failed = false;
   Py_BEGIN_ALLOW_THREADS  // waits for the device; other Python threads may run meanwhile
-  try {
+      try {
     gemm_ar::npu::check_all_errors();
   } catch (const std::exception& e) {
     failure = e.what();
     failed = true;
   }
-  Py_END_ALLOW_THREADS
-  if (failed) {
+  Py_END_ALLOW_THREADS if (failed) {
     PyErr_SetString(PyExc_RuntimeError, failure.c_str());
     return nullptr;
   }

@@ -111,9 +111,10 @@ at::Tensor gemm_reduce_scatter_npu(const at::Tensor& a, const at::Tensor& b, c10
   return run_gemm_reduce_scatter(a, b, view_of(group_name), scatter_dim, bias, view_of(algorithm), npu_backend());
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> allgather_gemm_npu(
-    const at::Tensor& a, const at::Tensor& b, c10::string_view group_name, int64_t gather_dim,
-    const std::optional<at::Tensor>& bias, bool return_gathered, c10::string_view algorithm) {
+std::tuple<at::Tensor, std::optional<at::Tensor>> allgather_gemm_npu(const at::Tensor& a, const at::Tensor& b,
+                                                                     c10::string_view group_name, int64_t gather_dim,
+                                                                     const std::optional<at::Tensor>& bias,
+                                                                     bool return_gathered, c10::string_view algorithm) {
   c10::DeviceGuard device_guard(a.device());
   return run_allgather_gemm(a, b, view_of(group_name), gather_dim, bias, return_gathered, view_of(algorithm),
                             npu_backend());

@@ -43,7 +43,7 @@ GEMM_AR_FN int64_t rotated_peer(int64_t me, int64_t l, int64_t i, int64_t world)
   if (world <= 1 || i < 0 || i >= world - 1) return -1;
   const int64_t others = world - 1;
   const int64_t shift = ((l % others) + others) % others;  // non-negative even for l < 0
-  const int64_t step = 1 + (shift + i) % others;            // in [1, world-1]
+  const int64_t step = 1 + (shift + i) % others;           // in [1, world-1]
   return (me + step) % world;
 }
 

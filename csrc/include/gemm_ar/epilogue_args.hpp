@@ -20,11 +20,11 @@ enum EpilogueKind : uint32_t {
 };
 
 struct EpilogueArgs {
-  uint32_t kind;             // EpilogueKind
-  float eps;                 // >= 0, finite; the same on every rank (its bits are in the call signature)
-  uint64_t residual;         // [M, N] call dtype, residual[m * ld_residual + n]; replicated: the same on every rank
-  uint64_t norm_weight;      // [N] call dtype, contiguous
-  uint64_t normed;           // [M, N] call dtype, normed[m * ld_normed + n]: written by the comm kernel
+  uint32_t kind;         // EpilogueKind
+  float eps;             // >= 0, finite; the same on every rank (its bits are in the call signature)
+  uint64_t residual;     // [M, N] call dtype, residual[m * ld_residual + n]; replicated: the same on every rank
+  uint64_t norm_weight;  // [N] call dtype, contiguous
+  uint64_t normed;       // [M, N] call dtype, normed[m * ld_normed + n]: written by the comm kernel
   int64_t ld_residual, ld_normed;  // row strides in elements (DMA strides: 16-bit on A2/A3, like lda/ldo)
 };
 

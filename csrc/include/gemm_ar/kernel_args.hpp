@@ -50,7 +50,7 @@
 namespace gemm_ar {
 
 constexpr uint32_t kKernelArgsMagic = 0x35524147u;  // "GAR5": bumped whenever KernelArgs or its meaning changes
-                                                   // (GAR4: row chunks; GAR5: the epilogue at the end)
+                                                    // (GAR4: row chunks; GAR5: the epilogue at the end)
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
@@ -79,7 +79,7 @@ enum DTypeCode : uint32_t {
 
 // Memory order of b (the logical [K, N] weight).
 enum BLayoutCode : uint32_t {
-  kBRowMajor = 0,   // b[k * ldb + n]: a plain [K, N] tensor
+  kBRowMajor = 0,  // b[k * ldb + n]: a plain [K, N] tensor
   // b[n * ldb + k]: weight.t() of an nn.Linear weight [N, K] ("DN" in pto-isa's gemm_ar example), never copied
   kBTransposed = 1,
 };
@@ -100,67 +100,67 @@ struct CommContext {
 // same on every rank; scratch offsets are relative to KernelArgs::scratch (plain device memory, this rank only).
 struct KernelLayout {
   // window (remote ranks write here, except into the signature slots, which they only read)
-  int64_t prepared_offset, prepared_bytes; // [epoch & 1][owner][comm block] flags: "my subtiles are zeroed";
-                                           // first, sized by world and kMaxCommBlocks only: never moves
-  int64_t signature_offset, signature_bytes; // [epoch & 1][source] signature slots: rank `source` writes its own in
-                                             // its own window, read by peers; sized by world: never moves
-  int64_t reduced_offset, reduced_bytes;   // pad_m x pad_n output dtype: RS atomic adds, then AG copies
-  int64_t contrib_offset, contrib_bytes;   // [owner-local subtile][source] flags: "source added its part"
-  int64_t arrival_offset, arrival_bytes;   // [tile * stripes + stripe] flags: "the owner delivered this subtile"
-  int64_t window_bytes;                    // total needed from window_offset on
+  int64_t prepared_offset, prepared_bytes;    // [epoch & 1][owner][comm block] flags: "my subtiles are zeroed";
+                                              // first, sized by world and kMaxCommBlocks only: never moves
+  int64_t signature_offset, signature_bytes;  // [epoch & 1][source] signature slots: rank `source` writes its own in
+                                              // its own window, read by peers; sized by world: never moves
+  int64_t reduced_offset, reduced_bytes;      // pad_m x pad_n output dtype: RS atomic adds, then AG copies
+  int64_t contrib_offset, contrib_bytes;      // [owner-local subtile][source] flags: "source added its part"
+  int64_t arrival_offset, arrival_bytes;      // [tile * stripes + stripe] flags: "the owner delivered this subtile"
+  int64_t window_bytes;                       // total needed from window_offset on
   // scratch (local only)
-  int64_t partial_offset, partial_bytes;   // pad_m x pad_n output dtype: this rank's own a @ b
-  int64_t queue_offset, queue_stride;      // per compute block: slot j = {tile id, tag} of the j-th tile it stored
-  int64_t queue_capacity;                  // slots per queue (max tiles of one compute block)
-  int64_t scratch_bytes;                   // total scratch needed
+  int64_t partial_offset, partial_bytes;  // pad_m x pad_n output dtype: this rank's own a @ b
+  int64_t queue_offset, queue_stride;     // per compute block: slot j = {tile id, tag} of the j-th tile it stored
+  int64_t queue_capacity;                 // slots per queue (max tiles of one compute block)
+  int64_t scratch_bytes;                  // total scratch needed
 };
 
 // The only thing that outlives a call. Lives in plain device memory the host owns (never in the window); the
 // host may keep one per communicator and read it after synchronising, or whenever it wants to check.
 // A record is valid for call `epoch` when tag == signal_tag(epoch): no reset needed between calls.
 struct ErrorRecord {
-  uint32_t abort_tag;      // set to the call's tag by the first block that fails: the others stop early
-  uint32_t pad0[15];       // own cache line
-  uint32_t tag;            // signal_tag(epoch) of the failed call, written last
-  int32_t code;            // ErrorCode
-  int32_t rank;            // the rank that gave up
-  int32_t peer;            // the rank it waited for (-1: none / local)
-  int64_t item;            // tile, subtile or queue slot it waited for
-  int32_t block;           // comm block index
-  int32_t stage;           // 0 compute, 1 comm
+  uint32_t abort_tag;  // set to the call's tag by the first block that fails: the others stop early
+  uint32_t pad0[15];   // own cache line
+  uint32_t tag;        // signal_tag(epoch) of the failed call, written last
+  int32_t code;        // ErrorCode
+  int32_t rank;        // the rank that gave up
+  int32_t peer;        // the rank it waited for (-1: none / local)
+  int64_t item;        // tile, subtile or queue slot it waited for
+  int32_t block;       // comm block index
+  int32_t stage;       // 0 compute, 1 comm
   uint32_t pad1[8];
 };
 
 enum ErrorCode : int32_t {
   kErrNone = 0,
-  kErrBadArgs = 1,          // magic/sizes/ranks inconsistent: nothing was touched
-  kErrTimeoutCompute = 2,   // waited too long for this rank's own compute kernel (ready queue `item`)
-  kErrTimeoutPrepare = 3,   // owner `peer` never announced its zeroed subtiles for this call
-  kErrTimeoutReduce = 4,    // source `peer` never added its part of owner-local subtile `item`
-  kErrTimeoutGather = 5,    // owner `peer` never delivered global subtile `item`
-  kErrAborted = 6,          // another block of this rank failed first
-  kErrQueueCorrupt = 7,     // a ready-queue slot carried an unexpected tile id (`item` = queue << 32 | slot)
-  kErrSignatureMismatch = 8,// rank `peer` called with another signature (`item` = first differing word; -2: its
-                            // slot stayed torn)
-  kErrPeerRejected = 9,     // rank `peer` (possibly this one) rejected its arguments (`item` = its error code)
+  kErrBadArgs = 1,            // magic/sizes/ranks inconsistent: nothing was touched
+  kErrTimeoutCompute = 2,     // waited too long for this rank's own compute kernel (ready queue `item`)
+  kErrTimeoutPrepare = 3,     // owner `peer` never announced its zeroed subtiles for this call
+  kErrTimeoutReduce = 4,      // source `peer` never added its part of owner-local subtile `item`
+  kErrTimeoutGather = 5,      // owner `peer` never delivered global subtile `item`
+  kErrAborted = 6,            // another block of this rank failed first
+  kErrQueueCorrupt = 7,       // a ready-queue slot carried an unexpected tile id (`item` = queue << 32 | slot)
+  kErrSignatureMismatch = 8,  // rank `peer` called with another signature (`item` = first differing word; -2: its
+                              // slot stayed torn)
+  kErrPeerRejected = 9,       // rank `peer` (possibly this one) rejected its arguments (`item` = its error code)
   // The sequence-parallel kernels (gemm_ar/sequence_parallel.hpp); numbered apart so the list above can grow.
-  kErrTimeoutRows = 20,     // allgather compute: shard `peer`'s tile row `item` never arrived in the gathered a
-  kErrTimeoutConsumed = 21, // allgather: rank `peer` never finished pulling this rank's shard (comm block `item`)
+  kErrTimeoutRows = 20,      // allgather compute: shard `peer`'s tile row `item` never arrived in the gathered a
+  kErrTimeoutConsumed = 21,  // allgather: rank `peer` never finished pulling this rank's shard (comm block `item`)
 };
 
 struct KernelArgs {
-  uint32_t magic;          // kKernelArgsMagic
-  uint32_t dtype;          // DTypeCode of a, b, bias, out (accumulation is fp32)
-  uint32_t b_layout;       // BLayoutCode
-  uint32_t epoch;          // per-communicator call counter: same on every rank, +1 every call (parity alternates)
+  uint32_t magic;     // kKernelArgsMagic
+  uint32_t dtype;     // DTypeCode of a, b, bias, out (accumulation is fp32)
+  uint32_t b_layout;  // BLayoutCode
+  uint32_t epoch;     // per-communicator call counter: same on every rank, +1 every call (parity alternates)
 
-  uint64_t a;              // [M, K], a[m * lda + k]
-  uint64_t b;              // see b_layout
-  uint64_t bias;           // FLOAT32 [plan.pad_n], zero past N (the host converts and pads), or 0: added once, by
-                           // rank bias_rank, in the cube's fp32 accumulator (A2/A3's bias table takes fp32, not
-                           // bf16; padding lets every tile load whole 32-byte blocks)
-  uint64_t out;            // [M, N], out[m * ldo + n]: the result, written by the comm kernel on every rank
-  int64_t lda, ldb, ldo;   // row strides in elements
+  uint64_t a;             // [M, K], a[m * lda + k]
+  uint64_t b;             // see b_layout
+  uint64_t bias;          // FLOAT32 [plan.pad_n], zero past N (the host converts and pads), or 0: added once, by
+                          // rank bias_rank, in the cube's fp32 accumulator (A2/A3's bias table takes fp32, not
+                          // bf16; padding lets every tile load whole 32-byte blocks)
+  uint64_t out;           // [M, N], out[m * ldo + n]: the result, written by the comm kernel on every rank
+  int64_t lda, ldb, ldo;  // row strides in elements
 
   uint64_t comm_ctx;       // device address of the CommContext
   uint64_t window_offset;  // where our region starts in every rank's windows_in[] (same on every rank; a
@@ -172,32 +172,30 @@ struct KernelArgs {
                            // 1 to it on the stream after each call, so calls replayed from a captured graph (whose
                            // KernelArgs bytes are replayed unchanged) still get a new epoch every call
 
-  int32_t rank, world;             // must match comm_ctx->rank_id / rank_num
-  int32_t compute_blocks;          // P <= kMaxComputeBlocks: launch block count of GemmComputeKernel
-  int32_t comm_blocks;             // Q <= kMaxCommBlocks: launch block count of GemmCommKernel (all must run
-                                   // concurrently)
-  int32_t bias_rank;               // which rank adds the bias (normally 0)
-  uint32_t wait_timeout_us;        // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
-  uint32_t signature_only;         // 1: publish and check the signature, move no data (a rank that rejected its
-                                   // arguments, or M = 0); only the fields up to here and `signature` are read
+  int32_t rank, world;       // must match comm_ctx->rank_id / rank_num
+  int32_t compute_blocks;    // P <= kMaxComputeBlocks: launch block count of GemmComputeKernel
+  int32_t comm_blocks;       // Q <= kMaxCommBlocks: launch block count of GemmCommKernel (all must run
+                             // concurrently)
+  int32_t bias_rank;         // which rank adds the bias (normally 0)
+  uint32_t wait_timeout_us;  // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
+  uint32_t signature_only;   // 1: publish and check the signature, move no data (a rank that rejected its
+                             // arguments, or M = 0); only the fields up to here and `signature` are read
   uint32_t reserved0;
   int64_t signature[kSignatureWords];  // this rank's call signature (see kSignatureWords)
 
-  TilePlan plan;                   // make_row_chunked_plan(chunks.count, chunks.rows, n, k, kNpuBaseM, kNpuBaseN,
-                                   // kNpuBaseK, kNpuKSlices, kNpuSubM)
-  RowChunks chunks;                // gemm_allreduce: one chunk (the plain tile plan); the sequence-parallel ops: one
-                                   // chunk per rank (gemm_ar/sequence_parallel.hpp)
-  KernelLayout layout;             // make_kernel_layout / make_sp_kernel_layout
-  EpilogueArgs epilogue;           // gemm_allreduce's comm kernel only (epilogue_args.hpp); zero (none) otherwise
+  TilePlan plan;          // make_row_chunked_plan(chunks.count, chunks.rows, n, k, kNpuBaseM, kNpuBaseN,
+                          // kNpuBaseK, kNpuKSlices, kNpuSubM)
+  RowChunks chunks;       // gemm_allreduce: one chunk (the plain tile plan); the sequence-parallel ops: one
+                          // chunk per rank (gemm_ar/sequence_parallel.hpp)
+  KernelLayout layout;    // make_kernel_layout / make_sp_kernel_layout
+  EpilogueArgs epilogue;  // gemm_allreduce's comm kernel only (epilogue_args.hpp); zero (none) otherwise
 };
 
 static_assert(sizeof(TilePlan) % sizeof(int64_t) == 0 && sizeof(RowChunks) % sizeof(int64_t) == 0 &&
                   sizeof(KernelLayout) % sizeof(int64_t) == 0,
               "the kernels compare plans, chunks and layouts 64-bit word by 64-bit word");
 
-GEMM_AR_FN int64_t dtype_bytes(uint32_t dtype) {
-  return (dtype == kDTypeFloat16 || dtype == kDTypeBFloat16) ? 2 : 0;
-}
+GEMM_AR_FN int64_t dtype_bytes(uint32_t dtype) { return (dtype == kDTypeFloat16 || dtype == kDTypeBFloat16) ? 2 : 0; }
 
 // The value every flag of call `epoch` carries. A bijection on uint32 (so two different epochs never share a tag)
 // that avoids small integers and all-zero/all-one words, which stale memory is most likely to contain.
@@ -327,8 +325,8 @@ GEMM_AR_FN bool plan_npu_tiles(KernelArgs* args, int64_t count, int64_t rows, in
 GEMM_AR_FN bool plan_kernel_args(KernelArgs* args, int64_t m, int64_t n, int64_t k) {
   if (!kernel_counts_plannable(args) || m <= 0 || n <= 0 || k <= 0) return false;
   if (!plan_npu_tiles(args, 1, m, n, k)) return false;
-  args->layout = make_kernel_layout(args->plan, dtype_bytes(args->dtype), args->world, args->compute_blocks,
-                                    args->comm_blocks);
+  args->layout =
+      make_kernel_layout(args->plan, dtype_bytes(args->dtype), args->world, args->compute_blocks, args->comm_blocks);
   return true;
 }
 

@@ -20,31 +20,30 @@ constexpr int64_t kCounterBytes = 4;   // every flag, counter and queue entry is
 GEMM_AR_FN int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 struct LayoutParams {
-  int64_t pad_m, pad_n;           // padded output (TilePlan::pad_m / pad_n)
-  int64_t elem_bytes;             // output element size in the reduced banks
-  int64_t partial_elem_bytes;     // element size of this rank's own product; 0 = no partial region (NPU)
+  int64_t pad_m, pad_n;        // padded output (TilePlan::pad_m / pad_n)
+  int64_t elem_bytes;          // output element size in the reduced banks
+  int64_t partial_elem_bytes;  // element size of this rank's own product; 0 = no partial region (NPU)
   int64_t world;
-  int64_t tiles;                  // TilePlan::tiles
-  int64_t max_owned_subtiles;     // max_owned_subtile_count(tiles, world, stripes)
-  int64_t compute_blocks;         // P: one ready queue each
-  int64_t comm_blocks;            // Q
-  int64_t queue_capacity;         // tile ids a queue can hold: max_block_items(tiles, compute_blocks)
+  int64_t tiles;               // TilePlan::tiles
+  int64_t max_owned_subtiles;  // max_owned_subtile_count(tiles, world, stripes)
+  int64_t compute_blocks;      // P: one ready queue each
+  int64_t comm_blocks;         // Q
+  int64_t queue_capacity;      // tile ids a queue can hold: max_block_items(tiles, compute_blocks)
 };
 
 struct WindowLayout {
   int64_t partial_offset, partial_bytes;
-  int64_t reduced_offset[2], reduced_bytes;  // two banks, alternated by call parity
-  int64_t tile_flag_offset, tile_flag_bytes; // one uint32 per tile
-  int64_t final_offset, final_bytes;         // one uint32 per owner-local subtile
-  int64_t queue_offset, queue_stride;        // per compute block: uint32 count, then queue_capacity uint32 ids
+  int64_t reduced_offset[2], reduced_bytes;   // two banks, alternated by call parity
+  int64_t tile_flag_offset, tile_flag_bytes;  // one uint32 per tile
+  int64_t final_offset, final_bytes;          // one uint32 per owner-local subtile
+  int64_t queue_offset, queue_stride;         // per compute block: uint32 count, then queue_capacity uint32 ids
   int64_t total_bytes;
 };
 
 // True when every count is non-negative and the block counts are positive; make_window_layout assumes it.
 GEMM_AR_FN bool layout_params_valid(const LayoutParams& p) {
-  return p.pad_m >= 0 && p.pad_n >= 0 && p.elem_bytes > 0 && p.partial_elem_bytes >= 0 && p.world > 0 &&
-         p.tiles >= 0 && p.max_owned_subtiles >= 0 && p.compute_blocks > 0 && p.comm_blocks > 0 &&
-         p.queue_capacity >= 0;
+  return p.pad_m >= 0 && p.pad_n >= 0 && p.elem_bytes > 0 && p.partial_elem_bytes >= 0 && p.world > 0 && p.tiles >= 0 &&
+         p.max_owned_subtiles >= 0 && p.compute_blocks > 0 && p.comm_blocks > 0 && p.queue_capacity >= 0;
 }
 
 // The parameters that follow from a tile plan and the block counts, filled the same way by every user.

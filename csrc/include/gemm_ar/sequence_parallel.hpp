@@ -63,8 +63,7 @@ GEMM_AR_FN int64_t sp_block_item(const TilePlan& plan, const RowChunks& c, int64
 }
 
 GEMM_AR_FN KernelLayout make_sp_kernel_layout(const TilePlan& plan, const RowChunks& c, int64_t elem_bytes,
-                                              int64_t world, int64_t compute_blocks, int64_t comm_blocks,
-                                              uint32_t op) {
+                                              int64_t world, int64_t compute_blocks, int64_t comm_blocks, uint32_t op) {
   LayoutRegionBytes r{};
   if (op == kOpGemmReduceScatter) {
     const int64_t run = chunk_ownership_run(plan, c);

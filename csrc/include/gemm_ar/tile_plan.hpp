@@ -8,13 +8,13 @@
 namespace gemm_ar {
 
 struct TilePlan {
-  int64_t m, n, k;                 // logical problem sizes
-  int64_t base_m, base_n, base_k;  // tile sizes
-  int64_t k_step;                  // base_k * k_slices: K consumed per L1 load
-  int64_t m_tiles, n_tiles, tiles; // tile grid; tiles = m_tiles * n_tiles (0 when m or n is 0)
-  int64_t pad_m, pad_n, pad_k;     // m_tiles*base_m, n_tiles*base_n, k rounded up to k_step
-  int64_t sub_m;                   // rows per subtile (stripe)
-  int64_t stripes;                 // base_m / sub_m
+  int64_t m, n, k;                  // logical problem sizes
+  int64_t base_m, base_n, base_k;   // tile sizes
+  int64_t k_step;                   // base_k * k_slices: K consumed per L1 load
+  int64_t m_tiles, n_tiles, tiles;  // tile grid; tiles = m_tiles * n_tiles (0 when m or n is 0)
+  int64_t pad_m, pad_n, pad_k;      // m_tiles*base_m, n_tiles*base_n, k rounded up to k_step
+  int64_t sub_m;                    // rows per subtile (stripe)
+  int64_t stripes;                  // base_m / sub_m
 };
 
 // Largest int64_t, spelled out so device builds do not depend on the INT64_MAX macro.
