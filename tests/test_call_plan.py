@@ -53,6 +53,18 @@ def test_options_change_the_flow(one_core_env, option, value, want):
     assert flow("gemm_allreduce", 64, 64, 64) == "one-shot"
 
 
+def test_one_product(one_core_env):
+    # fp32, K > 2M from M = 512: the few-product family, whose geometry multiplies a partial in one GEMM call.
+    long_k = plan("gemm_allreduce", 512, 2048, 512)
+    assert long_k["one_product"] and long_k["flow"] == "one-shot", long_k
+    assert not plan("gemm_allreduce", 2048, 64, 1024)["one_product"]  # the default tiles
+    with engine_switch("one_product", False):
+        assert not plan("gemm_allreduce", 512, 2048, 512)["one_product"]
+    with engine_switch("owner_last", False):  # the comm blocks' flow never multiplies in one product
+        assert not plan("gemm_allreduce", 512, 2048, 512)["one_product"]
+    assert not plan("gemm_reduce_scatter", 512, 2048, 512)["one_product"]  # several row chunks
+
+
 def test_output_slots(one_core_env):
     with engine_switch(_C._set_shared_output_slots, 8):
         got = plan("gemm_allreduce", 1100, 64, 1000)  # 4.4 MB of fp32 partials: past the one-shot bound
@@ -97,6 +109,15 @@ def test_random_calls_follow_the_rules(one_core_env):
                 engine_switch("overlap", options["overlap"]), engine_switch("owner_last", options["owner_last"]), \
                 engine_switch("one_shot", options["one_shot"]):
             got = plan(op, m, k, n, like, world, epilogue=epilogue, in_place=in_place)
+            # One product: where the geometry asks for it, for the flows where the owner reduces in the compute
+            # block (allgather_gemm: where every shard is in) and a plain gemm_allreduce.
+            geometry = _C._call_multiplies_in_one_product("add_rmsnorm" if epilogue else op, m, k, n, like, world)
         want = expected(op, m, k, n, like, world, epilogue, in_place, comm_inline, options, slots)
         assert (got["flow"], got["slot_output_bytes"]) == want, (op, m, k, n, like.dtype, world, epilogue, in_place,
                                                                  comm_inline, options, slots, got)
+        if op == "allgather_gemm":
+            assert got["one_product"] == geometry, (op, m, k, n, world, got)
+        else:
+            owner_reduces = got["flow"] in ("owner-last", "one-shot")
+            assert got["one_product"] == (geometry and owner_reduces and op == "gemm_allreduce"), (
+                op, m, k, n, like.dtype, world, epilogue, options, got)

@@ -16,20 +16,32 @@ class GroupInfo:
     rank: int  # this process's rank inside `group`
 
 
+def _group_object(group: GroupLike, who: str):
+    """`group` as a ProcessGroup or a name: the default group for None; the errors every caller shares."""
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{who}: torch.distributed is not initialized; call torch.distributed.init_process_group() first"
+            )
+        return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands to ranks outside the group
+        raise ValueError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given; pass "
+            "the tensor-parallel group this rank belongs to"
+        )
+    if not isinstance(group, (str, dist.ProcessGroup)):
+        raise TypeError(f"{who}: group must be a ProcessGroup, a group name or None; got {type(group).__name__}")
+    return group
+
+
 def resolve_group(group: GroupLike, who: str) -> GroupInfo:
     """GroupInfo of `group` (None: the default group, a str: a c10d group name); `who` prefixes the errors."""
     if not dist.is_initialized():
         raise RuntimeError(
             f"{who}: torch.distributed is not initialized; call torch.distributed.init_process_group() first"
         )
-    if group is None:
-        group = dist.group.WORLD
-    elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands to ranks outside the group
-        raise ValueError(
-            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given; pass "
-            "the tensor-parallel group this rank belongs to"
-        )
-    elif isinstance(group, str):
+    group = _group_object(group, who)
+    if isinstance(group, str):
         try:
             group = dist.distributed_c10d._resolve_process_group(group)
         except Exception as exc:  # c10d raises a bare RuntimeError for unknown names
@@ -46,8 +58,8 @@ def resolve_group(group: GroupLike, who: str) -> GroupInfo:
 
 
 def group_name_of(group: GroupLike, who: str = "gemm_allreduce") -> str:
-    """The c10d group name of `group` (None: the default group), as the torch.ops.pto ops take it. A name is passed
-    through as it is: the op itself raises, naming the op, when no group has it."""
-    if isinstance(group, str):
-        return group
-    return resolve_group(group, who).name
+    """The c10d group name of `group` (None: the default group), as the torch.ops.pto ops take it: cheap enough for
+    every call (no membership query). A name is passed through as it is: the op itself raises, naming the op, when no
+    group has it."""
+    group = _group_object(group, who)
+    return group if isinstance(group, str) else group.group_name

@@ -57,7 +57,7 @@ def decision_for(m: int, k: int, n: int, dtype: torch.dtype = torch.float32, *, 
 
     if isinstance(group, str):
         group = _resolve_process_group(group)
-    group_name = group_name_of(group, "tune")  # the library's message for what is not a usable group
+    group_name = group_name_of(group, "decision_for")  # the library's message for what is not a usable group
     world = dist.get_world_size(group)
     if world < 1:
         raise ValueError(f"decision_for: this rank is not a member of group {group_name!r}")

@@ -156,12 +156,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::list out;
         for (const auto& op : gemm_ar::kOps) {
           out.append(pybind11::dict(pybind11::arg("name") = op.name, pybind11::arg("schema") = op.schema,
-                                    pybind11::arg("kind") = static_cast<int>(op.kind),
-                                    pybind11::arg("differentiable") = op.differentiable));
+                                    pybind11::arg("kind") = static_cast<int>(op.kind)));
         }
         return out;
       },
-      "the op family (op_table.h): name, schema, OpKind, whether autograd differentiates it");
+      "the op family (op_table.h): name, schema, OpKind");
   m.def(
       "_settings",
       [] {

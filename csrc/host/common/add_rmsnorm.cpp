@@ -316,10 +316,13 @@ std::tuple<at::Tensor, at::Tensor> run_with_epilogue(const at::Tensor& a, const 
       return out;
     };
   }
-  at::Tensor out = run_gemm_allreduce(a, b, group_name, bias, algorithm, hooks, [&](CallArgs& call) {
-    check_add_rmsnorm_args(call, residual, norm_weight, eps);
-    if (in_place) check_in_place_residual(call, residual, a, b, norm_weight, bias);
-  });
+  at::Tensor out = run_gemm_allreduce(
+      a, b, group_name, bias, algorithm, hooks,
+      [&](CallArgs& call) {
+        check_add_rmsnorm_args(call, residual, norm_weight, eps);
+        if (in_place) check_in_place_residual(call, residual, a, b, norm_weight, bias);
+      },
+      in_place ? "gemm_allreduce_add_rmsnorm_" : "gemm_allreduce_add_rmsnorm");
   if (applied) return {in_place ? written_back(out) : out, ops.normed2d.view(out.sizes())};
   // Unfused: one pass over the reduction's output, which is this call's own tensor (fresh, or taken from the
   // engine's pool for this call), so the new residual stream is written into it in place.

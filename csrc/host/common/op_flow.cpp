@@ -92,8 +92,9 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
 
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks) {
-  auto group = resolve_group(group_name);
+                              const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks,
+                              std::string_view op_name) {
+  auto group = resolve_group(group_name, op_name);
   CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
   if (extra_checks && call.error.empty()) extra_checks(call);
   const CurrentOp op(call.op_name);  // errors deep in the engines name this op

@@ -73,8 +73,10 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
 
 // `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
 // are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.
+// `op_name` names the op in the errors raised before extra_checks runs (an unknown group).
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                              const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks = {});
+                              const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks = {},
+                              std::string_view op_name = "gemm_allreduce");
 
 }  // namespace gemm_ar
