@@ -17,19 +17,22 @@ class GroupInfo:
 
 
 def _group_object(group: GroupLike, who: str):
-    """`group` as a ProcessGroup or a name: the default group for None; the errors every caller shares."""
+    """`group` as a ProcessGroup or a name (None: the default group), with the errors every caller shares. Traced by
+    torch.compile in the ops' wrappers: only the checks dynamo follows (isinstance against one class)."""
+    if isinstance(group, str):
+        return group
     if group is None:
         if not dist.is_initialized():
             raise RuntimeError(
                 f"{who}: torch.distributed is not initialized; call torch.distributed.init_process_group() first"
             )
         return dist.group.WORLD
-    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands to ranks outside the group
-        raise ValueError(
-            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given; pass "
-            "the tensor-parallel group this rank belongs to"
-        )
-    if not isinstance(group, (str, dist.ProcessGroup)):
+    if not isinstance(group, dist.ProcessGroup):
+        if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() hands to ranks outside the group
+            raise ValueError(
+                f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given; "
+                "pass the tensor-parallel group this rank belongs to"
+            )
         raise TypeError(f"{who}: group must be a ProcessGroup, a group name or None; got {type(group).__name__}")
     return group
 
