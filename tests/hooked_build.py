@@ -3,6 +3,7 @@ negative controls' faults (csrc/host/common/test_hooks.h) and their bindings exi
 Rank processes of a `hooked_ranks` pool (tests/conftest.py) load it as torch_gemm_ar._C before importing
 torch_gemm_ar; the product's own _C is never replaced in the test session's main process."""
 import contextlib
+import functools
 import glob
 import importlib.util
 import os
@@ -46,6 +47,7 @@ def load_as_torch_gemm_ar_c(path):
         raise RuntimeError(f"{path} is not the test build")
 
 
+@functools.lru_cache(maxsize=None)
 def harmless_values():
     """{hook: its harmless value}, read from GEMM_AR_TEST_HOOK_LIST in csrc/host/common/test_hooks.h (the product has
     no hooks to ask)."""

@@ -49,8 +49,6 @@ def resolve_group(group: GroupLike, who: str) -> GroupInfo:
             group = dist.distributed_c10d._resolve_process_group(group)
         except Exception as exc:  # c10d raises a bare RuntimeError for unknown names
             raise ValueError(f"{who}: no process group is named {group!r}") from exc
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"{who}: group must be a ProcessGroup, a group name or None; got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(

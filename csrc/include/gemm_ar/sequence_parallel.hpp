@@ -84,25 +84,21 @@ GEMM_AR_FN KernelLayout make_sp_kernel_layout(const TilePlan& plan, const RowChu
 // allgather_gemm's regions, in the slots make_sp_kernel_layout sized for them (window offsets relative to the
 // window region, scratch offsets to KernelArgs::scratch).
 struct AllgatherLayout {
-  int64_t shard_offset, shard_bytes;          // window: this rank's shard of a, m_sub x k (ld k), for the peers
-  int64_t consumed_offset, consumed_bytes;    // window: [source][comm block] flags: the source has pulled all of my
-                                              // shard that block handles (I leave the call only after every one)
-  int64_t row_ready_offset, row_ready_bytes;  // window, this rank only: [tile row] flags (comm kernel -> compute
-                                              // kernel): that tile row's rows of a are in the gathered a
-  int64_t gathered_offset;                    // scratch: the gathered a, world * m_sub x k (ld k), returned
-  int64_t products_offset;                    // scratch: the pad_m x pad_n products, copied to `out`
+  int64_t shard_offset;      // window: this rank's shard of a, m_sub x k (ld k), for the peers
+  int64_t consumed_offset;   // window: [source][comm block] flags: the source has pulled all of my shard that block
+                             // handles (I leave the call only after every one)
+  int64_t row_ready_offset;  // window, this rank only: [tile row] flags (comm kernel -> compute kernel): that tile
+                             // row's rows of a are in the gathered a
+  int64_t gathered_offset;   // scratch: the gathered a, world * m_sub x k (ld k), returned to the caller
 };
+// The products (KernelLayout::partial_offset) and the ready queues are placed as for every op.
 
 GEMM_AR_FN AllgatherLayout allgather_layout(const KernelLayout& k) {
   AllgatherLayout g{};
   g.shard_offset = k.reduced_offset;
-  g.shard_bytes = k.reduced_bytes;
   g.consumed_offset = k.contrib_offset;
-  g.consumed_bytes = k.contrib_bytes;
   g.row_ready_offset = k.arrival_offset;
-  g.row_ready_bytes = k.arrival_bytes;
   g.gathered_offset = 0;  // the scratch's head (LayoutRegionBytes::scratch_head)
-  g.products_offset = k.partial_offset;
   return g;
 }
 
