@@ -34,9 +34,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # torch_gemm_ar.compile (the torch.compile rewrite) imports Inductor pieces: loaded on first use only.
-    if name == "compile":
+    # torch_gemm_ar.compile (the torch.compile rewrite) and .async_tp (torch's async-TP ops on the engine) import
+    # Inductor pieces: loaded on first use only.
+    if name in ("compile", "async_tp"):
         import importlib
 
-        return importlib.import_module(".compile", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
