@@ -32,6 +32,7 @@ MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank'
 MESH_WRONG_CONTEXT, MESH_NO_CONTEXT = 3, 4  # rank 1's context names rank 0 / rank 1 gets none
 SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::OpKind: the sequence-parallel kernel pairs (sim_main.cpp op)
 ADD_RMSNORM = 3  # sim_main.cpp kSimAddRmsNorm: gemm_allreduce's pair with the add+RMSNorm epilogue
+DECODE = 4  # sim_main.cpp kSimDecode: gemm_allreduce's pair in the decode variant (M <= 64)
 CLOBBER_RANDOM, CLOBBER_FORGED_TAGS = 1, 2  # sim_main.cpp: after the call, windows and scratch get random bytes /
 #                                             the next call's tag in every 32-bit word
 
@@ -61,14 +62,15 @@ def _unit_roundoff(dtype, bf16_native):
 def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, seed, timeout_us=20_000_000,
              process_timeout_s=900, negative_control=0, topology=MESH, expect_exit=0, op=0, eps=1e-5,
              epilogue=None):
-    """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, epoch, skip_rank,
+    """calls: dicts with m, n, k, b_layout, bias, and optional lda_pad, ldb_pad, ldo_pad, a_mix (per rank None or
+    (source rank, factor): a = factor * an earlier rank's a, or its own; exact for powers of two), epoch, skip_rank,
     clobber_after, late_rank, late_us, sig_rank/sig_word/sig_value, bad_rank/bad_code, out_fill, via_counter,
     hccl_rank/hccl_us (sim_main.cpp; results["hccl_traffic_clobbered"][call] is then the bytes of that rank's window
     changed while it was "inside an HCCL collective"). op: 0 gemm_allreduce, SP_REDUCE_SCATTER (m = the full M;
     reference = the sum, each rank checks its chunk) or SP_ALLGATHER (m = each rank's shard; reference = the
     gathered product, "gathered" = the gathered a) or ADD_RMSNORM (gemm_allreduce with the epilogue, `eps`; each
     case also gets "residual" and "weight", the exact float64 values of the operands, and "normed", the second
-    output per rank). epilogue=True attaches the epilogue's arguments to another op's kernels (default: only for
+    output per rank) or DECODE (gemm_allreduce's decode variant, m <= 64). epilogue=True attaches the epilogue's arguments to another op's kernels (default: only for
     ADD_RMSNORM). Returns (per call: inputs + float64 reference + outputs per rank, result lines)."""
     epilogue = op == ADD_RMSNORM if epilogue is None else epilogue
     rng = np.random.default_rng(seed)
@@ -83,11 +85,15 @@ def _run_job(sim, tmp_path, world, dtype, compute_blocks, comm_blocks, calls, se
         ldo = n + spec.get("ldo_pad", 0)
         transposed = spec["b_layout"] == B_TRANSPOSED
         ldb = (k if transposed else n) + spec.get("ldb_pad", 0)
-        a_vals = []
+        a_vals, a_full = [], []
         for r in range(world):
             a = rng.uniform(-1.0, 1.0, size=(m, lda))
+            mix = spec.get("a_mix", [None] * world)[r]
+            if mix is not None:  # (source rank, factor): factor * that rank's a (an earlier rank's, or its own)
+                a = (a if mix[0] == r else a_full[mix[0]]) * mix[1]
             bits, vals = _encode(a, dtype, sim["bf16_native"])
             bits.tofile(os.path.join(job_dir, f"c{c}_a{r}.bin"))
+            a_full.append(vals)
             a_vals.append(vals[:, :k])
         b_mem = rng.uniform(-1.0, 1.0, size=(n, ldb) if transposed else (k, ldb))
         bits, vals = _encode(b_mem, dtype, sim["bf16_native"])

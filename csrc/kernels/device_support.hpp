@@ -86,6 +86,11 @@ enum NegativeControl : int {
   kControlEpilogueNoWait = 25,   // a row band is normalised without waiting for its subtiles to be final
   kControlSignaturePush = 26,    // the signature is pushed into every peer's window (maybe still HCCL's)
                                  // instead of published in this rank's own (call_signature.hpp)
+  // The decode variant of the comm kernel (decode_comm_block.hpp).
+  kControlDecodePushUnfenced = 27,   // pushed flags raised without the release fence after the partial's stores
+  kControlDecodePushedAcquire = 28,  // peers' partials read after their pushed flags without the acquire fence
+  kControlDecodeArrivalOrder = 29,   // partials summed own first, then peers in push order: not rank order
+  kControlDecodeNoWait = 30,         // a tile reduced without waiting for the peers' pushed flags
   // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
   // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
   kControlRsPayloadUnfenced = 40,   // reduce-scatter: contribution flag raised without a fence after the add
@@ -471,6 +476,10 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0) return false;
   // Only gemm_allreduce's comm kernel runs an epilogue: the sequence-parallel kernels refuse one.
   if (sp_op != 0 ? args.epilogue.kind != kEpilogueNone : !epilogue_args_usable(args.epilogue, p.n)) return false;
+  // Only gemm_allreduce's pair has the decode variant, for one stripe of rows and no epilogue.
+  const bool decode = args.variant == kVariantDecode;
+  if (args.variant != kVariantTiled && (!decode || sp_op != 0)) return false;
+  if (decode && (!decode_plannable(p.m, p.n) || args.epilogue.kind != kEpilogueNone)) return false;
   // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
   if (args.scratch % kWindowAlign != 0) return false;
   // Row chunks: gemm_allreduce has one, the sequence-parallel ops one per rank (sequence_parallel.hpp).
@@ -483,9 +492,11 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op
     return false;
   }
   const KernelLayout layout =
-      sp_op == 0 ? make_kernel_layout(plan, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks)
-                 : make_sp_kernel_layout(plan, chunks, dtype_bytes(args.dtype), args.world, args.compute_blocks,
-                                         args.comm_blocks, sp_op);
+      decode ? make_decode_kernel_layout(plan, dtype_bytes(args.dtype), args.world, args.compute_blocks)
+      : sp_op == 0
+          ? make_kernel_layout(plan, dtype_bytes(args.dtype), args.world, args.compute_blocks, args.comm_blocks)
+          : make_sp_kernel_layout(plan, chunks, dtype_bytes(args.dtype), args.world, args.compute_blocks,
+                                  args.comm_blocks, sp_op);
   return same_words(plan, p) && same_words(chunks, args.chunks) && same_words(layout, args.layout);
 }
 

@@ -30,10 +30,12 @@
 // (owner, block) / per subtile, so nothing is reset between calls and shapes may vary (see kernel_args.hpp).
 // A call that fails after its arguments were found usable leaves NaN in `out` (every block that gives up stores NaN
 // over all of `out` after its own last store there), so a failure cannot pass for a result.
+// KernelArgs::variant == kVariantDecode (small M) runs decode_comm_block.hpp's one-shot steps instead of 1-4.
 #include <pto/pto-inst.hpp>
 
 #include "add_rmsnorm_epilogue.hpp"
 #include "comm_block.hpp"
+#include "decode_comm_block.hpp"
 #include "device_support.hpp"
 #include "kernel_entry.h"
 #include "ready_queue.hpp"
@@ -341,8 +343,14 @@ AICORE inline void poison_only(const KernelArgs& args) {
   comm.poison();
 }
 
+// The decode variant (decode_comm_block.hpp) only for arguments found usable: a signature-only call carries no plan.
 template <uint32_t DType>
 AICORE inline void comm_block_main(const KernelArgs& args, int64_t block, bool usable) {
+  if (usable && args.variant == kVariantDecode) {
+    DecodeCommBlock<typename ElemOf<DType>::type> comm(args, block);
+    run_comm_block(comm, usable);
+    return;
+  }
   CommBlock<typename ElemOf<DType>::type> comm(args, block);
   run_comm_block(comm, usable);
 }

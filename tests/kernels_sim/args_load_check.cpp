@@ -22,7 +22,7 @@ using gemm_ar::KernelArgs;
 #define GEMM_AR_KERNEL_ARGS_FIELDS(X)                                                                                  \
   X(magic) X(dtype) X(b_layout) X(epoch) X(a) X(b) X(bias) X(out) X(lda) X(ldb) X(ldo) X(comm_ctx)                     \
   X(window_offset) X(window_bytes) X(scratch) X(error) X(epoch_counter) X(rank) X(world) X(compute_blocks)             \
-  X(comm_blocks) X(bias_rank) X(wait_timeout_us) X(signature_only) X(reserved0) X(plan.m) X(plan.n) X(plan.k)          \
+  X(comm_blocks) X(bias_rank) X(wait_timeout_us) X(signature_only) X(variant) X(plan.m) X(plan.n) X(plan.k)          \
   X(plan.base_m) X(plan.base_n) X(plan.base_k) X(plan.k_step) X(plan.m_tiles) X(plan.n_tiles) X(plan.tiles)            \
   X(plan.pad_m) X(plan.pad_n) X(plan.pad_k) X(plan.sub_m) X(plan.stripes) X(chunks.count) X(chunks.rows)               \
   X(chunks.m_tiles) X(layout.prepared_offset) X(layout.prepared_bytes) X(layout.signature_offset)                      \

@@ -59,6 +59,8 @@
 // same for every rank) and c<call>_weight.bin (n 16-bit) are its operands; out<rank> is reduced + residual and
 // c<call>_normed<rank>.bin (m x ldo, starting as out_fill) the normalised rows. An eps after another op attaches
 // the same epilogue arguments to that op's kernels (which must refuse them).
+// op 4 (kSimDecode) runs gemm_allreduce's pair in the decode variant (KernelArgs::variant = kVariantDecode,
+// plan_decode_kernel_args: m <= 64), the variant also in signature word 15 as the NPU host puts it there.
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -108,6 +110,8 @@ struct CallSpec {
 };
 
 constexpr uint32_t kSimAddRmsNorm = 3;  // Job::op of gemm_allreduce with the add+RMSNorm epilogue
+constexpr uint32_t kSimDecode = 4;      // Job::op of gemm_allreduce's pair in the decode variant (kVariantDecode)
+constexpr int kSigEngineMode = 15;      // the host's signature word that carries KernelArgs::variant on the NPU
 
 struct Job {
   int world = 0, compute_blocks = 0, comm_blocks = 0, topology = 0;
@@ -212,8 +216,10 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   // (allgather: m is each rank's shard).
   const int64_t m_sub = job.op == gemm_ar::kOpGemmReduceScatter ? s.m / job.world : s.m;
   const bool sequence_parallel = job.op == gemm_ar::kOpGemmReduceScatter || job.op == gemm_ar::kOpAllgatherGemm;
-  if (sequence_parallel ? !gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
-                        : !gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k)) {
+  const bool planned = sequence_parallel      ? gemm_ar::plan_sp_kernel_args(&a, job.op, m_sub, s.n, s.k)
+                       : job.op == kSimDecode ? gemm_ar::plan_decode_kernel_args(&a, s.m, s.n, s.k)
+                                              : gemm_ar::plan_kernel_args(&a, s.m, s.n, s.k);
+  if (!planned) {
     std::fprintf(stderr, "plan_kernel_args rejected m=%lld n=%lld k=%lld\n", static_cast<long long>(s.m),
                  static_cast<long long>(s.n), static_cast<long long>(s.k));
     std::exit(2);
@@ -223,8 +229,10 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.signature[3] = s.n;
   a.signature[4] = job.dtype;
   a.signature[5] = s.has_bias;
-  a.signature[6] = 3;        // Algorithm::Fused
-  a.signature[12] = job.op;  // kSigOp (the host's OpKind); word 13, the dim, is 0 (add+RMSNorm: eps's bits)
+  a.signature[6] = 3;  // Algorithm::Fused
+  // kSigOp (the host's OpKind); word 13, the dim, is 0 (add+RMSNorm: eps's bits)
+  a.signature[12] = job.op == kSimDecode ? gemm_ar::kOpGemmAllreduce : job.op;
+  a.signature[kSigEngineMode] = a.variant;
   if (job.op == kSimAddRmsNorm) {
     const double eps = job.eps;
     std::memcpy(&a.signature[13], &eps, sizeof eps);

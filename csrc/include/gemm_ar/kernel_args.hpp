@@ -49,8 +49,8 @@
 
 namespace gemm_ar {
 
-constexpr uint32_t kKernelArgsMagic = 0x35524147u;  // "GAR5": bumped whenever KernelArgs or its meaning changes
-                                                    // (GAR4: row chunks; GAR5: the epilogue at the end)
+constexpr uint32_t kKernelArgsMagic = 0x36524147u;  // "GAR6": bumped whenever KernelArgs or its meaning changes
+                                                    // (GAR4: row chunks; GAR5: the epilogue at the end; GAR6: variant)
 constexpr int64_t kMaxWorld = 64;                   // HCCL_MAX_RANK_NUM: windowsIn[] has 64 entries
 constexpr int64_t kMaxCommBlocks = 64;              // bound on KernelArgs::comm_blocks (sizes the prepared region)
 constexpr int64_t kMaxComputeBlocks = 64;           // bound on KernelArgs::compute_blocks
@@ -71,6 +71,18 @@ constexpr int64_t kNpuBaseN = 256;
 constexpr int64_t kNpuBaseK = 64;
 constexpr int64_t kNpuKSlices = 4;
 constexpr int64_t kNpuSubM = 64;
+
+// How gemm_allreduce's kernel pair moves a call's data (KernelArgs::variant). The compute kernel is the same for
+// both; the comm kernel and the window layout differ.
+enum KernelVariant : uint32_t {
+  kVariantTiled = 0,  // reduce-scatter by atomic adds into tile owners, then all-gather (make_kernel_layout)
+  // Decode (one-shot, small M): every rank pushes its whole partial product into every peer's window and sums all
+  // partials itself in rank order, so every rank gets the same bits (make_decode_kernel_layout,
+  // docs/ascend.md "Decode").
+  kVariantDecode = 1,
+};
+constexpr int64_t kDecodeMaxM = kNpuSubM;  // decode: at most one stripe of rows (the partial moves as one subtile)
+constexpr int64_t kDecodeMaxTiles = 256;   // decode: column tiles per call (N <= 65536; comm blocks track each)
 
 enum DTypeCode : uint32_t {
   kDTypeFloat16 = 1,
@@ -172,22 +184,23 @@ struct KernelArgs {
                            // 1 to it on the stream after each call, so calls replayed from a captured graph (whose
                            // KernelArgs bytes are replayed unchanged) still get a new epoch every call
 
-  int32_t rank, world;       // must match comm_ctx->rank_id / rank_num
-  int32_t compute_blocks;    // P <= kMaxComputeBlocks: launch block count of GemmComputeKernel
-  int32_t comm_blocks;       // Q <= kMaxCommBlocks: launch block count of GemmCommKernel (all must run
-                             // concurrently)
-  int32_t bias_rank;         // which rank adds the bias (normally 0)
-  uint32_t wait_timeout_us;  // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
-  uint32_t signature_only;   // 1: publish and check the signature, move no data (a rank that rejected its
-                             // arguments, or M = 0); only the fields up to here and `signature` are read
-  uint32_t reserved0;
+  int32_t rank, world;                 // must match comm_ctx->rank_id / rank_num
+  int32_t compute_blocks;              // P <= kMaxComputeBlocks: launch block count of GemmComputeKernel
+  int32_t comm_blocks;                 // Q <= kMaxCommBlocks: launch block count of GemmCommKernel (all must run
+                                       // concurrently)
+  int32_t bias_rank;                   // which rank adds the bias (normally 0)
+  uint32_t wait_timeout_us;            // a wait without progress for this long fails the call (ErrorRecord); 0 = 30 s
+  uint32_t signature_only;             // 1: publish and check the signature, move no data (a rank that rejected its
+                                       // arguments, or M = 0); only the fields up to here and `signature` are read
+  uint32_t variant;                    // KernelVariant (gemm_allreduce's pair only; the sequence-parallel pairs refuse
+                                       // anything but kVariantTiled); the host also puts it in the signature
   int64_t signature[kSignatureWords];  // this rank's call signature (see kSignatureWords)
 
   TilePlan plan;          // make_row_chunked_plan(chunks.count, chunks.rows, n, k, kNpuBaseM, kNpuBaseN,
                           // kNpuBaseK, kNpuKSlices, kNpuSubM)
   RowChunks chunks;       // gemm_allreduce: one chunk (the plain tile plan); the sequence-parallel ops: one
                           // chunk per rank (gemm_ar/sequence_parallel.hpp)
-  KernelLayout layout;    // make_kernel_layout / make_sp_kernel_layout
+  KernelLayout layout;    // make_kernel_layout / make_decode_kernel_layout / make_sp_kernel_layout
   EpilogueArgs epilogue;  // gemm_allreduce's comm kernel only (epilogue_args.hpp); zero (none) otherwise
 };
 
@@ -287,6 +300,25 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
   return place_kernel_layout(plan, elem_bytes, world, compute_blocks, r);
 }
 
+// The decode variant's regions (kVariantDecode): `reduced` holds the pushed partials [source][m][pad_n] (a rank's own
+// slot stays unused: it reads its own partial from its scratch), `contrib` the pushed flags [tile][source] ("source's
+// partial of tile t is in this window"), no arrival flags. The scratch is the tiled variant's: the compute kernel is
+// the same.
+GEMM_AR_FN KernelLayout make_decode_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
+                                                  int64_t compute_blocks) {
+  LayoutRegionBytes r{};
+  r.reduced = world * plan.m * plan.pad_n * elem_bytes;
+  r.contrib = plan.tiles * world * kFlagStride;
+  r.arrival = 0;
+  r.scratch_head = 0;
+  return place_kernel_layout(plan, elem_bytes, world, compute_blocks, r);
+}
+
+// Whether a gemm_allreduce call of these sizes fits the decode variant.
+GEMM_AR_FN bool decode_plannable(int64_t m, int64_t n) {
+  return m >= 1 && m <= kDecodeMaxM && n >= 1 && n <= kDecodeMaxTiles * kNpuBaseN;
+}
+
 // Byte offsets of single flags, relative to the window region / scratch.
 GEMM_AR_FN int64_t prepared_flag_offset(const KernelLayout& k, uint32_t epoch, int64_t owner, int64_t comm_block,
                                         int64_t world) {
@@ -325,8 +357,18 @@ GEMM_AR_FN bool plan_npu_tiles(KernelArgs* args, int64_t count, int64_t rows, in
 GEMM_AR_FN bool plan_kernel_args(KernelArgs* args, int64_t m, int64_t n, int64_t k) {
   if (!kernel_counts_plannable(args) || m <= 0 || n <= 0 || k <= 0) return false;
   if (!plan_npu_tiles(args, 1, m, n, k)) return false;
+  args->variant = kVariantTiled;
   args->layout =
       make_kernel_layout(args->plan, dtype_bytes(args->dtype), args->world, args->compute_blocks, args->comm_blocks);
+  return true;
+}
+
+// plan_kernel_args for the decode variant (variant set, decode layout); false also when the sizes do not fit it.
+GEMM_AR_FN bool plan_decode_kernel_args(KernelArgs* args, int64_t m, int64_t n, int64_t k) {
+  if (!kernel_counts_plannable(args) || !decode_plannable(m, n) || k <= 0) return false;
+  if (!plan_npu_tiles(args, 1, m, n, k)) return false;
+  args->variant = kVariantDecode;
+  args->layout = make_decode_kernel_layout(args->plan, dtype_bytes(args->dtype), args->world, args->compute_blocks);
   return true;
 }
 
