@@ -92,6 +92,14 @@ uint32_t sp_op_of(const CallArgs& call) {
   return 0;
 }
 
+}  // namespace
+
+uint32_t fused_variant(const CallArgs& call) {
+  return call.op == kOpGemmAllreduce && decode_plannable(call.m, call.n) ? kVariantDecode : kVariantTiled;
+}
+
+namespace {
+
 // Arguments that depend only on the call's sizes and the communicator: what check_fused and run_fused share.
 bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   *args = KernelArgs{};
@@ -102,7 +110,10 @@ bool plan_call(const CallArgs& call, const CommState& state, KernelArgs* args) {
   args->compute_blocks = state.compute_blocks;
   args->comm_blocks = state.comm_blocks;
   const uint32_t sp_op = sp_op_of(call);
-  if (sp_op == 0) return plan_kernel_args(args, call.m, call.n, call.k);
+  if (sp_op == 0) {
+    return fused_variant(call) == kVariantDecode ? plan_decode_kernel_args(args, call.m, call.n, call.k)
+                                                 : plan_kernel_args(args, call.m, call.n, call.k);
+  }
   // One row chunk per rank: a reduce-scatter's is the rank's rows of the output, an allgather's its shard (its a).
   const int64_t m_sub = sp_op == kOpGemmReduceScatter ? call.m / state.world : call.m;
   return plan_sp_kernel_args(args, sp_op, m_sub, call.n, call.k);
@@ -150,6 +161,7 @@ CallSignature fused_signature(const CallArgs& call, Algorithm chosen, const Comm
     sig[kSigSubM] = kNpuSubM;
     sig[kSigComputeBlocks] = state.compute_blocks;
     sig[kSigCommBlocks] = state.comm_blocks;
+    sig[kSigEngineMode] = fused_variant(call);  // how the call uses the windows (KernelArgs::variant)
   }
   return sig;
 }

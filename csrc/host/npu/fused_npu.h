@@ -21,6 +21,11 @@ struct FusedCheck {
   std::string reason;  // empty when the fused path can run the call
 };
 
+// Which variant of gemm_allreduce's kernels `fused` runs (gemm_ar::KernelVariant): the decode kernels for
+// gemm_allreduce at M <= kDecodeMaxM (docs/ascend.md, "Decode"), the tiled ones otherwise. A function of the agreed
+// arguments alone, so the same on every rank; it is also in the signature the kernels compare.
+uint32_t fused_variant(const CallArgs& call);
+
 // Whether the fused path can run this call on this group, and if not why. The answer is the same on every rank
 // (it rests on the agreed arguments and on values agreed when the communicator was set up). May set up the
 // communicator, which is collective over `group`.

@@ -18,8 +18,8 @@ namespace gemm_ar::npu {
 namespace {
 
 // `auto` takes `sequential` below this many output rows, where one HCCL all_reduce after the GEMM is latency-bound
-// and there is too little work to overlap. Not yet measured on hardware (docs/ascend.md); override with
-// TORCH_GEMM_AR_NPU_FUSED_MIN_ROWS.
+// and there is too little work to overlap (except gemm_allreduce at decode sizes, which takes the decode kernels). Not
+// yet measured on hardware (docs/ascend.md); override with TORCH_GEMM_AR_NPU_FUSED_MIN_ROWS.
 constexpr int64_t kDefaultFusedMinRows = 64;
 
 const char* blocker_name(FusedBlocker blocker) {
@@ -50,6 +50,9 @@ void warn_fallback_once(const FusedCheck& check, const std::string& op_name, con
 }
 
 Algorithm choose_auto(const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
+  // gemm_allreduce at decode sizes: `fused` runs the one-shot decode kernels there, estimated to beat GEMM + HCCL
+  // all_reduce at every M they take (docs/ascend.md, "Decode"; not yet measured on hardware).
+  if (fused_available && fused_variant(call) == kVariantDecode) return Algorithm::Fused;
   const int64_t min_rows = env_int(Setting::kNpuFusedMinRows, kDefaultFusedMinRows, 0, INT64_MAX);
   if (call.m < min_rows) return Algorithm::Sequential;
   if (fused_available) return Algorithm::Fused;
