@@ -94,8 +94,16 @@ uint32_t sp_op_of(const CallArgs& call) {
 
 }  // namespace
 
+// Decode while the partial product a rank pushes to every peer is at most this many bytes: above it one HCCS link
+// carries more than the tiled kernels (or HCCL's all_reduce) put on it by more than the latency the decode path
+// saves (the estimate in docs/ascend.md, "Decode"; not measured on hardware).
+constexpr int64_t kDecodeMaxPartialBytes = 512 * 1024;
+
 uint32_t fused_variant(const CallArgs& call) {
-  return call.op == kOpGemmAllreduce && decode_plannable(call.m, call.n) ? kVariantDecode : kVariantTiled;
+  const int64_t partial_bytes = call.m * call.n * static_cast<int64_t>(c10::elementSize(call.dtype));
+  return call.op == kOpGemmAllreduce && decode_plannable(call.m, call.n) && partial_bytes <= kDecodeMaxPartialBytes
+             ? kVariantDecode
+             : kVariantTiled;
 }
 
 namespace {
