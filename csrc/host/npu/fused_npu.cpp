@@ -100,10 +100,10 @@ uint32_t sp_op_of(const CallArgs& call) {
 constexpr int64_t kDecodeMaxPartialBytes = 512 * 1024;
 
 uint32_t fused_variant(const CallArgs& call) {
+  if (call.op != kOpGemmAllreduce || !decode_plannable(call.m, call.n)) return kVariantTiled;
+  // M <= 64 and N <= 65536 here: no overflow.
   const int64_t partial_bytes = call.m * call.n * static_cast<int64_t>(c10::elementSize(call.dtype));
-  return call.op == kOpGemmAllreduce && decode_plannable(call.m, call.n) && partial_bytes <= kDecodeMaxPartialBytes
-             ? kVariantDecode
-             : kVariantTiled;
+  return partial_bytes <= kDecodeMaxPartialBytes ? kVariantDecode : kVariantTiled;
 }
 
 namespace {
