@@ -15,7 +15,8 @@ import pytest
 
 from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
                               CONTROL_TIMEOUT_US, DECODE, ERR_SIGNATURE_MISMATCH, FP16, _check_call, _check_clean_run,
-                              _check_control, _check_failed_call, _check_values, _run_job, expect_counter, pytestmark)
+                              _check_control, _check_failed_call, _check_values, _run_job, expect_counter,
+                              expect_errors, pytestmark)
 from test_kernels_sim_models import ASYNC, EVICT, POSTED, _run
 
 __all__ = ["pytestmark"]  # the skip reason
@@ -26,6 +27,9 @@ CONTROL_PUSH_UNFENCED = 27  # pushed flags raised without the release fence afte
 CONTROL_PUSHED_ACQUIRE = 28  # peers' partials read after their flags without the acquire fence
 CONTROL_ARRIVAL_ORDER = 29  # partials summed own first, then in push order: another order on every rank
 CONTROL_NO_WAIT = 30  # a tile reduced without waiting for the peers' pushed flags
+CONTROL_FLAG_UNFLUSHED = 31  # pushed flags stored but never written back
+CONTROL_FLAG_STALE = 32  # pushed flags polled without invalidating this core's cached copy
+ERR_TIMEOUT_REDUCE = 4  # gemm_ar::kErrTimeoutReduce: a peer's partial of tile `item` never arrived
 
 
 def _run_decode(sim, tmp_path, world, dtype, calls, seed, compute_blocks=3, comm_blocks=2, **kw):
@@ -156,6 +160,41 @@ def test_negative_control_is_caught(simulator, tmp_path, control):
     _check_control(control, expected, results, cases,
                    lambda c, case: _check_call(simulator, FP16, 3, case, results, c),
                    lambda c, case: _check_values(simulator, FP16, 3, case, c))
+
+
+# The pushed flags' own cache discipline (raise_flag's write-back, flag_raised's invalidate), on two calls of one shape:
+# the same flags at the same places, so call 1 polls lines its cores cached, raised with call 0's tag, in call 0.
+_FLAG_CALLS = [dict(m=5, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=70),
+               dict(m=5, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=71)]
+
+
+def _run_flag_job(sim, tmp_path, negative_control):
+    return _run_decode(sim, tmp_path, 3, FP16, [dict(c) for c in _FLAG_CALLS], seed=3719,
+                       timeout_us=CONTROL_TIMEOUT_US, process_timeout_s=300, negative_control=negative_control)
+
+
+def test_flag_calls_pass_without_a_control(simulator, tmp_path):
+    cases, results = _run_flag_job(simulator, tmp_path, 0)
+    _check_all(simulator, FP16, 3, cases, results)
+
+
+FLAG_CONTROLS = {
+    # the flags never leave the pushing core: every rank times out waiting for a peer's partial, stores are lost
+    "flag_unflushed": (CONTROL_FLAG_UNFLUSHED, expect_errors({ERR_TIMEOUT_REDUCE: None}, "lost_store_lines")),
+    # call 1 reads its peers' flags from the lines cached in call 0 (call 0's tag): every rank times out there
+    "flag_stale": (CONTROL_FLAG_STALE, expect_errors({ERR_TIMEOUT_REDUCE: None})),
+}
+
+
+@pytest.mark.parametrize("control", sorted(FLAG_CONTROLS))
+def test_negative_control_on_pushed_flags_is_caught(simulator, tmp_path, control):
+    code, expected = FLAG_CONTROLS[control]
+    cases, results = _run_flag_job(simulator, tmp_path, code)
+    _check_control(control, expected, results, cases,
+                   lambda c, case: _check_call(simulator, FP16, 3, case, results, c),
+                   lambda c, case: _check_values(simulator, FP16, 3, case, c))
+    for r in range(3):  # call 1 fails on every rank, whatever the timing of call 0
+        assert results[(1, r)]["code"] == ERR_TIMEOUT_REDUCE, results[(1, r)]
 
 
 def test_rank_with_the_other_variant_stops_every_rank(simulator, tmp_path):

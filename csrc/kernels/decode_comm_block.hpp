@@ -136,8 +136,34 @@ class DecodeCommBlock : public CommBlockBase {
     if (site_kept(kControlDecodePushUnfenced)) release_fence();  // the partial in the peers' GM before the flags
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, t, i, world_));
-      raise_flag(pushed_flag(peer, t, me_), tag_, tag_high_);
+      if (negative_control() == kControlDecodeFlagUnflushed) {
+        store_flag_words(pushed_flag(peer, t, me_));
+      } else {
+        raise_flag(pushed_flag(peer, t, me_), tag_, tag_high_);
+      }
     }
+  }
+
+  // Simulator-only negative controls of the pushed flags; never reached in a device build (negative_control() is 0).
+  // The flag's words stored without the write-back raise_flag ends with (kControlDecodeFlagUnflushed).
+  AICORE inline void store_flag_words(__gm__ uint32_t* flag) {
+    scalar_store<uint32_t>(flag, tag_);
+    scalar_store<uint32_t>(flag + 1, tag_high_);
+    scalar_store<uint32_t>(flag + 2, ~tag_);
+    scalar_store<uint32_t>(flag + 3, ~tag_high_);
+  }
+
+  // Whether source `source`'s partial of tile t is in this rank's window: flag_raised (invalidate, then the words);
+  // under kControlDecodeFlagStale the words come from this core's cached copy of the line.
+  AICORE inline bool pushed_seen(int64_t t, int32_t source) {
+    __gm__ uint32_t* flag = pushed_flag(me_, t, source);
+    if (negative_control() != kControlDecodeFlagStale) return flag_raised(flag, tag_, tag_high_);
+    const bool raised = scalar_load<uint32_t>(flag) == tag_ && scalar_load<uint32_t>(flag + 1) == tag_high_ &&
+                        scalar_load<uint32_t>(flag + 2) == ~tag_ && scalar_load<uint32_t>(flag + 3) == ~tag_high_;
+#if defined(__CPU_SIM)
+    if (raised) sim_cache::acquire_pending() = true;
+#endif
+    return raised;
   }
 
   // Step 2 for every pushed tile not reduced yet whose peers' partials are all here. True on progress.
@@ -148,7 +174,7 @@ class DecodeCommBlock : public CommBlockBase {
       const int64_t t = tiles_[i];
       // Flags never go back within a call: resume where the last pass stopped, so each is read once when set.
       while (negative_control() != kControlDecodeNoWait && seen_[i] < world_ &&
-             (seen_[i] == me_ || flag_raised(pushed_flag(me_, t, seen_[i]), tag_, tag_high_))) {
+             (seen_[i] == me_ || pushed_seen(t, seen_[i]))) {
         ++seen_[i];
         progress = true;
       }
