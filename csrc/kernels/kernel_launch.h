@@ -18,7 +18,8 @@ namespace gemm_ar {
 // Cube kernel: C_local = a @ b (+ bias on args.bias_rank) tile by tile into the scratch, publishing each tile.
 void launch_gemm_compute(uint32_t block_dim, void* stream, void* args_device);
 
-// Vector kernel: reduce-scatter into the owners' windows, all-gather to every rank, result into args.out.
+// Vector kernel: reduce-scatter into the owners' windows, all-gather to every rank, result into args.out (the decode
+// variant, args.variant: every partial pushed to every rank, summed there in rank order).
 void launch_gemm_comm(uint32_t block_dim, void* stream, void* args_device);
 
 }  // namespace gemm_ar
