@@ -256,6 +256,23 @@ def test_tune_decides_ahead_of_serving(ranks, tmp_path):
     assert [d["algorithm"] for d in results[0][0]] == [d["algorithm"] for d in results[1][0]]
 
 
+def tune_decode(rank, world, cache_path):
+    fresh_tuner(cache_path)
+    taken = torch_gemm_ar.tune([(300, 64, 96)], dtype=torch.float32, decode=True)
+    checked_auto_call(rank, world, 7, 3, 64, 96)  # a decided decode bucket: exact, no more tuning
+    return ([d["bucket"] for d in taken], [tuning.decision_for(m, 64, 96) for m in tuning.DECODE_ROWS],
+            tuning.in_progress())
+
+
+def test_tune_covers_the_decode_buckets(ranks, tmp_path):
+    results = ranks(2).run(tune_decode, str(tmp_path / "tune.json"))
+    for buckets, decided, in_progress in results:
+        assert len(buckets) == 1 + len(tuning.DECODE_ROWS), buckets
+        assert [f"m<={m};" in b for m, b in zip(tuning.DECODE_ROWS, buckets[1:])] == [True] * len(tuning.DECODE_ROWS)
+        assert None not in decided and not in_progress, (decided, in_progress)
+    assert results[0][1] == results[1][1]
+
+
 def static_when_disabled(rank, world, cache_path):
     fresh_tuner(cache_path)
     os.environ["TORCH_GEMM_AR_AUTOTUNE"] = "0"

@@ -483,6 +483,8 @@ TINY_ARGS = {
                                 "--input-sets", "1"],
     "bench_cpu_fused.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
     "bench_add_rmsnorm.py": ["--shapes", "37x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
+    "bench_decode.py": ["--m-list", "37", "--layers", "19x23", "--dtypes", "float32", "--iters", "1", "--warmup", "1",
+                        "--input-sets", "1"],
     # M is the whole sequence there: divisible by the 2 ranks.
     "bench_sequence_parallel.py": ["--shapes", "38x19x23", "--iters", "1", "--warmup", "0", "--input-sets", "1"],
     "sweep.py": ["--models", "Llama-3.2-1B", "--tp", "2", "--m-list", "1,5", "--scale", "256", "--k-scale", "256",

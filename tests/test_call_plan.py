@@ -30,7 +30,8 @@ def test_the_table(one_core_env):
         (("gemm_allreduce", 2048, 256, 1024), {}, "owner-last"),
         (("gemm_allreduce", 64, 64, 64, F32, 1), {}, "owner-last"),  # one rank: nobody to read from
         (("gemm_allreduce", 64, 64, 64, F64), {}, "one-shot"),
-        (("gemm_allreduce", 64, 64, 64, BF16), {}, "one-shot" if bf16_partial == 4 else "owner-last"),
+        (("gemm_allreduce", 64, 64, 64, BF16), {}, "one-shot"),  # decode: bf16 partials too
+        (("gemm_allreduce", 128, 64, 64, BF16), {}, "one-shot" if bf16_partial == 4 else "owner-last"),
         (("gemm_allreduce", 64, 64, 64), {"epilogue": True}, "one-shot"),
         (("gemm_allreduce", 2048, 64, 1024), {"epilogue": True, "in_place": True}, "owner-last"),
         (("gemm_reduce_scatter", 64, 64, 64), {}, "owner-last"),  # never one shot: each rank keeps its chunk only
@@ -42,6 +43,40 @@ def test_the_table(one_core_env):
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
     assert flow("gemm_allreduce", 64, 64, 64) == "comm-blocks"
     assert flow("allgather_gemm", 64, 64, 64) == "gathered-shards"
+
+
+def test_decode_calls(one_core_env):
+    # M <= 64 within the one-shot bound, any dtype: one tile of the whole output, one GEMM call, one shot, the partials
+    # in the call's dtype (2-byte bf16 ones too).
+    for m in (1, 4, 16, 64):
+        for like in (F32, BF16):
+            got = plan("gemm_allreduce", m, 4096, 1024, like)
+            assert (got["flow"], got["decode"], got["one_product"]) == ("one-shot", True, True), (m, like.dtype, got)
+            assert "decode" in got["described"]
+            assert _C._call_geometry("gemm_allreduce", m, 4096, 1000, like, 2) == (m, 1000, m)
+    assert plan("gemm_allreduce", 5, 64, 64, epilogue=True)["decode"]
+    assert plan("gemm_allreduce", 5, 64, 64, epilogue=True, in_place=True)["decode"]
+    assert plan("gemm_allreduce", 3, 64, 64, world=3)["decode"]
+    # Not: more rows, one rank, past the one-shot bound, the sequence-parallel ops.
+    assert not plan("gemm_allreduce", 65, 4096, 1024)["decode"]
+    assert not plan("gemm_allreduce", 4, 64, 64, world=1)["decode"]
+    assert not plan("gemm_allreduce", 64, 64, 16385, F32, 2)["decode"]  # 64 x 16385 x 4 bytes: over 4 MiB
+    assert plan("gemm_allreduce", 64, 64, 16385, BF16, 2)["decode"]  # half of it in bf16
+    assert not plan("gemm_allreduce", 64, 64, 16385, BF16, 3)["decode"]
+    assert not plan("gemm_reduce_scatter", 64, 64, 64)["decode"]
+    assert not plan("allgather_gemm", 64, 64, 64)["decode"]
+    # The options that make it one shot, and its own.
+    for option in ("decode", "one_shot", "owner_last", "overlap"):
+        with engine_switch(option, False):
+            assert not plan("gemm_allreduce", 1, 4096, 1024)["decode"], option
+    with engine_switch("decode", False):
+        assert _C._call_geometry("gemm_allreduce", 1, 4096, 1000, F32, 2) != (1, 1000, 1)
+    # Comm threads, or a tile from the environment: their geometry, not the decode one.
+    one_core_env.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,64")
+    assert not plan("gemm_allreduce", 1, 4096, 1024)["decode"]
+    one_core_env.delenv("TORCH_GEMM_AR_CPU_TILE")
+    one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
+    assert plan("gemm_allreduce", 1, 4096, 1024)["flow"] == "comm-blocks"
 
 
 @pytest.mark.parametrize("option,value,want", [("one_shot", False, "owner-last"), ("owner_last", False, "comm-blocks"),
@@ -78,17 +113,21 @@ def test_output_slots(one_core_env):
 def expected(op, m, k, n, like, world, epilogue, in_place, comm_inline, options, slots):
     """The rules, stated independently of the C++ (allgather_gemm aside, whose flow is fixed)."""
     if op == "allgather_gemm":
-        return "gathered-shards", 0
+        return "gathered-shards", 0, False
     if not (comm_inline and options["overlap"] and options["owner_last"]):
-        return "comm-blocks", 0
+        return "comm-blocks", 0, False
+    allreduce = op == "gemm_allreduce"
+    # Decode: gemm_allreduce (add+RMSNorm too) of at most 64 rows whose partials in the call's dtype fit one shot.
+    decode = (allreduce and options["one_shot"] and world > 1 and 1 <= m <= 64
+              and m * n * like.element_size() * (world - 1) <= 4 * MiB)
     partial = 4 if like.dtype == torch.float32 or _C._computes_in_fp32(like) else like.element_size()
     partial = 8 if like.dtype == torch.float64 else partial
-    allreduce = op == "gemm_allreduce"
-    one_shot = (allreduce and world > 1 and partial >= 4 and m * n * partial * (world - 1) <= 4 * MiB
+    partial = like.element_size() if decode else partial
+    one_shot = (allreduce and world > 1 and (partial >= 4 or decode) and m * n * partial * (world - 1) <= 4 * MiB
                 and options["one_shot"])
     slot = (not one_shot and allreduce and world > 1 and not epilogue and not in_place
             and m * n * like.element_size() >= MiB and slots > 0)
-    return ("one-shot" if one_shot else "owner-last"), (m * n * like.element_size() if slot else 0)
+    return ("one-shot" if one_shot else "owner-last"), (m * n * like.element_size() if slot else 0), decode
 
 
 def test_random_calls_follow_the_rules(one_core_env):
@@ -113,7 +152,7 @@ def test_random_calls_follow_the_rules(one_core_env):
             # block (allgather_gemm: where every shard is in) and a plain gemm_allreduce.
             geometry = _C._call_multiplies_in_one_product("add_rmsnorm" if epilogue else op, m, k, n, like, world)
         want = expected(op, m, k, n, like, world, epilogue, in_place, comm_inline, options, slots)
-        assert (got["flow"], got["slot_output_bytes"]) == want, (op, m, k, n, like.dtype, world, epilogue, in_place,
+        assert (got["flow"], got["slot_output_bytes"], got["decode"]) == want, (op, m, k, n, like.dtype, world, epilogue, in_place,
                                                                  comm_inline, options, slots, got)
         if op == "allgather_gemm":
             assert got["one_product"] == geometry, (op, m, k, n, world, got)

@@ -5,7 +5,7 @@ import pytest
 from torch_gemm_ar import _C, engine_options
 
 OPTIONS = {"overlap", "owner_last", "row_epilogue_geometry", "wide_row_panels", "packed_b", "fewer_b_reorders",
-           "one_shot", "one_product", "tune_tile_family", "tune_gathered_inputs"}
+           "one_shot", "one_product", "tune_tile_family", "tune_gathered_inputs", "decode"}
 
 
 def test_every_option_has_its_default():

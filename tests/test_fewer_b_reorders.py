@@ -108,8 +108,9 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
     digests = []
     eps = 1e-5
     with scoped_env(**ONE_CORE):
+        # Decode-sized calls (the first two) would take the decode geometry (tests/test_decode.py).
         previous = (_C._set_engine_option("fewer_b_reorders", EVERY_DTYPE),
-                    _C._set_engine_option("owner_last", owner_last))
+                    _C._set_engine_option("owner_last", owner_last), _C._set_engine_option("decode", False))
         try:
             for case, (m, k, n) in enumerate(CALLS):
                 one_product = _C._prefers_one_product(m, k)
@@ -154,6 +155,7 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
         finally:
             _C._set_engine_option("fewer_b_reorders", previous[0])
             _C._set_engine_option("owner_last", previous[1])
+            _C._set_engine_option("decode", previous[2])
     return digests
 
 

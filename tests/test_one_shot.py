@@ -14,7 +14,7 @@ from torch_gemm_ar import _C
 from expect import error_of_a_fused_call_with
 from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from hooked_build import hooked
-from scoped_env import scoped_env
+from scoped_env import engine_switch, scoped_env
 from stress_call import fused_call_is_right
 
 # Comm between tiles on the caller's thread (one core per rank), the engine's default tiles (256 x 512): the
@@ -45,7 +45,9 @@ def fused(a, b, bias, one_shot: bool):
 
 def one_shot_against_two_phase(rank, world, seed):
     results = []
-    with scoped_env(**INLINE):
+    # Decode calls (M <= 64) take their own geometry and dtype (tests/test_decode.py): here the one-shot reduction on
+    # the same tiles as the two-phase way.
+    with scoped_env(**INLINE), engine_switch("decode", False):
         for i, (m, k, n) in enumerate(ONE_SHOT + TWO_PHASE):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 step = seed + 31 * i
@@ -78,7 +80,7 @@ def add_rmsnorm_both_ways(rank, world, seed):
     """gemm_allreduce_add_rmsnorm and its in-place form, one shot and two phases: the same bits, and the float64
     reference (a residual add, then RMSNorm)."""
     counts = []
-    with scoped_env(**INLINE):
+    with scoped_env(**INLINE), engine_switch("decode", False):  # as in one_shot_against_two_phase
         for i, (m, k, n) in enumerate(ONE_SHOT + TWO_PHASE):
             for dtype in (torch.float32, torch.bfloat16):
                 step = seed + 17 * i

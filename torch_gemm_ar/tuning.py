@@ -106,16 +106,25 @@ def warm_up_until_tuned(step, min_steps: int = 1, group: GroupLike = None) -> in
     return ran
 
 
+# The decode buckets tune(decode=True) adds per (K, N): M rounded up to a power of two, up to the CPU engine's decode
+# calls' 64 rows (docs/usage.md, "Decode").
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
 def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.dtype = torch.float32, *,
-         bias: bool = False, device: Optional[torch.device] = None) -> List[dict]:
+         bias: bool = False, device: Optional[torch.device] = None, decode: bool = False) -> List[dict]:
     """Decides `auto` for each (M, K, N) on `group` now, with random inputs: M rows, this rank's K (the shard),
     N outputs, on `device` (default CPU; pass the rank's NPU to tune its calls there, timed by device events).
+    With decode=True, also every decode bucket of each (K, N): M in DECODE_ROWS (one token per step up to 64).
     Collective: every rank of the group calls it with the same arguments. Returns the decisions taken (none for
     buckets already decided in this process or with a single candidate)."""
     shapes = [tuple(int(v) for v in s) for s in shapes]
     for s in shapes:
         if len(s) != 3 or min(s) < 1:
             raise ValueError(f"tune: every shape must be (M, K, N) with positive sizes; got {s}")
+    if decode:
+        kn = list(dict.fromkeys((k, n) for _, k, n in shapes))
+        shapes = shapes + [(m, k, n) for k, n in kn for m in DECODE_ROWS if (m, k, n) not in shapes]
     if os.environ.get("TORCH_GEMM_AR_AUTOTUNE", "1") == "0":
         raise RuntimeError("tune: TORCH_GEMM_AR_AUTOTUNE=0 disables measured auto (the static policy applies)")
     before = len(decisions())
@@ -130,5 +139,5 @@ def tune(shapes: Iterable[Sequence[int]], group: GroupLike = None, dtype: torch.
     return decisions()[before:]
 
 
-__all__ = ["cache_path", "calls_to_decide", "decision_for", "decisions", "in_progress", "tune",
+__all__ = ["DECODE_ROWS", "cache_path", "calls_to_decide", "decision_for", "decisions", "in_progress", "tune",
            "warm_up_until_tuned"]

@@ -212,7 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK_VALUE(gemm_ar::make_row_chunked_plan(&tiles, &row_chunks, chunks, rows, n, k, config.base_m,
                                                          config.base_n, 1, 1, config.sub_m),
                           "_plan_call: no tile plan for M=", m, " K=", k, " N=", n);
-        const at::ScalarType partial = gemm_ar::computes_in_fp32(like) ? at::kFloat : like.scalar_type();
+        const at::ScalarType partial =
+            gemm_ar::computes_in_fp32(like) && !config.decode ? at::kFloat : like.scalar_type();
         const int64_t kind = gather    ? gemm_ar::kOpAllgatherGemm
                              : scatter ? gemm_ar::kOpGemmReduceScatter
                                        : gemm_ar::kOpGemmAllreduce;
@@ -221,7 +222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return pybind11::dict(pybind11::arg("flow") = cpu::data_flow_name(plan.flow),
                               pybind11::arg("one_product") = plan.one_product,
                               pybind11::arg("slot_output_bytes") = plan.slot_output_bytes,
-                              pybind11::arg("described") = cpu::describe(plan));
+                              pybind11::arg("decode") = plan.decode, pybind11::arg("described") = cpu::describe(plan));
       },
       pybind11::arg("op"), pybind11::arg("m"), pybind11::arg("k"), pybind11::arg("n"), pybind11::arg("like"),
       pybind11::arg("world"), pybind11::arg("epilogue") = false, pybind11::arg("in_place") = false,
@@ -286,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Whether this CPU's product of t's dtype reorders B per call (bf16/fp16 computed natively; tests)");
   m.def("_one_shot_calls", &gemm_ar::cpu::one_shot_call_count,
         "CPU fused engine: gemm_allreduce calls this process reduced in one shot (tests)");
+  m.def("_decode_calls", &gemm_ar::cpu::decode_call_count,
+        "CPU fused engine: of those, the calls on the decode geometry (one GEMM call of the whole output; tests)");
   m.def("_one_product_calls", &gemm_ar::cpu::one_product_call_count,
         "CPU fused engine: calls this process multiplied in one GEMM call (tests)");
   m.def("_engine_tile_walk", &gemm_ar::cpu::engine_tile_walk, pybind11::arg("a"), pybind11::arg("b"),

@@ -29,8 +29,9 @@ bool reorders_b_per_product(at::ScalarType dtype) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && cpu_has_fast(dtype);
 }
 
-LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool add_bias) {
-  const bool widen = computes_in_fp32(a2d);
+LocalGemm::LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool add_bias,
+                     bool native) {
+  const bool widen = !native && computes_in_fp32(a2d);
   // .to() keeps b's strides, so a transposed weight view stays a transposed view for BLAS.
   a_ = widen ? a2d.to(at::kFloat) : a2d;
   if (widen) source_a_ = a2d;

@@ -30,7 +30,10 @@ class ColumnPanelGemm {
 class LocalGemm {
  public:
   // `add_bias`: whether this rank contributes the bias (exactly one rank does, so it is added once).
-  LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool add_bias);
+  // `native`: compute in the call's dtype even where computes_in_fp32 holds, as torch's `a @ b` does (the CPU
+  // engine's decode calls, whose GEMM is a pass over B: widening all of B to fp32 would cost more than it).
+  LocalGemm(const at::Tensor& a2d, const at::Tensor& b, const std::optional<at::Tensor>& bias, bool add_bias,
+            bool native = false);
 
   // out = a[row0 : row0+rows] @ b[:, col0 : col0+cols] (+ bias[col0 : col0+cols]).
   // `out` is a [rows, cols] view with unit column stride, of the compute dtype or the call dtype.

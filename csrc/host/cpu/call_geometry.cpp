@@ -29,6 +29,15 @@ bool same_geometry(const EngineConfig& a, const EngineConfig& b) {
 
 }  // namespace
 
+bool takes_decode_geometry(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world) {
+  const EngineOptions& o = engine_options();
+  if (op != kOpGemmAllreduce && op != kOpGemmAllreduceAddRmsnorm) return false;
+  if (!option(o.decode) || !option(o.one_shot) || !option(o.owner_last) || !option(o.overlap)) return false;
+  if (world < 2 || m <= 0 || n <= 0 || m > kDecodeMaxRows) return false;
+  // Decode calls multiply in the call's dtype (LocalGemm's `native`): their partials have its element size.
+  return m * n * static_cast<int64_t>(c10::elementSize(dtype)) * (world - 1) <= kOneShotMaxReadBytes;
+}
+
 Algorithm other_tile_family(int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world) {
   if (m * n < 65536) return Algorithm::Auto;  // tiny calls: their tuning would cost more than tiles can change
   const Algorithm other =
@@ -48,6 +57,7 @@ EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::Scalar
     gathered.gathered_inputs = gathered.comm_inline && !gathered.tile_from_env && m > 0 && n > 0;
     return gathered;
   }
+  if (family == 0 && takes_decode_geometry(op, m, n, dtype, world)) return decode_geometry(config, m, n);
   const bool forced = op == kOpGemmAllreduce && family != 0;
   const bool fewer_b_reorders = forced ? family == 2 : rules_take_few_products(op, m, k, dtype);
   auto with_product_rule = [&](EngineConfig fewer) {

@@ -14,7 +14,8 @@
 namespace gemm_ar::cpu {
 
 // The engine's configuration for one call of `op` (OpKind) of [M, K] x [K, N] in `dtype` on `world` local ranks: the
-// settings (engine_config) with the op's own tile geometry where the engine options allow it. Where the call's
+// settings (engine_config) with the op's own tile geometry where the engine options allow it. Decode-sized calls
+// (takes_decode_geometry) decode_geometry, whatever their dtype. Where the call's
 // products reorder B per call (reorders_b_per_product): add+RMSNorm tile_row_per_rank_geometry, gemm_allreduce
 // tile_row_per_rank_geometry where prefers_row_panels(M, K), else column_panel_geometry; the same for a long-K
 // gemm_allreduce in any dtype (is_long_k_call); gemm_reduce_scatter and allgather_gemm tile_row_per_rank_geometry
@@ -27,6 +28,13 @@ namespace gemm_ar::cpu {
 // gemm_reduce_scatter, the shard's rows of a 2-D allgather_gemm).
 EngineConfig call_config(int64_t op, int64_t m, int64_t k, int64_t n, at::ScalarType dtype, int world,
                          int64_t family = 0, int64_t chunk_rows = 0);
+
+// Whether a call of `op` (OpKind) of M x N in `dtype` on `world` local ranks takes decode_geometry (engine_config.h)
+// under the geometry rules: gemm_allreduce or add+RMSNorm, M <= kDecodeMaxRows, every rank reading its peers'
+// whole partials within the one-shot bound (kOneShotMaxReadBytes), with the engine options that make it one shot
+// (decode, one_shot, owner_last, overlap). decode_geometry itself adds the configuration's conditions (one core
+// per rank, no tile from the environment).
+bool takes_decode_geometry(int64_t op, int64_t m, int64_t n, at::ScalarType dtype, int world);
 
 // For `auto`: the forced family (FusedTiles or FusedFewProducts) whose configuration differs from the rules' for this
 // gemm_allreduce call, where the output is big enough for its tiles to matter (from 64K elements); Auto otherwise.

@@ -36,12 +36,15 @@ CallPlan plan_call(const CallPlanInputs& in) {
                         in.partial_is_out_dtype && in.gathered_input_bytes <= in.partial_region_bytes;
   // Small outputs: every rank reads (world - 1) whole partials from its peers in one shot, at most
   // kOneShotMaxReadBytes. Not with 2-byte partials (bf16/fp16 computed natively): they cost more to reduce than to
-  // copy, and one shot reduces the whole output on every rank (docs/journal/performance-journal.md).
+  // copy, and one shot reduces the whole output on every rank (docs/journal/performance-journal.md); except on the
+  // decode geometry, whose few rows cost microseconds either way, where one phase saves a wait on the owners.
   const int64_t one_shot_reads = in.m * in.n * in.partial_elem * (in.world - 1);
-  const bool one_shot = !gathered && in.op == kOpGemmAllreduce && in.world > 1 && in.partial_elem >= 4 &&
-                        one_shot_reads <= kOneShotMaxReadBytes && in.one_shot;
+  const bool one_shot = !gathered && in.op == kOpGemmAllreduce && in.world > 1 &&
+                        (in.partial_elem >= 4 || in.decode_geometry) && one_shot_reads <= kOneShotMaxReadBytes &&
+                        in.one_shot;
   plan.flow = gathered ? DataFlow::kGatheredInputs : one_shot ? DataFlow::kOneShot : DataFlow::kOwnerLast;
   plan.one_product = geometry_one_product && plain_allreduce && !gathered;
+  plan.decode = one_shot && in.decode_geometry;
   // Peers copy the owners' rows from their outputs (the owner-last walk writes them once and last); not where the
   // output changes after the rows are final (an epilogue, the in-place residual).
   const bool slot_output = !one_shot && in.op == kOpGemmAllreduce && in.world > 1 && !in.row_epilogue && !in.in_place &&
@@ -70,6 +73,7 @@ CallPlanInputs plan_inputs(int64_t op, int64_t m, int64_t k, int64_t n, int worl
   in.comm_inline = config.comm_inline;
   in.gathered_inputs_family = config.gathered_inputs;
   in.geometry_one_product = config.one_product && config.compute_blocks == 1;
+  in.decode_geometry = config.decode;
   in.overlap = option(options.overlap);
   in.owner_last = option(options.owner_last);
   in.one_shot = option(options.one_shot);
@@ -80,6 +84,7 @@ CallPlanInputs plan_inputs(int64_t op, int64_t m, int64_t k, int64_t n, int worl
 
 std::string describe(const CallPlan& plan) {
   std::string text = data_flow_name(plan.flow);
+  if (plan.decode) text += ", decode";
   if (plan.one_product) text += ", one product";
   if (plan.slot_output_bytes > 0) text += ", output slot of " + std::to_string(plan.slot_output_bytes) + " bytes";
   return text;

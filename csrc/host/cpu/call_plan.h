@@ -41,6 +41,7 @@ struct CallPlanInputs {
   // The call's geometry (EngineConfig): comm between tiles on the caller's thread, the gathered-inputs family,
   // one product per call where the geometry asks for it (and one compute block).
   bool comm_inline = false, gathered_inputs_family = false, geometry_one_product = false;
+  bool decode_geometry = false;  // EngineConfig::decode (engine_config.h)
   // Engine options (cpu/engine_options.h) and output slots per window (cpu/shared_outputs.h).
   bool overlap = true, owner_last = true, one_shot = true, one_product = true;
   int output_slots = 0;
@@ -50,6 +51,9 @@ struct CallPlan {
   DataFlow flow = DataFlow::kCommBlocks;
   bool one_product = false;       // this rank's whole partial (allgather_gemm: all rows) in one GEMM call
   int64_t slot_output_bytes = 0;  // > 0: the output goes into a window slot of this size where one is free
+  // One shot on the decode geometry (engine_config.h, decode_geometry), 2-byte partials included: the rank's partial
+  // in one GEMM call into its bank, every rank summing every partial.
+  bool decode = false;
   bool owner_reduces_in_compute() const { return flow != DataFlow::kCommBlocks && flow != DataFlow::kGatheredShards; }
 };
 

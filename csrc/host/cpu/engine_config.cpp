@@ -100,6 +100,17 @@ EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, i
   return tall;
 }
 
+EngineConfig decode_geometry(const EngineConfig& config, int64_t m, int64_t n) {
+  if (config.tile_from_env || !config.comm_inline || m <= 0 || n <= 0 || m > kDecodeMaxRows) return config;
+  EngineConfig decode = config;
+  decode.base_m = m;
+  decode.sub_m = m;
+  decode.base_n = n;
+  decode.one_product = true;
+  decode.decode = true;
+  return decode;
+}
+
 EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_t n, int world) {
   if (config.tile_from_env || !config.comm_inline || world < 1 || m <= 0 || n <= 0) return config;  // empty: no tiles
   EngineConfig tall = config;

@@ -21,6 +21,9 @@ struct EngineConfig {
   bool one_product = false;
   // Set by call_config for the gathered-inputs flow (tile_row_per_rank_geometry's tiles; cpu/gathered_inputs.h).
   bool gathered_inputs = false;
+  // Set by decode_geometry: one tile of the whole output, multiplied in one GEMM call and reduced in one shot
+  // whatever the partials' dtype (cpu/call_plan.h).
+  bool decode = false;
 };
 
 EngineConfig engine_config(int local_ranks);
@@ -61,5 +64,17 @@ EngineConfig column_panel_geometry(const EngineConfig& config, int64_t m, int64_
 // (docs/journal/performance-journal.md). Kept as row_epilogue_geometry when the tile is from the environment, with
 // comm threads, or for an empty output.
 EngineConfig tile_row_per_rank_geometry(const EngineConfig& config, int64_t m, int64_t n, int world);
+
+// The most rows of a decode call (decode_geometry).
+constexpr int64_t kDecodeMaxRows = 64;
+
+// The geometry of one decode-sized gemm_allreduce call (M <= kDecodeMaxRows, every rank reducing in one shot) on a
+// one-core rank (comm_inline): one tile of all M rows and all N columns, one stripe, its rows exactly N apart, so the
+// rank's partial is one GEMM call into a contiguous [M, N] output, as `a @ b` is (no per-tile products, no column
+// panels: at these sizes each product's fixed cost and each pass over B are what the call costs;
+// docs/journal/performance-journal.md). Kept as `config` when the tile is from the environment, with comm threads,
+// for an empty output or more rows. The same inputs on every rank give the same geometry (it is in the call
+// signature).
+EngineConfig decode_geometry(const EngineConfig& config, int64_t m, int64_t n);
 
 }  // namespace gemm_ar::cpu

@@ -22,7 +22,8 @@
   X(bool, one_shot, true, 1, "False: small gemm_allreduce calls reduce-scatter and all-gather instead of one shot") \
   X(bool, one_product, true, 1, "False: calls whose geometry asks for one GEMM per call multiply tile by tile")     \
   X(bool, tune_tile_family, true, 1, "False: `auto` races fused only with the geometry rules' tiles")               \
-  X(bool, tune_gathered_inputs, true, 1, "False: `auto` does not time the gathered-inputs flow")
+  X(bool, tune_gathered_inputs, true, 1, "False: `auto` does not time the gathered-inputs flow")                    \
+  X(bool, decode, true, 1, "False: decode-sized gemm_allreduce calls (M <= 64) keep the other geometries")
 
 namespace gemm_ar::cpu {
 

@@ -95,6 +95,8 @@ struct CallJob {
   // partial, one phase instead of reduce-scatter + all-gather (one_shot_compute.cpp); no comm block work but the
   // header check.
   bool one_shot = false;
+  // One shot on the decode geometry (cpu/call_plan.h, CallPlan::decode): counted apart (decode_call_count).
+  bool decode = false;
   // Set with owner_reduces_in_compute where the geometry asks for it (EngineConfig::one_product) and the call has
   // one row chunk: the compute block multiplies all of this rank's partial in one GEMM call into its window, then
   // publishes the peers' tiles and reduces its own from the window (owner_last_compute.cpp), or, in one shot, into
@@ -149,6 +151,7 @@ void run_owner_last_compute(CallJob& job, const std::function<bool()>& progress)
 constexpr int64_t kOneShotMaxReadBytes = int64_t{4} << 20;
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress);  // one_shot_compute.cpp
 int64_t one_shot_call_count();     // calls this process reduced in one shot (tests: the path is really taken)
+int64_t decode_call_count();       // of those, the calls on the decode geometry (CallJob::decode; tests)
 int64_t one_product_call_count();  // calls this process multiplied in one GEMM call (CallJob::one_product; tests)
 void count_one_product_call();     // one more such call (allgather_gemm's one product counts too)
 // CallJob::one_product: this rank's whole partial in one GEMM call into `partial` (rows pad_n apart, tile row mi at

@@ -426,8 +426,9 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowEpilogue& row_epilogu
     config_family_ = call.fused_family;
     config_ = config_of(call, world_, config_family_);
   }
-  // Rank 0 adds the bias to its partial product, so the reduced sum holds it once.
-  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0);
+  // Rank 0 adds the bias to its partial product, so the reduced sum holds it once. Decode calls multiply in the
+  // call's dtype, as `a @ b` does (their 2-byte partials reduce in one shot: cpu/call_plan.h).
+  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank_ == 0, /*native=*/config_.decode);
   CallJob job;
   // The data flow (cpu/call_plan.h): the same on every rank, except where this rank's output goes (a free slot or
   // not), which only this rank's peers need to know.
@@ -438,6 +439,7 @@ at::Tensor FusedEngine::run(const CallArgs& call, const RowEpilogue& row_epilogu
     j.owner_reduces_in_compute = flow.owner_reduces_in_compute();
     j.gathered_inputs = flow.flow == DataFlow::kGatheredInputs;
     j.one_shot = flow.flow == DataFlow::kOneShot;
+    j.decode = flow.decode;
     j.one_product = flow.one_product;
     return flow.slot_output_bytes;
   };

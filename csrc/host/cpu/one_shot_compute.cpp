@@ -32,10 +32,11 @@
 namespace gemm_ar::cpu {
 
 namespace {
-std::atomic<int64_t> one_shot_calls{0};
+std::atomic<int64_t> one_shot_calls{0}, decode_calls{0};
 }  // namespace
 
 int64_t one_shot_call_count() { return one_shot_calls.load(std::memory_order_relaxed); }
+int64_t decode_call_count() { return decode_calls.load(std::memory_order_relaxed); }
 
 void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
   TORCH_CHECK(job.compute_blocks == 1 && job.op == kOpGemmAllreduce, current_op(),
@@ -50,12 +51,18 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
     return job.region(r, reduced_entry_offset(w, bank, padded_row, col0, p.pad_n, job.partial_elem));
   };
   one_shot_calls.fetch_add(1, std::memory_order_relaxed);
+  if (job.decode) decode_calls.fetch_add(1, std::memory_order_relaxed);
   // Rank r's partial of tile t is in its bank: the flag shows this call or the next (see above).
   auto published = [&](int r, int64_t t) {
     const uint32_t flag = load_acquire(window_word(job.region(r, tile_flag_entry_offset(w, t))));
     return job.ignore_epochs ? flag != 0 : flag == job.epoch || flag == job.epoch + 1u;
   };
   std::vector<const uint8_t*> sources(job.world);
+  // A decode call waits for its peers at most about one GEMM of theirs, and is short: a rank that slept there would
+  // come back a futex wake-up (under load, a scheduler slice) later, which is the size of the call's whole
+  // communication. So it spins as long as a tuning call's agreement does before sleeping (shm_sync.h, kAlignSpins;
+  // one core per rank is this rank's own).
+  const int spins = job.decode ? kAlignSpins : kWaitSpins;
   try {
     // Every tile's partial first: peers wait for all of them. In one GEMM call where the geometry asks for it.
     if (job.one_product && p.m > 0) {
@@ -83,7 +90,7 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
                                      [&](int r) { return !started_call(job.windows[r], job.epoch); }) +
                           " did not arrive at call " + std::to_string(job.epoch) + wait_bound(job);
                  },
-                 doorbell(job.windows[job.rank], 0), job.timeout, &job.abort);
+                 doorbell(job.windows[job.rank], 0), job.timeout, &job.abort, spins);
     for (int64_t i = 0; i < p.tiles; ++i) {
       const int64_t t = zigzag_tile(i, p.n_tiles);
       // The partial, then its flag (release: a peer that sees the flag sees the rows), then every peer's doorbell.
@@ -113,7 +120,7 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
                    " did not deliver their partial of tile " + std::to_string(t) + " of call " +
                    std::to_string(job.epoch) + " (one-shot reduction)" + wait_bound(job);
           },
-          doorbell(job.windows[job.rank], 0), job.timeout, &job.abort);
+          doorbell(job.windows[job.rank], 0), job.timeout, &job.abort, spins);
       // Stripe by stripe, as the two-phase way reduces: a row epilogue (add+RMSNorm) runs on a stripe's rows once
       // every tile of its row block is summed, while they are in cache. In place (out_holds_addend) each rank adds
       // the rounded sum into its own residual, as a peer copying the two-phase way's bank does: the same bits.
