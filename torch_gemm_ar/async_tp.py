@@ -124,7 +124,9 @@ class MicroPipelineTPWithoutNccl(_pass_base()):
     def uuid(self):
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
-        previous = None if self.previous is None else getattr(self.previous, "uuid", lambda: None)()
+        if self.previous is not None and not hasattr(self.previous, "uuid"):
+            return None  # a chained pass without a uuid: no cache key, so Inductor bypasses its FX graph cache
+        previous = None if self.previous is None else self.previous.uuid()
         return (get_hash_for_files((__file__,)), previous)
 
 
