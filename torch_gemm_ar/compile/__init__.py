@@ -9,6 +9,10 @@ Two ways to use it (see torch_gemm_ar/compile/rewrite.py for the patterns and th
 
 `report()` returns the counts since the last `reset()` (rewrites per pattern, sites left alone per reason); each
 rewritten graph is also logged on the "torch_gemm_ar.compile" logger (INFO).
+
+A site is rewritten only if every rank of its group compiles it too (agreement.py): compiling a graph with a site
+waits up to TORCH_GEMM_AR_COMPILE_AGREE_S (60 s) for the group's other ranks; a site they do not all have keeps its
+plain collective, and report() says why.
 """
 import contextlib
 import threading
@@ -62,13 +66,20 @@ class GemmCollectivePass(_pass_base()):
             self.previous(graph)
 
     def uuid(self):
-        # Inductor's FX graph cache keys on this: the rewrite's source, and the chained pass's own uuid.
+        # Inductor's FX graph cache keys on this: the rewrite's source, and the chained pass's own uuid. Between
+        # ranks (a process group of more than one) the rewrite also depends on what the other ranks compile (the
+        # agreement), which no cache key can hold: None, so Inductor bypasses its caches rather than serve one
+        # rank a graph rewritten under another run's agreement.
+        import torch.distributed as dist
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
-        from . import rewrite
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return None
+
+        from . import agreement, rewrite
 
         previous = None if self.previous is None else getattr(self.previous, "uuid", lambda: None)()
-        return (get_hash_for_files((rewrite.__file__, __file__)), previous)
+        return (get_hash_for_files((rewrite.__file__, agreement.__file__, __file__)), previous)
 
 
 def enable() -> None:

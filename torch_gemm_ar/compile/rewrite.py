@@ -13,15 +13,23 @@ value (the product, the reshape, the collective, the waited tensor of a fused ad
 step only, so nothing else in the graph sees a value that disappears. Anything else is left exactly as it was and the
 reason is counted. addmm is taken only with the bias DTensor splits as bias / world per rank, which the fused op adds
 once (a bias added whole on every rank would be counted `world` times: not rewritten).
+
+A graph is walked twice: the first walk lists the sites that pass the checks, the group's ranks agree on them
+(agreement.py: a site is rewritten only if every rank of its group compiles it too), and the second walk rewrites
+the agreed sites.
 """
 import logging
 import operator
+import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 from torch import fx
+
+from . import agreement
 
 logger = logging.getLogger("torch_gemm_ar.compile")
 
@@ -147,10 +155,34 @@ def _gemm(node: fx.Node):
     raise _Skip("not mm/addmm")
 
 
+_FRAME = re.compile(r'File "([^"]*)", line (\d+), in \S+')
+
+
+def _source(node: fx.Node) -> str:
+    """Where `node` comes from, alike on every rank that traced it: its stack trace (file names without their
+    directories and without function names, which differ in dynamo's resume functions), module path, and whether
+    it is in a forward or a backward graph."""
+    trace = _FRAME.sub(lambda m: f"{os.path.basename(m[1])}:{m[2]}", node.meta.get("stack_trace") or "")
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    path = "/".join(str(entry[0]) for entry in stack.values())
+    return f"{trace}|{path}|{node.meta.get('partitioner_tag', '')}"
+
+
+def _operand(node) -> str:
+    value = _val(node)
+    if not isinstance(value, torch.Tensor):
+        return "-"
+    return f"{value.dtype}{[d if isinstance(d, int) else '?' for d in value.shape]}"
+
+
 class _Rewriter:
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, decided: Optional[Dict[fx.Node, Optional[str]]] = None):
+        """decided=None: only list the candidate sites (self.candidates); else rewrite the sites whose collective
+        maps to None there, and count the others with their reason."""
         self.graph = graph
         self.report = RewriteReport()
+        self.decided = decided
+        self.candidates = []  # (collective node, group name, description), in graph order
         from torch._guards import detect_fake_mode
 
         self.fake_mode = detect_fake_mode([_val(n) for n in graph.nodes if isinstance(_val(n), torch.Tensor)])
@@ -183,6 +215,18 @@ class _Rewriter:
         item = self.graph.call_function(operator.getitem, (node, index))
         item.meta["val"] = _val(node)[index] if _val(node) is not None else None
         return item
+
+    def _claim(self, collective: fx.Node, pattern: str, group_name: str, gemm: fx.Node, *operands) -> bool:
+        """Called when a site passed every check: in the listing walk, list it and go no further (False); in the
+        rewriting walk, True if its group's ranks agreed on it, else raise _Skip with the reason."""
+        if self.decided is None:
+            description = "\n".join([pattern, group_name, *map(_operand, operands), _source(gemm), _source(collective)])
+            self.candidates.append((collective, group_name, description))
+            return False
+        reason = self.decided.get(collective, "not rewritten: the site was not listed (the graph changed meanwhile)")
+        if reason is not None:
+            raise _Skip(reason)
+        return True
 
     # --- the patterns ------------------------------------------------------------------------------------------------
     def run(self) -> RewriteReport:
@@ -285,6 +329,8 @@ class _Rewriter:
         if norm is not None and not self._before(norm["weight"], norm["add"]):
             norm = None  # the norm weight is computed after the add: the fused op could not be placed there
         if norm is None:
+            if not self._claim(ar, "gemm_allreduce", group_name, gemm, a, b, bias):
+                return
             with self.graph.inserting_before(wait):
                 out = self._call(torch.ops.pto.gemm_allreduce.default, (a, b, group_name), {"bias": bias})
                 wait.replace_all_uses_with(self._reshape(out, wait, shape))
@@ -293,6 +339,9 @@ class _Rewriter:
             return
         add, last = norm["add"], norm["last"]
         _static_last(add)
+        if not self._claim(ar, "gemm_allreduce_add_rmsnorm", group_name, gemm, a, b, bias, norm["residual"],
+                           norm["weight"]):
+            return
         with self.graph.inserting_before(add):  # every input of the fused op is defined before the add
             residual = self._rows(norm["residual"])
             fused = self._call(torch.ops.pto.gemm_allreduce_add_rmsnorm.default,
@@ -399,6 +448,8 @@ class _Rewriter:
         if _val(gemm).shape[0] % size:
             raise _Skip("rows not divisible by the group size")
         shape = _shape_arg(wait)
+        if not self._claim(rs, "gemm_reduce_scatter", group_name, gemm, a, b):
+            return
         with self.graph.inserting_before(wait):
             out = self._call(torch.ops.pto.gemm_reduce_scatter.default, (a, b, group_name), {"scatter_dim": 0})
             wait.replace_all_uses_with(self._reshape(out, wait, shape))
@@ -422,6 +473,8 @@ class _Rewriter:
         b = mm.args[1]
         _check_operands(x, b, a_any_dim=True)
         _static_last(x)
+        if not self._claim(ag, "allgather_gemm", group_name, mm, x, b):
+            return
         with self.graph.inserting_before(mm):
             rows = self._rows(x)
             fused = self._call(torch.ops.pto.allgather_gemm.default, (rows, b, group_name), {"gather_dim": 0})
@@ -431,8 +484,13 @@ class _Rewriter:
 
 
 def rewrite_graph(graph: fx.Graph) -> RewriteReport:
-    """Rewrite `graph` in place; returns what was rewritten and what was left alone (and why)."""
-    report = _Rewriter(graph).run()
+    """Rewrite `graph` in place; returns what was rewritten and what was left alone (and why). Sites are rewritten
+    only where every rank of their group agreed (agreement.py); this waits for the group's other ranks."""
+    listing = _Rewriter(graph)
+    listing.run()
+    sites = listing.candidates
+    reasons = agreement.agree([(group_name, description) for _, group_name, description in sites])
+    report = _Rewriter(graph, {node: reason for (node, _, _), reason in zip(sites, reasons)}).run()
     if report.rewritten or report.skipped:
         logger.info("torch_gemm_ar.compile: %s", report)
     return report
