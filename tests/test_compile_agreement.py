@@ -146,7 +146,7 @@ def test_negative_control_without_agreement_fails_fast():
     try:
         with pytest.raises(RankFailure) as failure:
             pool.run(compiled_two_layers, random.randrange(1 << 30), ROWS["control"], 0, bypass_agreement=True,
-                     timeout_s=10)
+                     timeout_s=20)
     finally:
         pool.close(force=True)
     text = str(failure.value)
