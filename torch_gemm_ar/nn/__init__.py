@@ -12,6 +12,8 @@
 - replace_sequence_parallel(model): converts a DTensor plan's sequence-parallel layers in place
   (ColwiseParallel(input_layouts=Shard(d)) -> allgather_gemm, RowwiseParallel(output_layouts=Shard(d)) ->
   gemm_reduce_scatter).
+- replace_megatron(model): converts Megatron-core's RowParallelLinear / ColumnParallelLinear modules (found by type)
+  to MegatronRowParallelLinear / MegatronColumnParallelLinear, which return Megatron's (output, output_bias) pair.
 - DTensorRowParallelLinear: what a RowwiseParallel nn.Linear becomes (same parameters, inputs and outputs).
 - DTensorColumnParallelLinear: what a ColwiseParallel(input_layouts=Shard(d)) nn.Linear becomes.
 """
@@ -20,8 +22,10 @@ from .dtensor_column_parallel import DTensorColumnParallelLinear
 from .dtensor_row_parallel import DTensorRowParallelLinear
 from .replace import ReplaceReport, replace_row_parallel
 from .replace_column_parallel import replace_column_parallel
+from .replace_megatron import MegatronColumnParallelLinear, MegatronRowParallelLinear, replace_megatron
 from .replace_sequence_parallel import replace_sequence_parallel
 from .row_parallel_linear import RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "DTensorColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport",
-           "RowParallelLinear", "replace_column_parallel", "replace_row_parallel", "replace_sequence_parallel"]
+__all__ = ["ColumnParallelLinear", "DTensorColumnParallelLinear", "DTensorRowParallelLinear",
+           "MegatronColumnParallelLinear", "MegatronRowParallelLinear", "ReplaceReport", "RowParallelLinear",
+           "replace_column_parallel", "replace_megatron", "replace_row_parallel", "replace_sequence_parallel"]
