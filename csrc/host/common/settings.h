@@ -11,6 +11,8 @@
   X(kTimeoutS, "TORCH_GEMM_AR_TIMEOUT_S", "300", "at every wait", "bound of every wait on a peer, seconds")           \
   X(kProbeTimeoutS, "TORCH_GEMM_AR_PROBE_TIMEOUT_S", "120", "at each probe (Python: torch_gemm_ar/nn)",               \
     "bound of the converters' probes of a layer on all ranks, seconds")                                               \
+  X(kCompileAgreeS, "TORCH_GEMM_AR_COMPILE_AGREE_S", "60", "at each compile with a rewrite site (Python: compile/)",  \
+    "bound of the compile rewrite's wait for the group's ranks at its sites, seconds")                                \
   X(kChunks, "TORCH_GEMM_AR_CHUNKS", "4", "at each chunked call and when auto lists its candidates",                  \
     "chunks of the chunked algorithm")                                                                                \
   X(kCpuTile, "TORCH_GEMM_AR_CPU_TILE", "per-call rules", "at each CPU engine call",                                  \
