@@ -1,0 +1,149 @@
+"""Megatron-core's own tensor-parallel MLP (ColumnParallelLinear -> GELU -> RowParallelLinear) on CPU ranks, as
+Megatron runs it and converted by torch_gemm_ar.nn.replace_megatron (found by type, no names):
+
+    torchrun --nproc-per-node 2 examples/megatron_tp.py
+
+Prints the converted modules, the largest output difference, the weights after one SGD step compared, and the
+median time per forward and per train step of both (interleaved round-robin), with the CPU's name. Exits non-zero
+when a difference is beyond fp32 tolerance. Needs megatron-core 0.19.2 (`pip install --no-deps
+--ignore-requires-python megatron-core==0.19.2`; it runs on Python 3.11). On CPU: Megatron imports a triton-only MoE
+module at import time, stubbed here (the MLP never calls it); weights initialized on CPU; no
+gradient_accumulation_fusion (a CUDA kernel).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "benchmarks"))
+
+from benchkit.dist_env import cpu_model  # noqa: E402
+
+TRITON_ONLY = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def stub_triton_only_module():
+    stub = types.ModuleType(TRITON_ONLY)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+
+    def missing(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def kernel(*args, **kwargs):
+            raise RuntimeError(f"{TRITON_ONLY}.{name} needs triton (stubbed by examples/megatron_tp.py)")
+        return kernel
+
+    stub.__getattr__ = missing
+    sys.modules.setdefault(TRITON_ONLY, stub)
+
+
+def build_mlp(seed, hidden, ffn, config):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(seed)
+    init = torch.nn.init.xavier_normal_
+    mlp = torch.nn.Module()
+    mlp.fc1 = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=True, gather_output=False,
+                                   skip_bias_add=True)
+    mlp.fc2 = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=True, input_is_parallel=True,
+                                skip_bias_add=False)
+    return mlp
+
+
+def run(mlp, x):
+    h, bias = mlp.fc1(x)
+    out, _ = mlp.fc2(torch.nn.functional.gelu(h + bias))
+    return out
+
+
+def median_ms(fns, reps):
+    """Median ms per call of each fn, the fns interleaved round-robin after one warm-up each."""
+    times = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[i].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=512, help="sequence length (batch 1)")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    stub_triton_only_module()
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    import torch_gemm_ar
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
+                               use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    megatron_mlp = build_mlp(0, args.hidden, args.ffn, config)
+    converted = build_mlp(0, args.hidden, args.ffn, config)
+    report = torch_gemm_ar.nn.replace_megatron(converted)
+    if rank == 0:
+        print(report)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.tokens, 1, args.hidden, generator=g)
+    upstream = torch.randn(args.tokens, 1, args.hidden, generator=g)
+    ok = True
+    with torch.no_grad():
+        diff = (run(converted, x) - run(megatron_mlp, x)).abs().max().item()
+    ok &= diff <= 1e-4
+    for mlp in (megatron_mlp, converted):  # one SGD step each on the same batch
+        (run(mlp, x.clone().requires_grad_()) * upstream).sum().backward()
+        torch.optim.SGD(mlp.parameters(), lr=1e-3).step()
+        mlp.zero_grad()
+    weights = dict(megatron_mlp.named_parameters())
+    step_diff = max((p - weights[n]).abs().max().item() for n, p in converted.named_parameters())
+    ok &= step_diff <= 1e-5
+
+    def forward(mlp):
+        def call():
+            with torch.no_grad():
+                run(mlp, x)
+        return call
+
+    def train_step(mlp):
+        optimizer = torch.optim.SGD(mlp.parameters(), lr=0.0)  # lr 0: the weights stay comparable
+
+        def call():
+            (run(mlp, x.clone().requires_grad_()) * upstream).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return call
+
+    fwd = median_ms([forward(megatron_mlp), forward(converted)], args.reps)
+    train = median_ms([train_step(megatron_mlp), train_step(converted)], args.reps)
+    if rank == 0:
+        print(f"CPU: {cpu_model()}; {world} ranks x {torch.get_num_threads()} threads; tokens {args.tokens}, hidden "
+              f"{args.hidden}, ffn {args.ffn}")
+        print(f"largest output difference from Megatron: {diff:.3g}; weights after one SGD step: {step_diff:.3g}")
+        print(f"forward:    Megatron {fwd[0]:.2f} ms, converted {fwd[1]:.2f} ms ({fwd[0] / fwd[1]:.2f}x)")
+        print(f"train step: Megatron {train[0]:.2f} ms, converted {train[1]:.2f} ms ({train[0] / train[1]:.2f}x)")
+        print("OK" if ok else "FAILED: a difference beyond fp32 tolerance")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
