@@ -20,10 +20,7 @@ from inputs import TOLERANCE, shard
 from scoped_env import scoped_env
 
 AGREE_S = "2"
-K, F, N = 33, 20, 13  # odd sizes, not multiples of any tile
-# Rows per test: a site's description includes its shapes, so tests on one rank pool do not meet each other's
-# agreements (after a disagreement the ranks' occurrence counts of that description differ for good).
-ROWS = {"divergent": 7, "alike": 9, "control": 5}
+M, K, F, N = 7, 33, 20, 13  # odd sizes, not multiples of any tile
 
 
 class TwoRowParallelLayers(nn.Module):
@@ -55,7 +52,7 @@ def _exact(seed, world, m):
     return sum(torch.relu(h) @ w2 for _, _, w2 in parts)
 
 
-def compiled_two_layers(rank, world, seed, m, warn_rank, bypass_agreement=False):
+def compiled_two_layers(rank, world, seed, warn_rank, bypass_agreement=False, m=M):
     """Compile and run the model twice; returns (report, compiled graphs' code, max error vs float64, max difference
     from the uncompiled model, store keys added by the second compile)."""
     from torch.distributed.distributed_c10d import _world
@@ -104,8 +101,8 @@ def _tolerance(seed, world, m):
 @pytest.mark.parametrize("world", [2, 3])
 def test_rank0_only_graph_break_compiles_and_runs(ranks, world):
     seed = random.randrange(1 << 30)
-    m = ROWS["divergent"]
-    results = ranks(world).run(compiled_two_layers, seed, m, 0, timeout_s=120)
+    m = M
+    results = ranks(world).run(compiled_two_layers, seed, 0, timeout_s=120)
     for rank, (rewritten, skipped, graphs, error, diff, leftover) in enumerate(results):
         code = "\n".join(graphs)
         assert error <= _tolerance(seed, world, m) and diff <= _tolerance(seed, world, m), (rank, error, diff)
@@ -126,14 +123,49 @@ def test_rank0_only_graph_break_compiles_and_runs(ranks, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_trace_alike_fuse_every_site(ranks, world):
     seed = random.randrange(1 << 30)
-    m = ROWS["alike"]
-    results = ranks(world).run(compiled_two_layers, seed, m, None, timeout_s=120)
+    m = M
+    results = ranks(world).run(compiled_two_layers, seed, None, timeout_s=120)
     for rank, (rewritten, skipped, graphs, error, diff, leftover) in enumerate(results):
         assert error <= _tolerance(seed, world, m) and diff <= _tolerance(seed, world, m), (rank, error, diff)
         assert rewritten == {"gemm_allreduce": 2}, (rank, rewritten, skipped)
         code = "\n".join(graphs)
         assert code.count("pto.gemm_allreduce") == 2 and "_c10d_functional.all_reduce" not in code, code
         assert leftover == 0, f"rank {rank}: the agreements left {leftover} store keys behind"
+
+
+def divergent_then_alike(rank, world, seed):
+    """After a compile that rank 0 split: the same sites compiled alike stay unfused until reset() on every rank
+    (the ranks' counts of them differ), and are fused after it. Returns the reports of the two alike compiles."""
+    from torch_gemm_ar.compile import agreement
+
+    compiled_two_layers(rank, world, seed, 0)  # resets before compiling, as every call of it does
+    x, w1, w2 = _shards(seed, rank, M)
+    model = TwoRowParallelLayers(w1, w2, dist.group.WORLD.group_name, warns=False)
+    reports = []
+    with scoped_env(TORCH_GEMM_AR_COMPILE_AGREE_S=AGREE_S), torch.no_grad():
+        for restart in (False, True):
+            torch._dynamo.reset()
+            if restart:
+                torch_gemm_ar.compile.reset()
+            else:  # only the counts of report(); the agreement's session goes on
+                torch_gemm_ar.compile._total.rewritten.clear()
+                torch_gemm_ar.compile._total.skipped.clear()
+            assert agreement.bound_s() == float(AGREE_S)
+            compiled = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"))
+            error = (compiled(x).double() - _exact(seed, world, M)).abs().max().item()
+            assert error <= _tolerance(seed, world, M), (rank, restart, error)
+            report = torch_gemm_ar.compile.report()
+            reports.append((dict(report.rewritten), " ".join(report.skipped)))
+    return reports
+
+
+def test_reset_on_every_rank_starts_the_agreement_afresh(ranks):
+    for rank, (without_reset, with_reset) in enumerate(ranks(2).run(divergent_then_alike, random.randrange(1 << 30))):
+        # The site every rank had before is fused again; the one rank 0 lacked is not, and the reason says why.
+        assert without_reset[0] == {"gemm_allreduce": 1}, (rank, without_reset)
+        assert "an earlier compile of this site" in without_reset[1] or "did not compile this site" in \
+            without_reset[1], (rank, without_reset)
+        assert with_reset[0] == {"gemm_allreduce": 2}, (rank, with_reset)
 
 
 def test_negative_control_without_agreement_fails_fast():
@@ -145,7 +177,7 @@ def test_negative_control_without_agreement_fails_fast():
         pool = RankPool(2)
     try:
         with pytest.raises(RankFailure) as failure:
-            pool.run(compiled_two_layers, random.randrange(1 << 30), ROWS["control"], 0, bypass_agreement=True,
+            pool.run(compiled_two_layers, random.randrange(1 << 30), 0, bypass_agreement=True,
                      timeout_s=20)
     finally:
         pool.close(force=True)

@@ -1,11 +1,21 @@
-"""replace_megatron on Megatron-core's own layers (megatron-core 0.19.2, CPU, gloo, 2 ranks): its ColumnParallelLinear
-+ RowParallelLinear MLP, converted, gives Megatron's outputs, input gradient and one SGD step within fp32 tolerance,
-with the report naming both layers; layers in configurations the converter does not take are listed with reasons.
+"""replace_megatron and the compile rewrite on Megatron-core's own models (megatron-core 0.19.2, CPU, gloo, 2 ranks):
+
+- its ColumnParallelLinear + RowParallelLinear MLP, and a 2-layer GPTModel (SwiGLU, RMSNorm), converted: outputs,
+  input gradient and one SGD step equal Megatron's within fp32 tolerance, the report naming every linear layer;
+- the GPTModel as it comes under torch.compile with the rewrite: Megatron warns on rank 0 only inside its layers'
+  forward, so rank 0's graphs break where rank 1's do not; it runs correctly, without a hang, the sites rank 0 lacks
+  unfused on both ranks (the report says so); with dynamo told to ignore warnings.warn every site is fused;
+- layers in configurations the converter does not take are listed with reasons.
 
 CPU workarounds, none in Megatron's math: Megatron imports a triton-only MoE kernel module at import time
 (megatron/core/transformer/moe/ops/paged_stash.py; triton is not installed on CPU), stubbed before the import; the
-weights are initialized on CPU (use_cpu_initialization=True); gradient_accumulation_fusion is off (a CUDA kernel).
+weights are initialized on CPU (use_cpu_initialization=True); gradient_accumulation_fusion is off (a CUDA kernel);
+the RNG tracker is Megatron's inference tracker (its default one forks CUDA RNG states; dropout is 0 here); the
+attention's scratch buffer comes from torch.empty on CPU (Megatron's global memory buffer allocates on the current
+CUDA device; baddbmm with beta=0 never reads it); the causal mask is passed as a CPU tensor, with learned absolute
+position embeddings (no RoPE kernels); the fused softmax / bias-dropout / norm kernels are off in the config.
 """
+import contextlib
 import importlib.util
 import random
 import sys
@@ -40,6 +50,32 @@ def _stub_triton_only_module():
     sys.modules[TRITON_ONLY] = stub
 
 
+@contextlib.contextmanager
+def megatron_on_cpu(world):
+    """Megatron's model-parallel state on these ranks (tensor-parallel size `world`), with the CPU workarounds of the
+    module docstring; torn down after, so that the rank pool can run other tests."""
+    _stub_triton_only_module()
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        buffer = parallel_state.get_global_memory_buffer()
+        buffer.get_tensor = lambda shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _config(**extra):
+    from megatron.core.transformer import TransformerConfig
+
+    settings = dict(num_attention_heads=1, use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                    params_dtype=torch.float32)
+    settings.update(extra)
+    return TransformerConfig(**settings)
+
+
 def _mlp(seed, config, skip_bias_add_fc2=False):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -65,40 +101,42 @@ def _run(mlp, x):
     return out if b2 is None else out + b2
 
 
-def megatron_mlp_matches(rank, world, seed, skip_bias_add_fc2):
-    _stub_triton_only_module()
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
+def _train_once(nets, x, upstream, forward):
+    """Each net: forward, backward of (out * upstream).sum(), one SGD step; (output, input grad, parameters after)."""
+    results = []
+    for net in nets:
+        xi = x.clone().requires_grad_() if x.is_floating_point() else x
+        out = forward(net, xi)
+        (out * upstream).sum().backward()
+        torch.optim.SGD(net.parameters(), lr=0.1).step()
+        results.append((out.detach(), xi.grad, {n: p.detach().clone() for n, p in net.named_parameters()}))
+    return results
 
+
+def _assert_same_training(rank, results, tolerance=3e-5):
+    (out_ref, gx_ref, p_ref), (out, gx, p) = results
+    torch.testing.assert_close(out, out_ref, rtol=tolerance, atol=tolerance, msg=lambda m: f"rank {rank} output: {m}")
+    if gx_ref is not None:
+        torch.testing.assert_close(gx, gx_ref, rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"rank {rank} input grad: {m}")
+    assert p.keys() == p_ref.keys(), (p.keys(), p_ref.keys())
+    for name in p:
+        torch.testing.assert_close(p[name], p_ref[name], rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"rank {rank} {name} after one SGD step: {m}")
+
+
+def megatron_mlp_matches(rank, world, seed, skip_bias_add_fc2):
     import torch_gemm_ar
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    try:
-        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, use_cpu_initialization=True,
-                                   gradient_accumulation_fusion=False, params_dtype=torch.float32)
+    with megatron_on_cpu(world):
+        config = _config(num_layers=1, hidden_size=H)
         reference, model = _mlp(seed, config, skip_bias_add_fc2), _mlp(seed, config, skip_bias_add_fc2)
         report = torch_gemm_ar.nn.replace_megatron(model)
         g = torch.Generator().manual_seed(seed + 1)  # the same input and upstream gradient on every rank
         x = torch.randn(ROWS, 2, H, generator=g)
         upstream = torch.randn(ROWS, 2, H, generator=g)
-        results = []
-        for net in (reference, model):
-            xi = x.clone().requires_grad_()
-            out = _run(net, xi)
-            (out * upstream).sum().backward()
-            optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-            optimizer.step()
-            results.append((out.detach(), xi.grad, {n: p.detach().clone() for n, p in net.named_parameters()}))
-        (out_ref, gx_ref, p_ref), (out, gx, p) = results
-        torch.testing.assert_close(out, out_ref, rtol=3e-5, atol=3e-5, msg=lambda m: f"rank {rank} output: {m}")
-        torch.testing.assert_close(gx, gx_ref, rtol=3e-5, atol=3e-5, msg=lambda m: f"rank {rank} input grad: {m}")
-        assert p.keys() == p_ref.keys(), (p.keys(), p_ref.keys())
-        for name in p:
-            torch.testing.assert_close(p[name], p_ref[name], rtol=3e-5, atol=3e-5,
-                                       msg=lambda m: f"rank {rank} {name} after one SGD step: {m}")
+        _assert_same_training(rank, _train_once((reference, model), x, upstream, _run))
         return list(report), [type(m).__name__ for m in (model.fc1, model.fc2)], str(report)
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("skip_bias_add_fc2", [False, True])
@@ -110,17 +148,12 @@ def test_megatron_mlp_converted_matches_megatron(ranks, skip_bias_add_fc2):
 
 
 def megatron_layers_left_alone(rank, world):
-    _stub_triton_only_module()
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
 
     import torch_gemm_ar
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    try:
-        config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, use_cpu_initialization=True,
-                                   gradient_accumulation_fusion=False)
+    with megatron_on_cpu(world):
+        config = _config(num_layers=1, hidden_size=H)
         model = torch.nn.Module()
         model.gathered = ColumnParallelLinear(H, F, config=config, init_method=torch.nn.init.zeros_, bias=True,
                                               gather_output=True)
@@ -128,8 +161,6 @@ def megatron_layers_left_alone(rank, world):
                                              input_is_parallel=False, skip_bias_add=False)
         report = torch_gemm_ar.nn.replace_megatron(model)
         return list(report), dict(report.skipped), type(model.gathered).__name__
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def test_megatron_layers_it_does_not_take_are_reported(ranks):
@@ -137,3 +168,91 @@ def test_megatron_layers_it_does_not_take_are_reported(ranks):
     assert replaced == [] and kept == "ColumnParallelLinear", (replaced, kept)
     assert "gather_output=True" in skipped["gathered"], skipped
     assert "input_is_parallel=False" in skipped["scattering"], skipped
+
+
+VOCAB, SEQ, BATCH = 128, 9, 2
+LINEAR_LAYERS = [f"decoder.layers.{i}.{name}" for i in range(2) for name in
+                 ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")]
+
+
+def _gpt(seed):
+    """A 2-layer GPTModel (SwiGLU, RMSNorm, 4 heads) with Megatron's local (non-TE) layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, normalization="RMSNorm",
+                     gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                     hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+                     masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+    torch.manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=VOCAB, max_sequence_length=32, position_embedding_type="learned_absolute",
+                    share_embeddings_and_output_weights=False)
+
+
+def _gpt_inputs(seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)  # True: masked out
+    return tokens, positions, causal
+
+
+def megatron_gpt_matches(rank, world, seed):
+    import torch_gemm_ar
+
+    with megatron_on_cpu(world):
+        reference, model = _gpt(seed), _gpt(seed)
+        report = torch_gemm_ar.nn.replace_megatron(model)
+        tokens, positions, causal = _gpt_inputs(seed)
+        # Each rank's logits are its shard of the vocabulary: an upstream gradient of its own, as a vocab-parallel
+        # loss would give.
+        upstream = torch.randn(BATCH, SEQ, VOCAB // world, generator=torch.Generator().manual_seed(seed + 2 + rank))
+        results = _train_once((reference, model), tokens, upstream, lambda net, t: net(t, positions, causal))
+        _assert_same_training(rank, results)
+        return list(report), str(report)
+
+
+def test_megatron_gpt_converted_matches_megatron(ranks):
+    for replaced, text in ranks(2).run(megatron_gpt_matches, random.randrange(1 << 30), timeout_s=180):
+        assert sorted(replaced) == sorted(LINEAR_LAYERS + ["output_layer"]), text
+
+
+def megatron_gpt_compiled(rank, world, seed):
+    """The unconverted GPTModel compiled with the rewrite, as it comes (rank 0 warns, so its graphs break elsewhere),
+    then with dynamo ignoring warnings.warn (alike graphs): outputs equal the uncompiled model's each time."""
+    import warnings
+
+    import torch_gemm_ar
+    from scoped_env import scoped_env
+
+    reports = []
+    with megatron_on_cpu(world), torch.no_grad(), scoped_env(TORCH_GEMM_AR_COMPILE_AGREE_S="2"):
+        model = _gpt(seed)
+        inputs = _gpt_inputs(seed)
+        expected = model(*inputs)
+        for ignore_warnings in (False, True):
+            torch._dynamo.reset()
+            torch_gemm_ar.compile.reset()
+            ignored = torch._dynamo.config.ignore_logging_functions
+            if ignore_warnings:
+                ignored.add(warnings.warn)
+            try:
+                got = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"))(*inputs)
+            finally:
+                ignored.discard(warnings.warn)
+            torch.testing.assert_close(got, expected, rtol=3e-5, atol=3e-5,
+                                       msg=lambda m: f"rank {rank} ignore_warnings={ignore_warnings}: {m}")
+            report = torch_gemm_ar.compile.report()
+            reports.append((dict(report.rewritten), dict(report.skipped)))
+    return reports
+
+
+def test_megatron_gpt_compiles_when_ranks_trace_different_graphs(ranks):
+    (as_is_0, alike_0), (as_is_1, alike_1) = ranks(2).run(megatron_gpt_compiled, random.randrange(1 << 30),
+                                                           timeout_s=240)
+    # As it comes: rank 0's graphs break inside the row-parallel layers, so no rank fuses them; rank 1 says why.
+    assert as_is_0[0] == {} and as_is_1[0] == {}, (as_is_0, as_is_1)
+    assert any("not rewritten: rank(s) [0]" in reason for reason in as_is_1[1]), as_is_1
+    # Alike graphs: the 4 row-parallel sites (linear_proj, linear_fc2 of 2 layers) fused on both ranks.
+    assert alike_0[0] == alike_1[0] == {"gemm_allreduce": 4}, (alike_0, alike_1)

@@ -36,9 +36,15 @@ def report() -> RewriteReport:
 
 
 def reset() -> None:
+    """Clear report()'s counts and start the ranks' agreement on sites afresh (agreement.restart()): call it on every
+    rank of the group alike, e.g. with torch._dynamo.reset() before compiling again. A rank that resets alone meets
+    its peers' agreements no more (nothing fused, report() says so) until they reset as well."""
+    from . import agreement
+
     with _lock:
         _total.rewritten.clear()
         _total.skipped.clear()
+    agreement.restart()
 
 
 def _rewrite(graph: torch.fx.Graph) -> RewriteReport:

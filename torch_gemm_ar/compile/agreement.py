@@ -13,6 +13,9 @@ other. So before a graph is rewritten, each candidate site is agreed over its gr
   bound (TORCH_GEMM_AR_COMPILE_AGREE_S) writes "abort" instead; both writes are compare-and-set on one key, so every
   rank reads the same outcome, and a rank arriving after an abort reads "abort" at once.
 - A rank without the site never arrives: its peers reach the bound and keep the plain collective, as it does.
+- After a disagreement the ranks' counts of that description differ (the rank without the site did not count it),
+  so its later compiles are not fused either (safe, but lost). `torch_gemm_ar.compile.reset()` (restart() here),
+  called alike on every rank, starts a new session: fresh counts under fresh keys.
 - The keys of an agreement are deleted by the last of its ranks to read the outcome; an agreement that a rank never
   reached leaves its few keys behind (one set per site and compile, so bounded by the number of compiles).
 
@@ -32,6 +35,7 @@ _POLL_S = 0.005
 
 _lock = threading.Lock()
 _started: Counter = Counter()  # (group name, description hash) -> agreements this process started on it
+_session = 0  # restart() calls in this process: part of every key
 
 
 def bound_s() -> float:
@@ -61,9 +65,10 @@ class _Site:
         with _lock:
             occurrence = _started[(group_name, digest)]
             _started[(group_name, digest)] += 1
+            session = _session
         self.group, self.store = _group_store(group_name)
         self.world, self.rank = self.group.size(), self.group.rank()
-        self.key = f"{_PREFIX}/{group_name}/{digest}/{occurrence}"
+        self.key = f"{_PREFIX}/{session}/{group_name}/{digest}/{occurrence}"
         self.outcome: Optional[bytes] = None
 
     def arrive(self) -> None:
@@ -111,15 +116,29 @@ def agree(sites: Sequence[Tuple[str, str]]) -> List[Optional[str]]:
                 time.sleep(_POLL_S)
         reasons: List[Optional[str]] = []
         for site in pending:
+            missing = [] if site.outcome == b"go" else site.missing()
             if site.outcome == b"go":
                 reasons.append(None)
-            else:
-                reasons.append(f"not rewritten: rank(s) {site.missing()} of group {site.group.group_name!r} did not "
+            elif missing:
+                reasons.append(f"not rewritten: rank(s) {missing} of group {site.group.group_name!r} did not "
                                f"compile this site within {ENV}={bound:g}s (the ranks traced different graphs)")
+            else:
+                reasons.append(f"not rewritten: an earlier compile of this site on group {site.group.group_name!r} "
+                               "went without some rank, and the ranks' counts of it differ since "
+                               "(torch_gemm_ar.compile.reset() on every rank starts afresh)")
             site.finish()
         return reasons
     except Exception as exc:  # noqa: BLE001  (a store that fails: keep the plain collectives, say why)
         return [f"not rewritten: the rank agreement failed ({type(exc).__name__}: {exc})"] * len(sites)
 
 
-__all__ = ["DEFAULT_S", "ENV", "agree", "bound_s"]
+def restart() -> None:
+    """A new session: occurrence counts from zero, under keys no earlier agreement used. Every rank of a group must
+    restart alike (torch_gemm_ar.compile.reset() calls it), or their agreements never meet again."""
+    global _session
+    with _lock:
+        _session += 1
+        _started.clear()
+
+
+__all__ = ["DEFAULT_S", "ENV", "agree", "bound_s", "restart"]
