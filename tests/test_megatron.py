@@ -17,12 +17,17 @@ position embeddings (no RoPE kernels); the fused softmax / bias-dropout / norm k
 """
 import contextlib
 import importlib.util
+import os
 import random
+import re
+import shlex
+import subprocess
 import sys
 import types
 
 import pytest
 import torch
+from rank_pool import free_port
 
 H, F, ROWS = 24, 40, 7  # odd rows; F divisible by the tensor-parallel size
 TRITON_ONLY = "megatron.core.transformer.moe.ops.paged_stash"
@@ -256,3 +261,21 @@ def test_megatron_gpt_compiles_when_ranks_trace_different_graphs(ranks):
     assert any("not rewritten: rank(s) [0]" in reason for reason in as_is_1[1]), as_is_1
     # Alike graphs: the 4 row-parallel sites (linear_proj, linear_fc2 of 2 layers) fused on both ranks.
     assert alike_0[0] == alike_1[0] == {"gemm_allreduce": 4}, (alike_0, alike_1)
+
+
+@pytest.mark.multirank  # torchrun starts the ranks
+def test_example_command_runs():
+    """docs/adoption.md's torchrun line of examples/megatron_tp.py as typed, made tiny by options appended after it,
+    on a free port: the converted modules, the CPU's name and its own tolerance check come out."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "docs", "adoption.md")) as f:
+        lines = [m.group(1) for m in re.finditer(r"(torchrun [^`\n]*examples/megatron_tp\.py[^`\n]*)", f.read())]
+    assert lines, "docs/adoption.md shows no torchrun command line for examples/megatron_tp.py"
+    words = shlex.split(lines[0])
+    tiny = ["--hidden", "64", "--ffn", "96", "--tokens", "9", "--reps", "2"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
+    done = subprocess.run([torchrun, *words[1:], *tiny], capture_output=True, text=True, timeout=300, cwd=repo, env=env)
+    assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    assert "replace_megatron: replaced 2 module(s) with gemm_allreduce: fc1, fc2" in done.stdout, done.stdout
+    assert "CPU:" in done.stdout and "train step:" in done.stdout and done.stdout.rstrip().endswith("OK"), done.stdout
