@@ -196,3 +196,13 @@ def test_the_bound_is_checked(monkeypatch):
         monkeypatch.setenv(agreement.ENV, bad)
         with pytest.raises(ValueError, match=agreement.ENV):
             agreement.bound_s()
+
+
+def pass_cache_key(rank, world):
+    return torch_gemm_ar.compile.GemmCollectivePass().uuid()
+
+
+def test_inductor_caches_are_bypassed_between_ranks(ranks):
+    """Between ranks the pass has no cache key (a cached graph would carry another run's agreement to one rank);
+    in one process it keeps one (tests/test_compile_rewrite.py::test_enable_chains_and_disable_restores)."""
+    assert ranks(2).run(pass_cache_key) == [None, None]
