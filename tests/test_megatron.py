@@ -1,6 +1,6 @@
 """replace_megatron and the compile rewrite on Megatron-core's own models (megatron-core 0.19.2, CPU, gloo, 2 ranks):
 
-- its ColumnParallelLinear + RowParallelLinear MLP, and a 2-layer GPTModel (SwiGLU, RMSNorm), converted: outputs,
+- its ColumnParallelLinear + RowParallelLinear MLP (with and without sequence parallelism), and a 2-layer GPTModel (SwiGLU, RMSNorm), converted: outputs,
   input gradient and one SGD step equal Megatron's within fp32 tolerance, the report naming every linear layer;
 - the GPTModel as it comes under torch.compile with the rewrite: Megatron warns on rank 0 only inside its layers'
   forward, so rank 0's graphs break where rank 1's do not; it runs correctly, without a hang, the sites rank 0 lacks
@@ -10,9 +10,9 @@
 CPU workarounds, none in Megatron's math: Megatron imports a triton-only MoE kernel module at import time
 (megatron/core/transformer/moe/ops/paged_stash.py; triton is not installed on CPU), stubbed before the import; the
 weights are initialized on CPU (use_cpu_initialization=True); gradient_accumulation_fusion is off (a CUDA kernel);
-the RNG tracker is Megatron's inference tracker (its default one forks CUDA RNG states; dropout is 0 here); the
-attention's scratch buffer comes from torch.empty on CPU (Megatron's global memory buffer allocates on the current
-CUDA device; baddbmm with beta=0 never reads it); the causal mask is passed as a CPU tensor, with learned absolute
+the RNG tracker is Megatron's inference tracker (its default one forks CUDA RNG states; dropout is 0 here);
+torch.cuda.current_device() returns "cpu" while Megatron runs (it allocates the buffers of its sequence-parallel
+all-gather / reduce-scatter and its attention scratch buffer on that device; in the ranks only); the causal mask is passed as a CPU tensor, with learned absolute
 position embeddings (no RoPE kernels); the fused softmax / bias-dropout / norm kernels are off in the config.
 """
 import contextlib
@@ -63,12 +63,13 @@ def megatron_on_cpu(world):
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    current_device = torch.cuda.current_device
     try:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        buffer = parallel_state.get_global_memory_buffer()
-        buffer.get_tensor = lambda shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype)
+        torch.cuda.current_device = lambda: "cpu"  # where Megatron allocates its buffers (see the module docstring)
         yield
     finally:
+        torch.cuda.current_device = current_device
         parallel_state.destroy_model_parallel()
 
 
@@ -130,26 +131,33 @@ def _assert_same_training(rank, results, tolerance=3e-5):
                                    msg=lambda m: f"rank {rank} {name} after one SGD step: {m}")
 
 
-def megatron_mlp_matches(rank, world, seed, skip_bias_add_fc2):
+def megatron_mlp_matches(rank, world, seed, skip_bias_add_fc2, sequence_parallel):
     import torch_gemm_ar
 
     with megatron_on_cpu(world):
-        config = _config(num_layers=1, hidden_size=H)
+        config = _config(num_layers=1, hidden_size=H, sequence_parallel=sequence_parallel,
+                         tensor_model_parallel_size=world, num_attention_heads=world)
         reference, model = _mlp(seed, config, skip_bias_add_fc2), _mlp(seed, config, skip_bias_add_fc2)
         report = torch_gemm_ar.nn.replace_megatron(model)
         g = torch.Generator().manual_seed(seed + 1)  # the same input and upstream gradient on every rank
-        x = torch.randn(ROWS, 2, H, generator=g)
-        upstream = torch.randn(ROWS, 2, H, generator=g)
+        rows = ROWS * world if sequence_parallel else ROWS
+        x = torch.randn(rows, 2, H, generator=g)
+        upstream = torch.randn(rows, 2, H, generator=g)
+        if sequence_parallel:  # Megatron's [s, b, h] layout: each rank holds its chunk of the sequence, in and out
+            x, upstream = x.chunk(world)[rank], upstream.chunk(world)[rank]
         _assert_same_training(rank, _train_once((reference, model), x, upstream, _run))
-        return list(report), [type(m).__name__ for m in (model.fc1, model.fc2)], str(report)
+        return (list(report), [(type(m).__name__, m.sequence_parallel) for m in (model.fc1, model.fc2)],
+                str(report))
 
 
-@pytest.mark.parametrize("skip_bias_add_fc2", [False, True])
-def test_megatron_mlp_converted_matches_megatron(ranks, skip_bias_add_fc2):
-    results = ranks(2).run(megatron_mlp_matches, random.randrange(1 << 30), skip_bias_add_fc2, timeout_s=120)
+@pytest.mark.parametrize("skip_bias_add_fc2,sequence_parallel", [(False, False), (True, False), (False, True)])
+def test_megatron_mlp_converted_matches_megatron(ranks, skip_bias_add_fc2, sequence_parallel):
+    results = ranks(2).run(megatron_mlp_matches, random.randrange(1 << 30), skip_bias_add_fc2, sequence_parallel,
+                           timeout_s=120)
     for replaced, types_now, text in results:
         assert replaced == ["fc1", "fc2"], text
-        assert types_now == ["MegatronColumnParallelLinear", "MegatronRowParallelLinear"], types_now
+        assert types_now == [("MegatronColumnParallelLinear", sequence_parallel),
+                             ("MegatronRowParallelLinear", sequence_parallel)], types_now
 
 
 def megatron_layers_left_alone(rank, world):

@@ -1,10 +1,12 @@
 """replace_megatron: swap Megatron-core's tensor-parallel linear layers for the fused ones, found by their types.
 
-- megatron.core.tensor_parallel.RowParallelLinear (input_is_parallel=True, no sequence parallelism): its GEMM and
-  the all-reduce of its output become one gemm_allreduce (MegatronRowParallelLinear).
-- megatron.core.tensor_parallel.ColumnParallelLinear (gather_output=False, no sequence parallelism, its input
-  gradient all-reduced): forward is its local GEMM as before, backward fuses the input gradient's all-reduce with the
-  GEMM that produces it (MegatronColumnParallelLinear).
+- megatron.core.tensor_parallel.RowParallelLinear (input_is_parallel=True): its GEMM and the all-reduce of its
+  output become one gemm_allreduce (MegatronRowParallelLinear); with sequence parallelism its GEMM and the
+  reduce-scatter along the sequence (dim 0, Megatron's [s, b, h]) become one gemm_reduce_scatter.
+- megatron.core.tensor_parallel.ColumnParallelLinear (gather_output=False, its input gradient all-reduced): forward is
+  its local GEMM as before, backward fuses the input gradient's all-reduce with the GEMM that produces it
+  (MegatronColumnParallelLinear); with sequence parallelism the all-gather of the sequence and the GEMM become one
+  allgather_gemm (backward reduce-scatters the input gradient, as Megatron does).
 
 Both adopt the layer's own Parameter objects (optimizers built before, Megatron's gradient buffers and checkpoints
 keep them), its tp_group, and return Megatron's `(output, output_bias)` pair: with skip_bias_add the bias is
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from .._groups import GroupInfo, resolve_group
-from .._ops import gemm_allreduce
+from .._ops import allgather_gemm, gemm_allreduce, gemm_reduce_scatter
 from .column_parallel_linear import ColumnParallelLinear
 from .conversion import ReplaceReport, modules_by_id, put_in_place, reported
 from .reduced_input_grad import linear_with_reduced_input_grad
@@ -30,7 +32,8 @@ _LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
 
 class MegatronRowParallelLinear(RowParallelLinear):
     """What a Megatron-core RowParallelLinear becomes: `(all_reduce(x @ weight.T) + bias, None)`, or with
-    skip_bias_add `(all_reduce(x @ weight.T), bias)`, the reduction fused with the GEMM."""
+    skip_bias_add `(all_reduce(x @ weight.T), bias)`, the reduction fused with the GEMM (with sequence parallelism a
+    reduce-scatter along dim 0, the bias added to this rank's chunk)."""
 
     skip_bias_add = False
 
@@ -39,13 +42,18 @@ class MegatronRowParallelLinear(RowParallelLinear):
             raise ValueError(f"MegatronRowParallelLinear: the input must be 2-D or 3-D with this rank's shard of the "
                              f"hidden dimension ({self.in_features_per_rank}) last; got shape {tuple(x.shape)}")
         bias = None if self.skip_bias_add else self.bias
-        out = gemm_allreduce(x, self.weight.t(), self.group_name, bias=bias, algorithm=self.algorithm)
+        if self.sequence_parallel:
+            out = gemm_reduce_scatter(x, self.weight.t(), self.group_name, scatter_dim=0, bias=bias,
+                                      algorithm=self.algorithm)
+        else:
+            out = gemm_allreduce(x, self.weight.t(), self.group_name, bias=bias, algorithm=self.algorithm)
         return out, (self.bias if self.skip_bias_add else None)
 
 
 class MegatronColumnParallelLinear(ColumnParallelLinear):
     """What a Megatron-core ColumnParallelLinear (gather_output=False) becomes: `(x @ weight.T + bias, None)`, or
-    with skip_bias_add `(x @ weight.T, bias)`; backward all-reduces the input gradient fused with its GEMM."""
+    with skip_bias_add `(x @ weight.T, bias)`; backward all-reduces the input gradient fused with its GEMM. With
+    sequence parallelism `x` is this rank's chunk of the sequence (dim 0), all-gathered fused with the GEMM."""
 
     skip_bias_add = False
 
@@ -54,19 +62,20 @@ class MegatronColumnParallelLinear(ColumnParallelLinear):
         if weight is not None or runtime_gather_output:
             raise ValueError("MegatronColumnParallelLinear: a weight passed to forward or runtime_gather_output=True "
                              "is not supported (the layer was converted without them)")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"MegatronColumnParallelLinear: the input must be [*, in_features={self.in_features}]; "
-                             f"got shape {tuple(x.shape)}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features or (self.sequence_parallel and x.dim() not in (2, 3)):
+            raise ValueError(f"MegatronColumnParallelLinear: the input must be [*, in_features={self.in_features}] "
+                             f"(2-D or 3-D with sequence parallelism); got shape {tuple(x.shape)}")
         bias = None if self.skip_bias_add else self.bias
-        out = linear_with_reduced_input_grad(x, self.weight, bias, self.group_name, self.algorithm)
+        if self.sequence_parallel:
+            out = allgather_gemm(x, self.weight.t(), self.group_name, gather_dim=0, bias=bias, algorithm=self.algorithm)
+        else:
+            out = linear_with_reduced_input_grad(x, self.weight, bias, self.group_name, self.algorithm)
         return out, (self.bias if self.skip_bias_add else None)
 
 
 def _common_problems(layer) -> List[str]:
     config = getattr(layer, "config", None)
     problems = []
-    if getattr(layer, "sequence_parallel", False):
-        problems.append("sequence parallelism (not converted yet: its reduce-scatter / all-gather layers differ)")
     if getattr(layer, "explicit_expert_comm", False):
         problems.append("an expert layer whose communication the MoE dispatcher does")
     if getattr(layer, "gradient_accumulation_fusion", False):
@@ -102,7 +111,8 @@ def _column_problems(layer) -> List[str]:
 
 
 def _convert(cls, layer, info: GroupInfo, algorithm: str):
-    new = cls._around(layer.weight, layer.bias, info, algorithm, sequence_parallel=False)
+    new = cls._around(layer.weight, layer.bias, info, algorithm, sequence_parallel=bool(layer.sequence_parallel),
+                      sequence_dim=0)
     new.skip_bias_add = bool(layer.skip_bias_add)
     new.train(layer.training)
     return new
