@@ -233,7 +233,8 @@ def test_megatron_gpt_converted_matches_megatron(ranks):
 
 def megatron_gpt_compiled(rank, world, seed):
     """The unconverted GPTModel compiled with the rewrite, as it comes (rank 0 warns, so its graphs break elsewhere),
-    then with dynamo ignoring warnings.warn (alike graphs): outputs equal the uncompiled model's each time."""
+    then with dynamo ignoring warnings.warn (alike graphs), then converted by replace_megatron and compiled whole
+    (fullgraph: the converted layers do not warn): outputs equal the uncompiled model's each time."""
     import warnings
 
     import torch_gemm_ar
@@ -258,6 +259,11 @@ def megatron_gpt_compiled(rank, world, seed):
                                        msg=lambda m: f"rank {rank} ignore_warnings={ignore_warnings}: {m}")
             report = torch_gemm_ar.compile.report()
             reports.append((dict(report.rewritten), dict(report.skipped)))
+        torch._dynamo.reset()
+        torch_gemm_ar.compile.reset()
+        torch_gemm_ar.nn.replace_megatron(model)
+        got = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"), fullgraph=True)(*inputs)
+        torch.testing.assert_close(got, expected, rtol=3e-5, atol=3e-5, msg=lambda m: f"rank {rank} converted: {m}")
     return reports
 
 
