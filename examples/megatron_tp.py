@@ -3,12 +3,15 @@ Megatron runs it and converted by torch_gemm_ar.nn.replace_megatron (found by ty
 
     torchrun --nproc-per-node 2 examples/megatron_tp.py
 
+`--model gpt`: a 2-layer GPTModel (SwiGLU, RMSNorm, Megatron's local layer spec) instead of the MLP.
 Prints the converted modules, the largest output difference, the weights after one SGD step compared, and the
 median time per forward and per train step of both (interleaved round-robin), with the CPU's name. Exits non-zero
 when a difference is beyond fp32 tolerance. Needs megatron-core 0.19.2 (`pip install --no-deps
 --ignore-requires-python megatron-core==0.19.2`; it runs on Python 3.11). On CPU: Megatron imports a triton-only MoE
 module at import time, stubbed here (the MLP never calls it); weights initialized on CPU; no
-gradient_accumulation_fusion (a CUDA kernel).
+gradient_accumulation_fusion (a CUDA kernel). For the GPT model also: Megatron's inference RNG tracker (its default
+forks CUDA RNG states; dropout is 0), torch.cuda.current_device() answering "cpu" (Megatron allocates its attention
+scratch buffer there), a causal mask built on CPU, learned position embeddings, its fused kernels off.
 """
 import argparse
 import os
@@ -63,6 +66,30 @@ def run(mlp, x):
     return out
 
 
+def build_gpt(seed, hidden, ffn, tokens, vocab=1024):
+    """A 2-layer GPTModel, and the function that runs it on a [1, tokens] batch of token ids `x`."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.cuda.current_device = lambda: "cpu"
+    config = TransformerConfig(num_layers=2, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=8,
+                               use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                               normalization="RMSNorm", gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
+                               attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                               apply_rope_fusion=False, persist_layer_norm=False)
+    torch.manual_seed(seed)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=vocab, max_sequence_length=tokens, position_embedding_type="learned_absolute",
+                     share_embeddings_and_output_weights=False)
+    positions = torch.arange(tokens).unsqueeze(0)
+    causal = torch.triu(torch.ones(1, 1, tokens, tokens, dtype=torch.bool), diagonal=1)
+    return model, lambda net, x: net(x, positions, causal)
+
+
 def median_ms(fns, reps):
     """Median ms per call of each fn, the fns interleaved round-robin after one warm-up each."""
     times = [[] for _ in fns]
@@ -79,6 +106,7 @@ def median_ms(fns, reps):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=512, help="sequence length (batch 1)")
@@ -94,22 +122,33 @@ def main() -> int:
     import torch_gemm_ar
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
-                               use_cpu_initialization=True, gradient_accumulation_fusion=False)
-    megatron_mlp = build_mlp(0, args.hidden, args.ffn, config)
-    converted = build_mlp(0, args.hidden, args.ffn, config)
+    g = torch.Generator().manual_seed(1)
+    if args.model == "mlp":
+        config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
+                                   use_cpu_initialization=True, gradient_accumulation_fusion=False)
+        megatron_mlp = build_mlp(0, args.hidden, args.ffn, config)
+        converted = build_mlp(0, args.hidden, args.ffn, config)
+        x = torch.randn(args.tokens, 1, args.hidden, generator=g)
+        upstream = torch.randn(args.tokens, 1, args.hidden, generator=g)
+        forward_of = run
+    else:
+        (megatron_mlp, forward_of), (converted, _) = (build_gpt(0, args.hidden, args.ffn, args.tokens),
+                                                      build_gpt(0, args.hidden, args.ffn, args.tokens))
+        x = torch.randint(0, 1024, (1, args.tokens), generator=g)
+        upstream = torch.randn(1, args.tokens, 1024 // world, generator=torch.Generator().manual_seed(2 + rank))
     report = torch_gemm_ar.nn.replace_megatron(converted)
     if rank == 0:
         print(report)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.tokens, 1, args.hidden, generator=g)
-    upstream = torch.randn(args.tokens, 1, args.hidden, generator=g)
+
+    def run_input(net, x):
+        return forward_of(net, x.clone().requires_grad_() if x.is_floating_point() else x)
+
     ok = True
     with torch.no_grad():
-        diff = (run(converted, x) - run(megatron_mlp, x)).abs().max().item()
+        diff = (forward_of(converted, x) - forward_of(megatron_mlp, x)).abs().max().item()
     ok &= diff <= 1e-4
     for mlp in (megatron_mlp, converted):  # one SGD step each on the same batch
-        (run(mlp, x.clone().requires_grad_()) * upstream).sum().backward()
+        (run_input(mlp, x) * upstream).sum().backward()
         torch.optim.SGD(mlp.parameters(), lr=1e-3).step()
         mlp.zero_grad()
     weights = dict(megatron_mlp.named_parameters())
@@ -119,14 +158,14 @@ def main() -> int:
     def forward(mlp):
         def call():
             with torch.no_grad():
-                run(mlp, x)
+                forward_of(mlp, x)
         return call
 
     def train_step(mlp):
         optimizer = torch.optim.SGD(mlp.parameters(), lr=0.0)  # lr 0: the weights stay comparable
 
         def call():
-            (run(mlp, x.clone().requires_grad_()) * upstream).sum().backward()
+            (run_input(mlp, x) * upstream).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
         return call
@@ -134,8 +173,8 @@ def main() -> int:
     fwd = median_ms([forward(megatron_mlp), forward(converted)], args.reps)
     train = median_ms([train_step(megatron_mlp), train_step(converted)], args.reps)
     if rank == 0:
-        print(f"CPU: {cpu_model()}; {world} ranks x {torch.get_num_threads()} threads; tokens {args.tokens}, hidden "
-              f"{args.hidden}, ffn {args.ffn}")
+        print(f"CPU: {cpu_model()}; {world} ranks x {torch.get_num_threads()} threads; {args.model}, tokens "
+              f"{args.tokens}, hidden {args.hidden}, ffn {args.ffn}")
         print(f"largest output difference from Megatron: {diff:.3g}; weights after one SGD step: {step_diff:.3g}")
         print(f"forward:    Megatron {fwd[0]:.2f} ms, converted {fwd[1]:.2f} ms ({fwd[0] / fwd[1]:.2f}x)")
         print(f"train step: Megatron {train[0]:.2f} ms, converted {train[1]:.2f} ms ({train[0] / train[1]:.2f}x)")

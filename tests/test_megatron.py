@@ -286,10 +286,13 @@ def test_example_command_runs():
         lines = [m.group(1) for m in re.finditer(r"(torchrun [^`\n]*examples/megatron_tp\.py[^`\n]*)", f.read())]
     assert lines, "docs/adoption.md shows no torchrun command line for examples/megatron_tp.py"
     words = shlex.split(lines[0])
-    tiny = ["--hidden", "64", "--ffn", "96", "--tokens", "9", "--reps", "2"]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
-    done = subprocess.run([torchrun, *words[1:], *tiny], capture_output=True, text=True, timeout=300, cwd=repo, env=env)
-    assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    assert "replace_megatron: replaced 2 module(s) with gemm_allreduce: fc1, fc2" in done.stdout, done.stdout
-    assert "CPU:" in done.stdout and "train step:" in done.stdout and done.stdout.rstrip().endswith("OK"), done.stdout
+    for model, converted in (("mlp", "replaced 2 module(s) with gemm_allreduce: fc1, fc2"),
+                             ("gpt", "replaced 9 module(s)")):
+        tiny = ["--model", model, "--hidden", "64", "--ffn", "96", "--tokens", "9", "--reps", "2"]
+        env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
+        done = subprocess.run([torchrun, *words[1:], *tiny], capture_output=True, text=True, timeout=300, cwd=repo,
+                              env=env)
+        assert done.returncode == 0, f"{lines[0]} {model} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        assert converted in done.stdout and "CPU:" in done.stdout and "train step:" in done.stdout, done.stdout
+        assert done.stdout.rstrip().endswith("OK"), done.stdout
