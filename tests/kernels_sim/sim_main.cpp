@@ -234,7 +234,7 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   // kSigOp (the host's OpKind); word 13, the dim, is 0 (add+RMSNorm: eps's bits)
   // The decode variant with the epilogue is the host's gemm_allreduce_add_rmsnorm, as op 3 is.
   const bool add_rmsnorm = job.op == kSimAddRmsNorm || (job.op == kSimDecode && job.epilogue);
-  a.signature[12] = add_rmsnorm         ? gemm_ar::kOpGemmAllreduceAddRmsnorm
+  a.signature[12] = add_rmsnorm            ? gemm_ar::kOpGemmAllreduceAddRmsnorm
                     : job.op == kSimDecode ? gemm_ar::kOpGemmAllreduce
                                            : job.op;
   a.signature[kSigEngineMode] = a.variant;
