@@ -7,17 +7,19 @@ too), and the block that runs the row band sums the partials in rank order, roun
 World 2, 3, 4 and 8 (8 at a tiny shape), M in {1, 3, 17, 64}, odd N, bias, fp16 and bf16, back-to-back calls (epochs
 across the 2^32 wrap and through the device counter, windows clobbered between calls, a late peer). Both outputs are
 checked against float64 references (test_kernels_sim_add_rmsnorm.py: out = all_reduce(a @ b) + bias + residual,
-normed from the kernel's out and from the float64 chain) and must be bitwise identical on every rank. The negative
-controls put back the bugs the epilogue's waits, its fence, its rank order and its residual add guard against: each
-must make its test fail.
+normed from the kernel's out and from the float64 chain) and must be bitwise identical on every rank. A rank that
+launched the other variant, and peers' flags that never arrive (the epilogue's bounded wait and stall report), stop
+every rank with both outputs NaN. The negative controls put back the bugs the epilogue's waits, its fence, its rank
+order and its residual add guard against: each must make its test fail.
 
 bf16: as in test_kernels_sim.py, with g++ < 13 pto-isa's simulator stores bfloat16_t as an IEEE half."""
 import numpy as np
 import pytest
 
 from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
-                              CONTROL_TIMEOUT_US, DECODE, FP16, _check_clean_run, _check_control, _run_job,
-                              expect_counter, expect_silent_wrong_values, pytestmark)
+                              CONTROL_TIMEOUT_US, DECODE, ERR_SIGNATURE_MISMATCH, FP16, _check_clean_run,
+                              _check_control, _decode, _run_job, expect_counter, expect_errors,
+                              expect_silent_wrong_values, pytestmark)
 from test_kernels_sim_add_rmsnorm import EPS, _check_epilogue_call, _check_epilogue_values
 
 __all__ = ["pytestmark"]  # the skip reason
@@ -27,6 +29,9 @@ CONTROL_EPILOGUE_ACQUIRE = 24  # the band's partials read after their pushed fla
 CONTROL_EPILOGUE_NO_WAIT = 25  # the band normalised without waiting for the pushed flags
 CONTROL_ARRIVAL_ORDER = 29  # partials summed own first, then in push order: another order on every rank
 CONTROL_NO_RESIDUAL = 33  # the residual left out of `out` and normed
+CONTROL_FLAG_UNFLUSHED = 31  # peers' pushed flags stored but never written back
+ERR_TIMEOUT_REDUCE = 4  # gemm_ar::kErrTimeoutReduce: a source's partial of tile `item` never arrived
+SIG_VARIANT = 15  # the signature word the NPU host puts KernelArgs::variant in (common/rank_agreement.h kSigEngineMode)
 
 
 def _run(sim, tmp_path, world, dtype, calls, seed, compute_blocks=3, comm_blocks=2, **kw):
@@ -137,3 +142,39 @@ def test_negative_control_is_caught(simulator, tmp_path, control):
     _check_control(control, expected, results, cases,
                    lambda c, case: _check_epilogue_call(simulator, FP16, 3, case, results, c),
                    lambda c, case: _check_epilogue_values(simulator, FP16, 3, case, c))
+
+
+def _both_outputs_poisoned(sim, case, ranks):
+    for r in ranks:
+        for name in ("outputs", "normed"):
+            got = _decode(np.ascontiguousarray(case[name][r][:, :case["n"]]), FP16, sim["bf16_native"])
+            assert np.all(np.isnan(got)), f"rank {r}: {name} not poisoned"
+
+
+def test_unwritten_peer_flags_time_out_in_the_epilogue_and_poison_both_outputs(simulator, tmp_path):
+    # Control 31: the peers' pushed flags never leave the pushing core, so the block running the band waits for them
+    # until the bound, names the missing source and tile (the epilogue's stall report), and every rank's out and
+    # normed are NaN.
+    calls = [dict(m=3, n=300, k=70, b_layout=B_TRANSPOSED, bias=True, epoch=70, out_fill=0)]
+    cases, results = _run(simulator, tmp_path, 3, FP16, calls, seed=3817, timeout_us=CONTROL_TIMEOUT_US,
+                          process_timeout_s=300, negative_control=CONTROL_FLAG_UNFLUSHED)
+    expect_errors({ERR_TIMEOUT_REDUCE: None}, "lost_store_lines")(results, cases, None)
+    for r in range(3):
+        res = results[(0, r)]
+        assert res["code"] == ERR_TIMEOUT_REDUCE and res["peer"] != r and 0 <= res["item"] < 2, res
+    _both_outputs_poisoned(simulator, cases[0], range(3))
+
+
+def test_rank_with_the_other_variant_stops_every_rank_and_poisons_both_outputs(simulator, tmp_path):
+    # Call 1: rank 2's signature says it launched the tiled variant. Every rank stops before data moves, names the
+    # word, and poisons out and normed; calls 0 and 2 around it are right.
+    base = dict(m=17, n=300, k=70, b_layout=B_TRANSPOSED, bias=True)
+    calls = [dict(base, epoch=500), dict(base, epoch=501, sig_rank=2, sig_word=SIG_VARIANT, sig_value=0, out_fill=0),
+             dict(base, epoch=502)]
+    cases, results = _run(simulator, tmp_path, 3, FP16, calls, seed=3819, timeout_us=CONTROL_TIMEOUT_US)
+    for c in (0, 2):
+        _check_epilogue_call(simulator, FP16, 3, cases[c], results, c)
+    for r in range(3):
+        assert results[(1, r)]["code"] == ERR_SIGNATURE_MISMATCH and results[(1, r)]["item"] == SIG_VARIANT, (
+            results[(1, r)])
+    _both_outputs_poisoned(simulator, cases[1], range(3))
