@@ -5,9 +5,10 @@ tests/test_kernels_sim.py (sim_main.cpp op 4 with an eps): every rank pushes its
 too), and the block that runs the row band sums the partials in rank order, rounds, adds the residual and normalises.
 
 World 2, 3, 4 and 8 (8 at a tiny shape), M in {1, 3, 17, 64}, odd N, bias, fp16 and bf16, back-to-back calls (epochs
-across the 2^32 wrap and through the device counter, windows clobbered between calls, a late peer). Both outputs are
-checked against float64 references (test_kernels_sim_add_rmsnorm.py: out = all_reduce(a @ b) + bias + residual,
-normed from the kernel's out and from the float64 chain) and must be bitwise identical on every rank. A rank that
+across the 2^32 wrap and through the device counter, windows clobbered between calls, a late peer, the busy-device
+models). Both outputs are checked against float64 references (test_kernels_sim_add_rmsnorm.py: out =
+all_reduce(a @ b) + bias + residual, normed from the kernel's out and from the float64 chain) and must be bitwise
+identical on every rank. A rank that
 launched the other variant, and peers' flags that never arrive (the epilogue's bounded wait and stall report), stop
 every rank with both outputs NaN. The negative controls put back the bugs the epilogue's waits, its fence, its rank
 order and its residual add guard against: each must make its test fail.
@@ -21,6 +22,8 @@ from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TA
                               _check_control, _decode, _run_job, expect_counter, expect_errors,
                               expect_silent_wrong_values, pytestmark)
 from test_kernels_sim_add_rmsnorm import EPS, _check_epilogue_call, _check_epilogue_values
+from test_kernels_sim_models import ASYNC, EVICT, POSTED, _check_model_counters
+from test_kernels_sim_models import _run as _run_with_model
 
 __all__ = ["pytestmark"]  # the skip reason
 
@@ -80,6 +83,18 @@ def _counter_calls():
 
 def test_world4_fp16_forged_tags_and_device_counter(simulator, tmp_path):
     _run_and_check(simulator, tmp_path, 4, FP16, _counter_calls(), seed=3807, compute_blocks=5)
+
+
+def test_busy_device_models(simulator, tmp_path, monkeypatch):
+    # Eviction of dirty lines, late write-backs and asynchronous DMA completion at once (test_kernels_sim_models.py):
+    # the epilogue's loads of one source after another into the same UB tile, its stores of `out` read back in pass 2.
+    model = dict(EVICT, **POSTED, **ASYNC)
+    cases, results, counters = _run_with_model(
+        monkeypatch, simulator, str(tmp_path), model, world=3, dtype=FP16, compute_blocks=3, comm_blocks=2,
+        calls=_counter_calls(), seed=3809, op=DECODE, eps=EPS, epilogue=True)
+    _check_model_counters(model, counters)
+    for c, case in enumerate(cases):
+        _check_epilogue_call(simulator, FP16, 3, case, results, c)
 
 
 def test_world8_bf16_tiny(simulator, tmp_path):
