@@ -93,7 +93,8 @@ enum NegativeControl : int {
   kControlDecodeNoWait = 30,         // a tile reduced without waiting for the peers' pushed flags
   kControlDecodeFlagUnflushed = 31,  // pushed flags stored but never written back (no dcci)
   kControlDecodeFlagStale = 32,      // pushed flags polled without dropping this core's cached copy first
-  kControlEpilogueNoResidual = 33,   // the add+RMSNorm epilogue leaves the residual out of `out` (and of normed)
+  // The add+RMSNorm epilogue again (either variant).
+  kControlEpilogueNoResidual = 33,  // the residual is left out of `out` (and so of normed)
   // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
   // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
   kControlRsPayloadUnfenced = 40,   // reduce-scatter: contribution flag raised without a fence after the add
