@@ -387,7 +387,12 @@ def main(argv=None) -> int:
     mesh = None
     styles = ["dtensor", "plain", "sp"] if args.style == "all" else [args.style]
     if "sp" in styles and args.seq % world:
-        raise SystemExit(f"--seq {args.seq} must be divisible by the world size {world} for sequence parallelism")
+        if args.style == "sp":
+            raise SystemExit(f"--seq {args.seq} must be divisible by the world size {world} for sequence parallelism")
+        # A decode step (--seq 1) has no sequence to split: run the other styles.
+        styles.remove("sp")
+        if rank == 0:
+            print(f"skipping style sp: --seq {args.seq} is not divisible by the world size {world}")
     if "dtensor" in styles or "sp" in styles:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -49,11 +49,14 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype, k: int, world: i
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
 
 
-def assert_matches_sum_of_partials(out: torch.Tensor, shards, b: torch.Tensor, bias, dtype, k: int, what: str):
+def assert_matches_sum_of_partials(out: torch.Tensor, shards, b: torch.Tensor, bias, dtype, k: int, what: str,
+                                   reduced_in_dtype: bool = False):
     """assert_matches, with room for what a 2-byte partial costs: where bf16/fp16 are computed natively each rank's
     partial a_r @ b is rounded to the dtype before the ranks' sum (as in torch's matmul + all_reduce), an error of up
     to half a unit in the last place of |a_r @ b| per rank, which cancelling partials keep while the sum shrinks
-    (e.g. at K=1 two partials of about 13 may sum to 0.05). Elementwise bound: assert_matches' plus that term."""
+    (e.g. at K=1 two partials of about 13 may sum to 0.05). Elementwise bound: assert_matches' plus that term.
+    reduced_in_dtype: the collective itself adds in the dtype (gloo's all_reduce of bf16), so each of its world - 1
+    additions rounds too, to half a unit of a partial sum, which the same sum of magnitudes bounds."""
     ref = reference(shards, b, bias)
     assert out.dtype == dtype and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
     tol = TOLERANCE[dtype]
@@ -62,7 +65,8 @@ def assert_matches_sum_of_partials(out: torch.Tensor, shards, b: torch.Tensor, b
     if dtype in (torch.bfloat16, torch.float16):
         unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11  # half an ulp, relative
         magnitude = sum((a.double().reshape(-1, a.shape[-1]) @ b.double()).abs() for a in shards)
-        bound = bound + unit * magnitude.reshape(ref.shape)
+        roundings = world if reduced_in_dtype else 1
+        bound = bound + roundings * unit * magnitude.reshape(ref.shape)
     err = (out.double() - ref).abs()
     worst = int(torch.argmax(err - bound))
     assert bool((err <= bound).all()), (f"{what}: {int((err > bound).sum())} elements over the bound; worst at flat "

@@ -74,7 +74,11 @@ def matmul_reduce_scatter_results(rank, world, seed, dtype):
         for reduce_op in ("sum", "avg"):
             out = op(shards[rank], weights[rank], reduce_op, dim, name)
             want = full.chunk(world, dim=dim)[rank] / (world if reduce_op == "avg" else 1)
-            assert_matches(out, want, dtype, k, world, f"layout {li} dim={dim} {reduce_op}")
+            what = f"layout {li} dim={dim} {reduce_op}"
+            assert_matches(out, want, dtype, k, world, what)
+            meta = _meta_layout(op, shards[rank], weights[rank], reduce_op, dim, name)
+            assert out.shape == meta.shape and out.stride() == meta.stride(), (
+                f"{what}: shape {tuple(out.shape)} strides {out.stride()}, torch's {tuple(meta.shape)} {meta.stride()}")
             checked += 1
     try:
         op(shards[rank], weights[rank], "max", 0, name)
@@ -168,3 +172,83 @@ def test_micro_pipeline_tp_runs_on_the_engine(ranks):
     # Negative control: without enable() torch's pass stops at its NCCL check, and nothing is fused.
     assert ranks(2).run(compiled_sequence_parallel_mlp, False) == [
         {"fused_all_gather_matmul": 0, "fused_matmul_reduce_scatter": 0}] * 2
+
+
+def bad_operands_are_named(rank, world):
+    """A B whose K does not match is refused before any collective, on every rank, naming torch's op."""
+    import torch_gemm_ar
+
+    torch_gemm_ar.async_tp.register_kernels()
+    name = dist.group.WORLD.group_name
+    a = randn(3, 4 * world, 8, dtype=torch.float32)  # the same on every rank
+    cases = [(torch.ops.symm_mem.fused_all_gather_matmul, (a, [torch.randn(8, 5), torch.randn(9, 5)], 0, name),
+              "symm_mem.fused_all_gather_matmul: B[1] must be [8, N]"),
+             (torch.ops.symm_mem.fused_matmul_reduce_scatter, (a, torch.randn(7, 5), "sum", 0, name),
+              "symm_mem.fused_matmul_reduce_scatter: B must be [8, N]")]
+    for op, args, expected in cases:
+        with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+            op(*args)
+    # The group still works.
+    out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, torch.eye(8), "sum", 0, name)
+    torch.testing.assert_close(out, a.chunk(world)[rank] * world)
+    return True
+
+
+def test_bad_operands_raise_on_every_rank_naming_the_symm_mem_op(ranks):
+    assert ranks(2).run(bad_operands_are_named) == [True, True]
+
+
+class _Outer:
+    """A post-grad pass chained in front of another, as a user or a library would chain one."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, graph):
+        if self.previous is not None:
+            self.previous(graph)
+
+
+@pytest.mark.unit
+def test_disable_takes_the_pass_out_of_a_chain_another_pass_joined_later():
+    import torch._inductor.config as inductor_config
+
+    import torch_gemm_ar
+
+    def inner(graph):
+        pass
+
+    with inductor_config.patch(post_grad_custom_post_pass=inner):
+        torch_gemm_ar.async_tp.enable()
+        outer = _Outer(inductor_config.post_grad_custom_post_pass)
+        inductor_config.post_grad_custom_post_pass = outer
+        assert torch_gemm_ar.async_tp.is_enabled()
+        torch_gemm_ar.async_tp.disable()
+        assert not torch_gemm_ar.async_tp.is_enabled()
+        assert inductor_config.post_grad_custom_post_pass is outer and outer.previous is inner
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="the NCCL gate only opens where torch has no NCCL")
+def test_the_nccl_answer_is_true_only_for_the_compiling_thread(monkeypatch):
+    """While torch's micro-pipeline pass runs, it (and only its thread) is told NCCL is available."""
+    import threading
+
+    import torch._inductor.config as inductor_config
+    import torch._inductor.fx_passes.micro_pipeline_tp as mptp
+
+    import torch_gemm_ar
+
+    seen = {}
+
+    def fake_pass(graph):
+        seen["pass thread"] = torch.distributed.is_nccl_available()
+        other = threading.Thread(target=lambda: seen.__setitem__("other thread", torch.distributed.is_nccl_available()))
+        other.start()
+        other.join()
+
+    monkeypatch.setattr(mptp, "micro_pipeline_tp_pass", fake_pass)
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        torch_gemm_ar.async_tp.MicroPipelineTPWithoutNccl()(torch.fx.Graph())
+    assert seen == {"pass thread": True, "other thread": False}
+    assert not torch.distributed.is_nccl_available()

@@ -23,7 +23,6 @@ import torch
 
 _lock = threading.Lock()
 _library = None  # the torch.library.Library holding the CPU kernels, once registered
-_installed = []  # the post-grad passes that enable() replaced, innermost first
 
 
 def _row_dim(dim: int, t: torch.Tensor) -> Optional[int]:
@@ -38,6 +37,24 @@ def _gather_dim_outermost(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if dim == 0 else t.movedim(dim, 0).contiguous().movedim(0, dim)
 
 
+def _run_as(symm_op: str, pto_op: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its argument errors naming the op the caller called as well as the one that ran."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise type(e)(f"symm_mem.{symm_op} (run by torch_gemm_ar as pto.{pto_op}): {e}") from e
+
+
+def _check_operands(symm_op: str, a: torch.Tensor, bs: List[torch.Tensor], a_name: str, k: int) -> None:
+    """`k`: the rows each B must have (the gathered K where the gather is along the last dim)."""
+    if a.dim() < 2:
+        raise ValueError(f"symm_mem.{symm_op}: {a_name} must have at least 2 dims, got shape {tuple(a.shape)}")
+    for i, b in enumerate(bs):
+        if b.dim() != 2 or b.shape[0] != k:
+            raise ValueError(f"symm_mem.{symm_op}: B{f'[{i}]' if len(bs) > 1 else ''} must be [{k}, N] to multiply "
+                             f"{a_name} of shape {tuple(a.shape)}, got {tuple(b.shape)}")
+
+
 def _fused_all_gather_matmul_cpu(
     a_shard: torch.Tensor, bs: List[torch.Tensor], gather_dim: int, group_name: str, *, return_A: bool = True
 ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
@@ -45,13 +62,15 @@ def _fused_all_gather_matmul_cpu(
 
     if not bs:
         raise ValueError("symm_mem.fused_all_gather_matmul: Bs is empty")
-    dim = _row_dim(gather_dim, a_shard)
+    dim = _row_dim(gather_dim, a_shard) if a_shard.dim() >= 2 else 0
+    world = torch.distributed.distributed_c10d._get_group_size_by_name(group_name)
+    _check_operands("fused_all_gather_matmul", a_shard, bs, "A_shard", a_shard.shape[-1] * (world if dim is None else 1))
     if dim is None:
         gathered = funcol.wait_tensor(funcol.all_gather_single(a_shard.contiguous(), gather_dim, group_name))
         return (gathered if return_A else None), [torch.matmul(gathered, b) for b in bs]
     need_gathered = return_A or len(bs) > 1
-    first, gathered = torch.ops.pto.allgather_gemm(a_shard, bs[0], group_name, gather_dim=dim,
-                                                   return_gathered=need_gathered)
+    first, gathered = _run_as("fused_all_gather_matmul", "allgather_gemm", torch.ops.pto.allgather_gemm, a_shard,
+                              bs[0], group_name, gather_dim=dim, return_gathered=need_gathered)
     outs = [first] + [torch.matmul(gathered, b) for b in bs[1:]]
     outs = [_gather_dim_outermost(out, dim) for out in outs]
     return (_gather_dim_outermost(gathered, dim) if return_A else None), outs
@@ -64,11 +83,13 @@ def _fused_matmul_reduce_scatter_cpu(
 
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"symm_mem.fused_matmul_reduce_scatter: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    _check_operands("fused_matmul_reduce_scatter", a, [b], "A", a.shape[-1])
     dim = _row_dim(scatter_dim, a)
     if dim is None:
         return funcol.wait_tensor(funcol.reduce_scatter_single(torch.matmul(a, b), reduce_op, scatter_dim,
                                                                group_name))
-    out = torch.ops.pto.gemm_reduce_scatter(a, b, group_name, scatter_dim=dim)
+    out = _run_as("fused_matmul_reduce_scatter", "gemm_reduce_scatter", torch.ops.pto.gemm_reduce_scatter, a, b,
+                  group_name, scatter_dim=dim)
     if reduce_op == "avg":
         out = out / torch.distributed.distributed_c10d._get_group_size_by_name(group_name)
     return out
@@ -110,10 +131,16 @@ class MicroPipelineTPWithoutNccl(_pass_base()):
             from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
 
             # The pass asks torch.distributed.is_nccl_available() before each fusion; the kernels above need no
-            # NCCL. Answered true only while the pass runs, one compilation at a time.
+            # NCCL. Answered true only while the pass runs, one compilation at a time, and only to the thread running
+            # it: any other thread asking meanwhile gets torch's own answer.
             with self._gate_lock:
                 original = torch.distributed.is_nccl_available
-                torch.distributed.is_nccl_available = lambda: True
+                compiling = threading.get_ident()
+
+                def is_nccl_available() -> bool:
+                    return threading.get_ident() == compiling or original()
+
+                torch.distributed.is_nccl_available = is_nccl_available
                 try:
                     micro_pipeline_tp_pass(graph)
                 finally:
@@ -140,7 +167,6 @@ def enable() -> None:
         current = inductor_config.post_grad_custom_post_pass
         if _find(current):
             return
-        _installed.append(current)
         inductor_config.post_grad_custom_post_pass = MicroPipelineTPWithoutNccl(current)
 
 
@@ -154,12 +180,23 @@ def _find(custom_pass) -> bool:
 
 
 def disable() -> None:
-    """Restore the post-grad pass that enable() replaced. Graphs compiled meanwhile keep their fused ops."""
+    """Take this module's pass out of Inductor's post-grad pass chain, where enable() put it, also when another pass
+    was chained in front of it since (found through that pass's `previous`). Graphs compiled meanwhile keep their
+    fused ops. A pass installed later that wraps it without exposing `previous` keeps it: is_enabled() says so."""
     import torch._inductor.config as inductor_config
 
     with _lock:
-        if isinstance(inductor_config.post_grad_custom_post_pass, MicroPipelineTPWithoutNccl) and _installed:
-            inductor_config.post_grad_custom_post_pass = _installed.pop()
+        current = inductor_config.post_grad_custom_post_pass
+        if isinstance(current, MicroPipelineTPWithoutNccl):
+            inductor_config.post_grad_custom_post_pass = current.previous
+            return
+        node = current
+        while node is not None:
+            following = getattr(node, "previous", None)
+            if isinstance(following, MicroPipelineTPWithoutNccl):
+                node.previous = following.previous
+                return
+            node = following
 
 
 def is_enabled() -> bool:

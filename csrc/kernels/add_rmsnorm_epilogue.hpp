@@ -12,6 +12,13 @@
 // (AICore has no scalar fetch-and-add on GM) and no communication, and the bands of every rank go through the same
 // instructions on the same bytes: both outputs are bitwise identical across ranks.
 //
+// The decode variant (decode_comm_block.hpp) runs the same epilogue: there the window holds every source's partial of
+// every tile (each rank pushes its own into its own window too), "tile t of the band is final" means
+// pushed[t][source] of every source (the flags sit where the tiled layout has its contribution flags, tile t in
+// place of owner-local subtile l), and pass 1 first sums the sources' partials in fp32 in rank order and rounds
+// once to the call dtype - the all-reduce's result, bit for bit what the decode variant without the epilogue
+// stores - before it adds the residual. M <= 64 is one band: comm block 0 normalises every row.
+//
 // Per band, chunks of kEpilogueRows rows; per chunk two passes over the band's column tiles (N may be far wider than
 // the UB): pass 1 writes out = round(reduced + residual) and adds out^2 (fp32) into a per-element accumulator;
 // then one row sum gives the statistics; pass 2 reads `out` back and writes normed. Per-row values are kept in
@@ -63,7 +70,7 @@ class AddRmsNormEpilogue {
                              pto::DYNAMIC>;
 
   AICORE inline AddRmsNormEpilogue(const KernelArgs& args, int64_t block, uint32_t ub_base)
-      : args_(args), e_(args.epilogue), c_(block), ub_(ub_base) {}
+      : args_(args), e_(args.epilogue), c_(block), ub_(ub_base), decode_(args.variant == kVariantDecode) {}
 
   // Plan-dependent state; `win`: this call's windows (attached), tag/tag_high: this call's flag value.
   AICORE inline void init_call(const RemoteWindows* win, uint32_t tag, uint32_t tag_high) {
@@ -88,8 +95,8 @@ class AddRmsNormEpilogue {
     if (negative_control() != kControlEpilogueNoWait) {
       while (col_ < p.n_tiles) {
         const int64_t t = band_tile(col_);
-        if (static_cast<int32_t>(owner_of(t, args_.world)) == args_.rank) {
-          const int64_t l = local_subtile(t, band_stripe(), args_.world, p.stripes);
+        if (waits_for_every_source(t)) {
+          const int64_t l = flag_item(t);
           while (source_ < args_.world &&
                  flag_raised(contrib_flag(l, static_cast<int32_t>(source_)), tag_, tag_high_)) {
             ++source_;
@@ -120,9 +127,8 @@ class AddRmsNormEpilogue {
     const int64_t t = band_tile(col_);
     const int32_t owner = static_cast<int32_t>(owner_of(t, args_.world));
     const int32_t block = static_cast<int32_t>(c_);
-    if (owner == args_.rank) {
-      report_error(args_, kErrTimeoutReduce, static_cast<int32_t>(source_),
-                   local_subtile(t, band_stripe(), args_.world, p.stripes), block, 1);
+    if (waits_for_every_source(t)) {
+      report_error(args_, kErrTimeoutReduce, static_cast<int32_t>(source_), flag_item(t), block, 1);
     } else {
       report_error(args_, kErrTimeoutGather, owner, t * p.stripes + band_stripe(), block, 1);
     }
@@ -157,6 +163,15 @@ class AddRmsNormEpilogue {
   AICORE inline int64_t band_stripe() const { return band_ % args_.plan.stripes; }
   AICORE inline int64_t band_tile(int64_t ni) const { return band_tile_row() * args_.plan.n_tiles + ni; }
 
+  // Whether tile t of the band is final here once every source's flag is raised (a subtile this rank owns, or any
+  // tile of the decode variant), rather than when its owner's all-gather copy arrived; and the flags' item.
+  AICORE inline bool waits_for_every_source(int64_t t) const {
+    return decode_ || static_cast<int32_t>(owner_of(t, args_.world)) == args_.rank;
+  }
+  AICORE inline int64_t flag_item(int64_t t) const {
+    return decode_ ? t : local_subtile(t, band_stripe(), args_.world, args_.plan.stripes);
+  }
+
   AICORE inline void skip_empty_bands() {
     while (band_ < bands_ && stripe_rows(args_.plan, band_tile_row(), band_stripe()) == 0) band_ += args_.comm_blocks;
   }
@@ -183,6 +198,43 @@ class AddRmsNormEpilogue {
       const int64_t rows = band_rows - r0 < kEpilogueRows ? band_rows - r0 : kEpilogueRows;
       run_chunk(band_row0 + r0, rows);
     }
+  }
+
+  // The rank whose partial the decode variant's sum adds k-th: rank k (under kControlDecodeArrivalOrder: this rank
+  // first, then its peers in the order it pushed to them, as decode_comm_block.hpp's summand() has it).
+  AICORE inline int32_t summand(int32_t k, int64_t t) const {
+    if (negative_control() != kControlDecodeArrivalOrder) return k;
+    return k == 0 ? args_.rank : static_cast<int32_t>(rotated_peer(args_.rank, t, k - 1, args_.world));
+  }
+
+  // x = the reduced rows at `reduced` (rows x cols, row stride pad_n) in fp32, as the call dtype holds them; `in`
+  // and `tmp` are scratch. Tiled: the window's reduced buffer. Decode: `reduced` is source 0's partial, source s's
+  // lies s * m * pad_n further; their sum in fp32, in rank order, rounded once to the call dtype. The caller has
+  // handed MTE2 over (the vector unit is done with `in`); on return the vector unit holds x and MTE2 is idle.
+  AICORE inline void load_reduced(InTile& in, FloatTile& x, FloatTile& tmp, __gm__ T* reduced, int64_t rows,
+                                  int64_t cols, int64_t ni) {
+    const TilePlan& p = args_.plan;
+    const int32_t sources = decode_ ? args_.world : 1;
+    const int64_t t = band_tile(ni);
+    for (int32_t k = 0; k < sources; ++k) {
+      if (k > 0) hand_over<PIPE_V, PIPE_MTE2>();  // the vector unit is done with the last source's `in`
+      const int64_t source = decode_ ? summand(k, t) : 0;
+      auto src = nd_view<T>(reduced + source * p.m * p.pad_n, rows, cols, p.pad_n);
+      note_guarded_access();  // the band's flags (poll)
+      TLOAD(in, src);
+      hand_over<PIPE_MTE2, PIPE_V>();
+      TCVT(k == 0 ? x : tmp, in, pto::RoundMode::CAST_NONE);
+      pipe_barrier(PIPE_V);
+      if (k > 0) {
+        TADD(x, x, tmp);
+        pipe_barrier(PIPE_V);
+      }
+    }
+    if (!decode_) return;
+    TCVT(in, x, pto::RoundMode::CAST_RINT);  // the all-reduce's result in the call dtype
+    pipe_barrier(PIPE_V);
+    TCVT(x, in, pto::RoundMode::CAST_NONE);
+    pipe_barrier(PIPE_V);
   }
 
   AICORE inline void run_chunk(int64_t row0, int64_t rows) {
@@ -213,16 +265,12 @@ class AddRmsNormEpilogue {
       TASSIGN(acc_view, ub_ + EpilogueUb::kAcc);
       hand_over<PIPE_V, PIPE_MTE2>();     // the vector unit is done with `in` / `aux`
       hand_over<PIPE_MTE3, PIPE_MTE2>();  // and so is the last store
-      note_guarded_access();              // the band's flags (poll)
-      auto reduced_src = nd_view<T>(reduced + col0, rows, cols, p.pad_n);
       auto residual_src = nd_view<T>(residual + col0, rows, cols, e_.ld_residual);
-      TLOAD(in, reduced_src);
       TLOAD(aux, residual_src);
-      hand_over<PIPE_MTE2, PIPE_V>();
-      TCVT(x, in, pto::RoundMode::CAST_NONE);
+      load_reduced(in, x, y, reduced + col0, rows, cols, ni);
       TCVT(y, aux, pto::RoundMode::CAST_NONE);
       pipe_barrier(PIPE_V);
-      TADD(x, x, y);
+      if (site_kept(kControlEpilogueNoResidual)) TADD(x, x, y);
       pipe_barrier(PIPE_V);
       TCVT(in, x, pto::RoundMode::CAST_RINT);  // the new residual stream, in the call dtype
       hand_over<PIPE_V, PIPE_MTE3>();
@@ -296,6 +344,7 @@ class AddRmsNormEpilogue {
   const EpilogueArgs& e_;
   const int64_t c_;
   const uint32_t ub_;
+  const bool decode_;  // KernelArgs::variant == kVariantDecode
   const RemoteWindows* win_ = nullptr;
   uint32_t tag_ = 0, tag_high_ = 0;
   int64_t bands_ = 0;   // tile rows x stripes; 0 without an epilogue

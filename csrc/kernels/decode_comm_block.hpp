@@ -11,15 +11,23 @@
 //     world - 1 (its own from its scratch, the others from its window), rounds once to the call dtype and stores
 //     the rows into `out`. Every rank sums the same bits in the same order: the results are bitwise identical.
 //     The bias is in bias_rank's partial only (the cube adds it), so it is added once.
+// With the add+RMSNorm epilogue (KernelArgs::epilogue; add_rmsnorm_epilogue.hpp) step 1 also stores the tile into
+// slot [me] of this rank's own window and raises pushed[t][me] there, and step 2 is the epilogue's: a row's
+// statistics need every column tile, which different blocks push, so the block that runs the row band (block 0:
+// M <= 64 is one band) waits for pushed[t][source] of every tile and source and, per chunk of rows, sums the
+// partials in rank order, rounds once (the all-reduce's result, as step 2 would store it), adds the residual and
+// normalises. No block stores the plain sum into `out`.
 // Nothing needs zeros (stores, no atomic adds), so there is no prepare phase and no prepared flag. Exit rule: every
 // write of the call addressed to this rank is a peer's partial of some tile t and its flag pushed[t][peer]; tile t
-// is reduced here by the block that drains its queue, which waits for all of its flags, so once every block has
-// finished no write of the call is still on its way in. Entry rule: the signature agreement, as in the tiled
-// variant. Every wait is bounded (wait_timeout_us without progress, or another block's failure); a block that gives
-// up records why and stores NaN over `out` (CommBlockBase::poison_rows).
+// is reduced here by the block that drains its queue (with the epilogue: by the block that runs the band), which
+// waits for all of its flags, so once every block has finished no write of the call is still on its way in. Entry
+// rule: the signature agreement, as in the tiled variant. Every wait is bounded (wait_timeout_us without progress,
+// or another block's failure); a block that gives up records why and stores NaN over `out` (CommBlockBase::
+// poison_rows) and, with the epilogue, over `normed`.
 #pragma once
 #include <pto/pto-inst.hpp>
 
+#include "add_rmsnorm_epilogue.hpp"
 #include "comm_block.hpp"
 #include "device_support.hpp"
 #include "ready_queue.hpp"
@@ -37,6 +45,8 @@ struct DecodeUb {
   static constexpr uint32_t kEnd = kAcc + kDecodeRows * kBaseN * 4;
 };
 static_assert(DecodeUb::kEnd <= pto::TMP_UB_OFFSET, "UB overflow");
+// With the epilogue, the reduction's tiles are not used: the epilogue's (EpilogueUb) take their place.
+static_assert(DecodeUb::kIn + EpilogueUb::kBytes <= pto::TMP_UB_OFFSET, "UB overflow");
 
 template <typename T>
 class DecodeCommBlock : public CommBlockBase {
@@ -46,15 +56,21 @@ class DecodeCommBlock : public CommBlockBase {
   using FloatTile =
       pto::Tile<pto::TileType::Vec, float, kDecodeRows, kBaseN, pto::BLayout::RowMajor, pto::DYNAMIC, pto::DYNAMIC>;
 
-  AICORE inline DecodeCommBlock(const KernelArgs& args, int64_t block) : CommBlockBase(args, block) {}
+  AICORE inline DecodeCommBlock(const KernelArgs& args, int64_t block)
+      : CommBlockBase(args, block), epilogue_(args, block, DecodeUb::kIn) {}
 
   AICORE inline void init_call() {
     queues_.init(args_, c_);
     pushed_ = 0;
     reduced_ = 0;
+    epilogue_.init_call(&win_, tag_, tag_high_);
   }
 
-  AICORE inline void poison() { poison_rows<T>(args_.plan.m); }
+  // NaN over all of `out`, and of `normed` when the call has the epilogue.
+  AICORE inline void poison() {
+    poison_rows<T>(args_.plan.m);
+    epilogue_.poison();
+  }
 
   AICORE inline void prepare() {}  // stores, not atomic adds: nothing to zero, nothing to announce
 
@@ -63,7 +79,7 @@ class DecodeCommBlock : public CommBlockBase {
     bool queues_done = queues_.done();
     uint64_t last_progress = now_us();
     const uint64_t timeout = args_.wait_timeout_us != 0 ? args_.wait_timeout_us : kDefaultWaitTimeoutUs;
-    while (!queues_done || reduced_ < pushed_) {
+    while (!queues_done || reduced_ < pushed_ || epilogue_.pending()) {
       bool progress = false;
       if (!queues_done) {
         const int64_t t = queues_.poll(args_, tag_, tag_high_);
@@ -78,6 +94,7 @@ class DecodeCommBlock : public CommBlockBase {
         }
       }
       if (scan_pushed()) progress = true;
+      if (epilogue_.pending() && epilogue_.poll()) progress = true;
       if (progress) {
         last_progress = now_us();
         continue;
@@ -94,6 +111,8 @@ class DecodeCommBlock : public CommBlockBase {
   }
 
  private:
+  AICORE inline bool has_epilogue() const { return args_.epilogue.kind != kEpilogueNone; }
+
   // In `rank`'s window: source `source`'s partial of tile t is there.
   AICORE inline __gm__ uint32_t* pushed_flag(int32_t rank, int64_t t, int32_t source) const {
     return win_.at<uint32_t>(rank, contrib_flag_offset(args_.layout, t, source, world_));
@@ -109,15 +128,19 @@ class DecodeCommBlock : public CommBlockBase {
     return gm_at<T>(args_.scratch, args_.layout.partial_offset) + col0;
   }
 
-  // Step 1: tile t's m rows from the scratch into every peer's window, then the peers' pushed flags.
+  // Step 1: tile t's m rows from the scratch into every peer's window (with the epilogue: this rank's too), then the
+  // pushed flags there.
   AICORE inline void push(int64_t t) {
     const TilePlan& p = args_.plan;
     const int64_t col0 = tile_col(p, t) * p.base_n;
     const int64_t cols = tile_cols(p, tile_col(p, t));
-    tiles_[pushed_] = static_cast<int32_t>(t);
-    seen_[pushed_] = 0;
-    ++pushed_;
-    if (world_ == 1) return;
+    const bool to_self = has_epilogue();
+    if (!to_self) {  // else the epilogue reduces it, with the rest of its row band
+      tiles_[pushed_] = static_cast<int32_t>(t);
+      seen_[pushed_] = 0;
+      ++pushed_;
+    }
+    if (world_ == 1 && !to_self) return;
     SubTile<T> tile(static_cast<unsigned>(p.m), static_cast<unsigned>(cols));
     TASSIGN(tile, kUbMove);
     auto src = nd_view<T>(own_rows(col0), p.m, cols, p.pad_n);
@@ -128,6 +151,11 @@ class DecodeCommBlock : public CommBlockBase {
     for (int32_t i = 0; i + 1 < world_; ++i) {
       const int32_t peer = static_cast<int32_t>(rotated_peer(me_, t, i, world_));
       auto dst = nd_view<T>(pushed_rows(peer, me_, col0), p.m, cols, p.pad_n);
+      store_tile(dst, tile);
+      note_payload_store();
+    }
+    if (to_self) {
+      auto dst = nd_view<T>(pushed_rows(me_, me_, col0), p.m, cols, p.pad_n);
       store_tile(dst, tile);
       note_payload_store();
     }
@@ -142,6 +170,7 @@ class DecodeCommBlock : public CommBlockBase {
         raise_flag(pushed_flag(peer, t, me_), tag_, tag_high_);
       }
     }
+    if (to_self) raise_flag(pushed_flag(me_, t, me_), tag_, tag_high_);
   }
 
   // Simulator-only negative controls of the pushed flags; never reached in a device build (negative_control() is 0).
@@ -245,11 +274,15 @@ class DecodeCommBlock : public CommBlockBase {
     hand_over<PIPE_MTE3, PIPE_MTE2>();  // the last store has read `in` before anything reuses the UB
   }
 
-  // Names what this block waits for: its own compute kernel first, then the first missing peer partial.
+  // Names what this block waits for: its own compute kernel first, then the first missing partial.
   AICORE inline void report_stall(bool queues_done) {
     const int32_t block = static_cast<int32_t>(c_);
     if (!queues_done) {
       report_error(args_, kErrTimeoutCompute, -1, queues_.first_pending(), block, 1);
+      return;
+    }
+    if (epilogue_.pending()) {
+      epilogue_.report_stall();  // a source's partial of a tile of its row band
       return;
     }
     for (int32_t i = 0; i < pushed_; ++i) {
@@ -262,7 +295,8 @@ class DecodeCommBlock : public CommBlockBase {
   }
 
   QueueCursor queues_;
-  int32_t pushed_ = 0;              // tiles pushed (tiles_[0, pushed_))
+  AddRmsNormEpilogue<T> epilogue_;  // idle unless the call carries one
+  int32_t pushed_ = 0;              // tiles pushed that this block reduces (tiles_[0, pushed_); none with the epilogue)
   int32_t reduced_ = 0;             // of those, reduced
   int32_t tiles_[kDecodeMaxTiles];  // the tiles this block pushed, in order
   int32_t seen_[kDecodeMaxTiles];   // per pushed tile: sources seen in rank order; world + 1 once reduced

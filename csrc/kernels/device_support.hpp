@@ -93,6 +93,8 @@ enum NegativeControl : int {
   kControlDecodeNoWait = 30,         // a tile reduced without waiting for the peers' pushed flags
   kControlDecodeFlagUnflushed = 31,  // pushed flags stored but never written back (no dcci)
   kControlDecodeFlagStale = 32,      // pushed flags polled without dropping this core's cached copy first
+  // The add+RMSNorm epilogue again (either variant).
+  kControlEpilogueNoResidual = 33,  // the residual is left out of `out` (and so of normed)
   // The sequence-parallel kernels' fences (sp_comm_kernel.cpp, sp_compute_kernel.cpp), from 40 on so that the
   // numbers above can grow: each removes one release_fence() before a flag or one acquire_fence() after one.
   kControlRsPayloadUnfenced = 40,   // reduce-scatter: contribution flag raised without a fence after the add
@@ -478,10 +480,10 @@ AICORE inline bool kernel_operands_usable(const KernelArgs& args, uint32_t sp_op
   if (args.a == 0 || args.b == 0 || args.out == 0 || args.scratch == 0) return false;
   // Only gemm_allreduce's comm kernel runs an epilogue: the sequence-parallel kernels refuse one.
   if (sp_op != 0 ? args.epilogue.kind != kEpilogueNone : !epilogue_args_usable(args.epilogue, p.n)) return false;
-  // Only gemm_allreduce's pair has the decode variant, for one stripe of rows and no epilogue.
+  // Only gemm_allreduce's pair has the decode variant, for one stripe of rows (with or without the epilogue).
   const bool decode = args.variant == kVariantDecode;
   if (args.variant != kVariantTiled && (!decode || sp_op != 0)) return false;
-  if (decode && (!decode_plannable(p.m, p.n) || args.epilogue.kind != kEpilogueNone)) return false;
+  if (decode && !decode_plannable(p.m, p.n)) return false;
   // Regions and flags are laid out relative to these: keep DMA bursts aligned and flags on their own lines.
   if (args.scratch % kWindowAlign != 0) return false;
   // Row chunks: gemm_allreduce has one, the sequence-parallel ops one per rank (sequence_parallel.hpp).

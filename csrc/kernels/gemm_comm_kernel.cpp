@@ -30,7 +30,8 @@
 // (owner, block) / per subtile, so nothing is reset between calls and shapes may vary (see kernel_args.hpp).
 // A call that fails after its arguments were found usable leaves NaN in `out` (every block that gives up stores NaN
 // over all of `out` after its own last store there), so a failure cannot pass for a result.
-// KernelArgs::variant == kVariantDecode (small M) runs decode_comm_block.hpp's one-shot steps instead of 1-4.
+// KernelArgs::variant == kVariantDecode (small M) runs decode_comm_block.hpp's one-shot steps instead of 1-4 (with
+// the same add+RMSNorm epilogue as 3b when the call carries one).
 #include <pto/pto-inst.hpp>
 
 #include "add_rmsnorm_epilogue.hpp"

@@ -57,10 +57,11 @@
 // op 3 (kSimAddRmsNorm, the host's kOpGemmAllreduceAddRmsnorm) runs gemm_allreduce's pair with the add+RMSNorm
 // epilogue (gemm_ar/epilogue_args.hpp): the job line then ends "3 eps"; c<call>_residual.bin (m x ldo 16-bit, the
 // same for every rank) and c<call>_weight.bin (n 16-bit) are its operands; out<rank> is reduced + residual and
-// c<call>_normed<rank>.bin (m x ldo, starting as out_fill) the normalised rows. An eps after another op attaches
-// the same epilogue arguments to that op's kernels (which must refuse them).
+// c<call>_normed<rank>.bin (m x ldo, starting as out_fill) the normalised rows. An eps after op 1 or 2 attaches the
+// same epilogue arguments to that op's kernels (which must refuse them).
 // op 4 (kSimDecode) runs gemm_allreduce's pair in the decode variant (KernelArgs::variant = kVariantDecode,
-// plan_decode_kernel_args: m <= 64), the variant also in signature word 15 as the NPU host puts it there.
+// plan_decode_kernel_args: m <= 64), the variant also in signature word 15 as the NPU host puts it there; with an
+// eps, the decode variant with the add+RMSNorm epilogue (signed as op 3 is).
 #include <pto/pto-inst.hpp>
 
 #include <atomic>
@@ -231,9 +232,13 @@ gemm_ar::KernelArgs base_args(const Job& job, const CallSpec& s, int rank) {
   a.signature[5] = s.has_bias;
   a.signature[6] = 3;  // Algorithm::Fused
   // kSigOp (the host's OpKind); word 13, the dim, is 0 (add+RMSNorm: eps's bits)
-  a.signature[12] = job.op == kSimDecode ? gemm_ar::kOpGemmAllreduce : job.op;
+  // The decode variant with the epilogue is the host's gemm_allreduce_add_rmsnorm, as op 3 is.
+  const bool add_rmsnorm = job.op == kSimAddRmsNorm || (job.op == kSimDecode && job.epilogue);
+  a.signature[12] = add_rmsnorm            ? gemm_ar::kOpGemmAllreduceAddRmsnorm
+                    : job.op == kSimDecode ? gemm_ar::kOpGemmAllreduce
+                                           : job.op;
   a.signature[kSigEngineMode] = a.variant;
-  if (job.op == kSimAddRmsNorm) {
+  if (add_rmsnorm) {
     const double eps = job.eps;
     std::memcpy(&a.signature[13], &eps, sizeof eps);
   }

@@ -131,10 +131,14 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
       os << (r ? "," : "") << " rank " << r << " has " << field_value(f, all[r][f], all[r][kSigOp]);
     return os.str();
   };
-  // The op first: other fields (the CPU engine's tile geometry, the op's parameter) follow from it.
+  // Causes before consequences: the op first (the op's parameter follows from it), the tile geometry last (it follows
+  // from the shapes, the threads and the engine's options), so the message names what a user set differently.
   std::string problem = disagreement(kSigOp);
   for (int64_t f = kSigM; f < kSigComparedFields && problem.empty(); ++f) {
-    if (f != kSigOp) problem = disagreement(f);
+    if (f != kSigOp && f != kSigTileM && f != kSigTileN && f != kSigSubM) problem = disagreement(f);
+  }
+  for (int64_t f : {kSigTileM, kSigTileN, kSigSubM}) {
+    if (problem.empty()) problem = disagreement(f);
   }
   return problem;
 }

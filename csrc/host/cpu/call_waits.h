@@ -3,6 +3,7 @@
 // reduction). Every wait ends: in success, an exception naming the late or dead rank, or LocalAbort.
 #pragma once
 #include <gemm_ar/layout.hpp>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -24,6 +25,9 @@ struct CallRejected : std::runtime_error {
 
 constexpr int64_t kWaitSleepSliceNs = 2'000'000;  // a sleeper re-checks at least this often
 constexpr auto kWatchEvery = std::chrono::milliseconds(50);
+// A spinning waiter gives its core away this often: when ranks share cores with each other or with other jobs, the
+// peer it waits for may be the thread it would otherwise keep off the core (docs/decisions/0006).
+constexpr int kSpinsPerYield = 256;
 
 // Waits until ready(), running progress() meanwhile (it returns whether it did anything), sleeping on `bell`
 // after a short spin (`max_spins` pauses). Every `kWatchEvery` it runs watch() (which throws when a peer died or gave
@@ -47,7 +51,11 @@ void bounded_wait(Ready ready, Progress progress, Watch watch, Describe describe
     if (ready()) return;
     if (spins < max_spins) {
       ++spins;
-      cpu_relax();
+      if (spins % kSpinsPerYield == 0) {
+        sched_yield();
+      } else {
+        cpu_relax();
+      }
       continue;
     }
     bell.sleep(seen, kWaitSleepSliceNs);

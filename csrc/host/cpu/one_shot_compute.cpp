@@ -59,9 +59,8 @@ void run_one_shot_compute(CallJob& job, const std::function<bool()>& progress) {
   };
   std::vector<const uint8_t*> sources(job.world);
   // A decode call waits for its peers at most about one GEMM of theirs, and is short: a rank that slept there would
-  // come back a futex wake-up (under load, a scheduler slice) later, which is the size of the call's whole
-  // communication. So it spins as long as a tuning call's agreement does before sleeping (shm_sync.h, kAlignSpins;
-  // one core per rank is this rank's own).
+  // come back a futex wake-up later, which is the size of the call's whole communication. So it spins as long as a
+  // tuning call's agreement does before sleeping (shm_sync.h, kAlignSpins), yielding now and then (call_waits.h).
   const int spins = job.decode ? kAlignSpins : kWaitSpins;
   try {
     // Every tile's partial first: peers wait for all of them. In one GEMM call where the geometry asks for it.

@@ -100,7 +100,9 @@ uint32_t sp_op_of(const CallArgs& call) {
 constexpr int64_t kDecodeMaxPartialBytes = 512 * 1024;
 
 uint32_t fused_variant(const CallArgs& call) {
-  if (call.op != kOpGemmAllreduce || !decode_plannable(call.m, call.n)) return kVariantTiled;
+  // gemm_allreduce_add_rmsnorm runs gemm_allreduce's pair (with the epilogue), so it has the decode variant too.
+  const bool allreduce_pair = call.op == kOpGemmAllreduce || call.op == kOpGemmAllreduceAddRmsnorm;
+  if (!allreduce_pair || !decode_plannable(call.m, call.n)) return kVariantTiled;
   // M <= 64 and N <= 65536 here: no overflow.
   const int64_t partial_bytes = call.m * call.n * static_cast<int64_t>(c10::elementSize(call.dtype));
   return partial_bytes <= kDecodeMaxPartialBytes ? kVariantDecode : kVariantTiled;

@@ -22,9 +22,9 @@ struct FusedCheck {
 };
 
 // Which variant of gemm_allreduce's kernels `fused` runs (gemm_ar::KernelVariant): the decode kernels for
-// gemm_allreduce at M <= kDecodeMaxM with a partial of at most 512 KiB (docs/ascend.md, "Decode"), the tiled ones
-// otherwise. A function of the agreed arguments alone, so the same on every rank; it is also in the signature the
-// kernels compare.
+// gemm_allreduce and gemm_allreduce_add_rmsnorm at M <= kDecodeMaxM with a partial of at most 512 KiB
+// (docs/ascend.md, "Decode"), the tiled ones otherwise. A function of the agreed arguments alone, so the same on
+// every rank; it is also in the signature the kernels compare.
 uint32_t fused_variant(const CallArgs& call);
 
 // Whether the fused path can run this call on this group, and if not why. The answer is the same on every rank

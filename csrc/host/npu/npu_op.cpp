@@ -50,8 +50,8 @@ void warn_fallback_once(const FusedCheck& check, const std::string& op_name, con
 }
 
 Algorithm choose_auto(const CallArgs& call, c10d::ProcessGroup& group, bool fused_available) {
-  // gemm_allreduce at decode sizes: `fused` runs the one-shot decode kernels there, estimated to beat GEMM + HCCL
-  // all_reduce (docs/ascend.md, "Decode"; not yet measured on hardware).
+  // gemm_allreduce (and gemm_allreduce_add_rmsnorm) at decode sizes: `fused` runs the one-shot decode kernels there,
+  // estimated to beat GEMM + HCCL all_reduce (docs/ascend.md, "Decode"; not yet measured on hardware).
   if (fused_available && fused_variant(call) == kVariantDecode) return Algorithm::Fused;
   const int64_t min_rows = env_int(Setting::kNpuFusedMinRows, kDefaultFusedMinRows, 0, INT64_MAX);
   if (call.m < min_rows) return Algorithm::Sequential;

@@ -301,7 +301,8 @@ GEMM_AR_FN KernelLayout make_kernel_layout(const TilePlan& plan, int64_t elem_by
 }
 
 // The decode variant's regions (kVariantDecode): `reduced` holds the pushed partials [source][m][pad_n] (a rank's own
-// slot stays unused: it reads its own partial from its scratch), `contrib` the pushed flags [tile][source] ("source's
+// slot is used only with the add+RMSNorm epilogue, which reads every partial from there; without it a rank reads its
+// own from its scratch), `contrib` the pushed flags [tile][source] ("source's
 // partial of tile t is in this window"), no arrival flags. The scratch is the tiled variant's: the compute kernel is
 // the same.
 GEMM_AR_FN KernelLayout make_decode_kernel_layout(const TilePlan& plan, int64_t elem_bytes, int64_t world,
@@ -314,7 +315,7 @@ GEMM_AR_FN KernelLayout make_decode_kernel_layout(const TilePlan& plan, int64_t 
   return place_kernel_layout(plan, elem_bytes, world, compute_blocks, r);
 }
 
-// Whether a gemm_allreduce call of these sizes fits the decode variant.
+// Whether a gemm_allreduce call (with or without the add+RMSNorm epilogue) of these sizes fits the decode variant.
 GEMM_AR_FN bool decode_plannable(int64_t m, int64_t n) {
   return m >= 1 && m <= kDecodeMaxM && n >= 1 && n <= kDecodeMaxTiles * kNpuBaseN;
 }
