@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 ENV = "TORCH_GEMM_AR_COMPILE_AGREE_S"
 DEFAULT_S = 60.0
 _PREFIX = "torch_gemm_ar/compile_agree"
-_POLL_S = 0.005
+_POLL_S = (0.002, 0.05)  # first and longest pause between polls of the store (doubling in between)
 
 _lock = threading.Lock()
 _started: Counter = Counter()  # (group name, description hash) -> agreements this process started on it
@@ -105,7 +105,7 @@ def agree(sites: Sequence[Tuple[str, str]]) -> List[Optional[str]]:
         for site in pending:
             site.arrive()
         deadline = time.monotonic() + bound
-        waiting = list(pending)
+        waiting, pause = list(pending), _POLL_S[0]
         while waiting:
             waiting = [site for site in waiting if not site.poll()]
             if waiting and time.monotonic() >= deadline:
@@ -113,7 +113,8 @@ def agree(sites: Sequence[Tuple[str, str]]) -> List[Optional[str]]:
                     site.give_up()
                 break
             if waiting:
-                time.sleep(_POLL_S)
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2 * pause, _POLL_S[1])
         reasons: List[Optional[str]] = []
         for site in pending:
             missing = [] if site.outcome == b"go" else site.missing()
