@@ -2,9 +2,10 @@
 
 - its ColumnParallelLinear + RowParallelLinear MLP (with and without sequence parallelism), and a 2-layer GPTModel (SwiGLU, RMSNorm), converted: outputs,
   input gradient and one SGD step equal Megatron's within fp32 tolerance, the report naming every linear layer;
-- the GPTModel as it comes under torch.compile with the rewrite: Megatron warns on rank 0 only inside its layers'
-  forward, so rank 0's graphs break where rank 1's do not; it runs correctly, without a hang, the sites rank 0 lacks
-  unfused on both ranks (the report says so); with dynamo told to ignore warnings.warn every site is fused;
+- the GPTModel as it comes under torch.compile with the rewrite, forward and backward: Megatron warns on rank 0 only
+  inside its layers' forward, so rank 0's graphs break where rank 1's do not; it runs correctly, without a hang, the
+  sites rank 0 lacks unfused on both ranks (the report says so); with dynamo told to ignore warnings.warn the sites
+  are fused; converted, it compiles whole;
 - layers in configurations the converter does not take are listed with reasons.
 
 CPU workarounds, none in Megatron's math: Megatron imports a triton-only MoE kernel module at import time
@@ -231,40 +232,50 @@ def test_megatron_gpt_converted_matches_megatron(ranks):
         assert sorted(replaced) == sorted(LINEAR_LAYERS + ["output_layer"]), text
 
 
+def _gpt_gradients(model, inputs, upstream, run=None):
+    """`model`'s output and parameter gradients, run by `run` (e.g. its compiled form; default: itself)."""
+    out = (model if run is None else run)(*inputs)
+    (out * upstream).sum().backward()
+    return out.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
 def megatron_gpt_compiled(rank, world, seed):
-    """The unconverted GPTModel compiled with the rewrite, as it comes (rank 0 warns, so its graphs break elsewhere),
-    then with dynamo ignoring warnings.warn (alike graphs), then converted by replace_megatron and compiled whole
-    (fullgraph: the converted layers do not warn): outputs equal the uncompiled model's each time."""
+    """The unconverted GPTModel compiled with the rewrite and trained one backward: as it comes (rank 0 warns, so its
+    graphs break elsewhere), then with dynamo ignoring warnings.warn (alike graphs), then converted by
+    replace_megatron and compiled whole (fullgraph: the converted layers do not warn). Output and every gradient equal
+    the uncompiled model's each time; returns the first two reports."""
     import warnings
 
     import torch_gemm_ar
     from scoped_env import scoped_env
 
     reports = []
-    with megatron_on_cpu(world), torch.no_grad(), scoped_env(TORCH_GEMM_AR_COMPILE_AGREE_S="2"):
-        model = _gpt(seed)
+    with megatron_on_cpu(world), scoped_env(TORCH_GEMM_AR_COMPILE_AGREE_S="2"):
         inputs = _gpt_inputs(seed)
-        expected = model(*inputs)
-        for ignore_warnings in (False, True):
+        upstream = torch.randn(BATCH, SEQ, VOCAB // world, generator=torch.Generator().manual_seed(seed + 2 + rank))
+        expected, expected_grads = _gpt_gradients(_gpt(seed), inputs, upstream)
+        for variant in ("as it comes", "warnings ignored", "converted"):
             torch._dynamo.reset()
             torch_gemm_ar.compile.reset()
+            model = _gpt(seed)
+            if variant == "converted":
+                torch_gemm_ar.nn.replace_megatron(model)
             ignored = torch._dynamo.config.ignore_logging_functions
-            if ignore_warnings:
+            if variant == "warnings ignored":
                 ignored.add(warnings.warn)
             try:
-                got = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"))(*inputs)
+                compiled = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"),
+                                         fullgraph=variant == "converted")
+                got, grads = _gpt_gradients(model, inputs, upstream, run=compiled)
             finally:
                 ignored.discard(warnings.warn)
-            torch.testing.assert_close(got, expected, rtol=3e-5, atol=3e-5,
-                                       msg=lambda m: f"rank {rank} ignore_warnings={ignore_warnings}: {m}")
+            torch.testing.assert_close(got, expected, rtol=3e-5, atol=3e-5, msg=lambda m: f"rank {rank} {variant}: {m}")
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-4,
+                                           msg=lambda m: f"rank {rank} {variant} grad {name}: {m}")
             report = torch_gemm_ar.compile.report()
             reports.append((dict(report.rewritten), dict(report.skipped)))
-        torch._dynamo.reset()
-        torch_gemm_ar.compile.reset()
-        torch_gemm_ar.nn.replace_megatron(model)
-        got = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"), fullgraph=True)(*inputs)
-        torch.testing.assert_close(got, expected, rtol=3e-5, atol=3e-5, msg=lambda m: f"rank {rank} converted: {m}")
-    return reports
+    return reports[:2]
 
 
 def test_megatron_gpt_compiles_when_ranks_trace_different_graphs(ranks):
@@ -273,8 +284,9 @@ def test_megatron_gpt_compiles_when_ranks_trace_different_graphs(ranks):
     # As it comes: rank 0's graphs break inside the row-parallel layers, so no rank fuses them; rank 1 says why.
     assert as_is_0[0] == {} and as_is_1[0] == {}, (as_is_0, as_is_1)
     assert any("not rewritten: rank(s) [0]" in reason for reason in as_is_1[1]), as_is_1
-    # Alike graphs: the 4 row-parallel sites (linear_proj, linear_fc2 of 2 layers) fused on both ranks.
-    assert alike_0[0] == alike_1[0] == {"gemm_allreduce": 4}, (alike_0, alike_1)
+    # Alike graphs: the row-parallel sites whose values backward does not keep (2 of linear_proj / linear_fc2 in
+    # these training graphs) fused on both ranks.
+    assert alike_0[0] == alike_1[0] == {"gemm_allreduce": 2}, (alike_0, alike_1)
 
 
 @pytest.mark.multirank  # torchrun starts the ranks
