@@ -12,6 +12,9 @@
 - replace_sequence_parallel(model): converts a DTensor plan's sequence-parallel layers in place
   (ColwiseParallel(input_layouts=Shard(d)) -> allgather_gemm, RowwiseParallel(output_layouts=Shard(d)) ->
   gemm_reduce_scatter).
+- replace_torchtitan(model): fuses the collectives of a model parallelized by torchtitan's Module.parallelize
+  (its sharding configs: row layers -> gemm_allreduce / gemm_reduce_scatter, column layers under attention and
+  feed-forward -> allgather_gemm or the backward all-reduce fused).
 - DTensorRowParallelLinear: what a RowwiseParallel nn.Linear becomes (same parameters, inputs and outputs).
 - DTensorColumnParallelLinear: what a ColwiseParallel(input_layouts=Shard(d)) nn.Linear becomes.
 """
@@ -21,7 +24,9 @@ from .dtensor_row_parallel import DTensorRowParallelLinear
 from .replace import ReplaceReport, replace_row_parallel
 from .replace_column_parallel import replace_column_parallel
 from .replace_sequence_parallel import replace_sequence_parallel
+from .replace_torchtitan import replace_torchtitan
 from .row_parallel_linear import RowParallelLinear
 
 __all__ = ["ColumnParallelLinear", "DTensorColumnParallelLinear", "DTensorRowParallelLinear", "ReplaceReport",
-           "RowParallelLinear", "replace_column_parallel", "replace_row_parallel", "replace_sequence_parallel"]
+           "RowParallelLinear", "replace_column_parallel", "replace_row_parallel", "replace_sequence_parallel",
+           "replace_torchtitan"]
