@@ -2,10 +2,15 @@
 torch_gemm_ar.nn.replace_torchtitan: logits and one SGD step equal to torchtitan's TP, both SPMD backends, sequence
 parallelism on and off, 2 and 3 ranks; the report names what converted and why the rest did not. Skipped, with the
 reason, where torchtitan is not installed (CI installs it, .ci/run)."""
+import os
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("torchtitan", reason="needs torchtitan==0.3.0 (installed by .ci/run, with --no-deps)")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 
 from titan_llama import backend, build, local, sizes  # noqa: E402
 
@@ -89,26 +94,27 @@ def test_converted_llama3_matches_torchtitan_tp(ranks, world, sequence_parallel,
 
 
 def titan_nothing_convertible(rank, world):
-    """Fused QKV (one wqkv) and no GEMM-side reduction on the row layers: every parallelized module is reported
-    with its reason, no exception."""
+    """torchtitan's fused QKV projection (one wqkv), and forward hooks on wo, w1 and w2 (a hook the fused forward
+    would skip): nothing to convert, so a report naming every parallelized module with its reason."""
     import torch_gemm_ar
 
     with backend("spmd_types"):
-        model, _ = build("spmd_types", False, world, seed=1, layers=1)
-        for name in ("layers.0.attention.wo", "layers.0.feed_forward.w2"):
-            layer = model.get_submodule(name)
-            layer.register_forward_hook(lambda *args: None)
-        model.layers["0"].feed_forward._sharding_config = None  # as if its input collective were not declared
+        model, _ = build("spmd_types", True, world, seed=1, layers=1, fuse_qkv=True)
+        for name in ("attention.wo", "feed_forward.w1", "feed_forward.w2"):
+            model.layers["0"].get_submodule(name).register_forward_hook(lambda *args: None)
         report = torch_gemm_ar.nn.replace_torchtitan(model)
-    return list(report), dict(report.skipped)
+        configured = [n for n, m in model.named_modules() if getattr(m, "_sharding_config", None) is not None]
+    return list(report), dict(report.skipped), configured, str(report)
 
 
 def test_nothing_convertible_is_a_report(ranks):
-    replaced, skipped = ranks(2).run(titan_nothing_convertible)[0]
-    assert replaced[:3] == ["layers.0.attention.qkv_linear.wq", "layers.0.attention.qkv_linear.wk",
-                            "layers.0.attention.qkv_linear.wv"]
-    assert len(replaced) == 3
-    assert "forward_hooks" in skipped["layers.0.attention.wo"]
-    assert "forward_hooks" in skipped["layers.0.feed_forward.w2"]
-    for name in ("layers.0.feed_forward.w1", "layers.0.feed_forward.w3"):
-        assert "no module around it redistributes its input" in skipped[name] or "collective" in skipped[name]
+    replaced, skipped, configured, text = ranks(2).run(titan_nothing_convertible)[0]
+    assert replaced == [], text
+    # Every module with a sharding config is named, with its reason; the column layers under the skipped parents too.
+    assert set(skipped) == set(configured), text
+    assert "FusedQKVLinear" in skipped["layers.0.attention"], text
+    assert "forward_hooks" in skipped["layers.0.attention.wo"] and "forward_hooks" in skipped["layers.0.feed_forward.w2"]
+    assert "layers.0.feed_forward.w1" in skipped["layers.0.feed_forward"], text
+    for name in ("layers.0.attention.qkv_linear.wqkv", "layers.0.feed_forward.w3"):
+        assert skipped[name].startswith("column-parallel; its input collective sits at"), text
+    assert text.startswith("replace_torchtitan: replaced 0 module(s)"), text

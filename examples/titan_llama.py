@@ -1,6 +1,6 @@
 """A tiny torchtitan (0.3.0) Llama3 tensor-parallelized by torchtitan itself, on CPU gloo ranks: its own model
 classes, init and sharding configs (`set_llama3_sharding_config`), `Module.parallelize` on a TP-only
-`ParallelDims`, both SPMD backends. For tests/test_torchtitan.py and examples/titan_llama_tp.py.
+`ParallelDims`, both SPMD backends. For examples/titan_llama_tp.py and tests/test_torchtitan.py.
 
 CPU-only workarounds, each because torchtitan assumes a GPU there:
 - torchtitan imports triton at module load for its GPU kernels (expert-parallel dispatch, fused SwiGLU/MLA), which
@@ -14,6 +14,7 @@ CPU-only workarounds, each because torchtitan assumes a GPU there:
 import contextlib
 import sys
 import types
+from typing import Optional
 
 import torch
 
@@ -103,11 +104,14 @@ def parallel_dims(backend: str, world: int):
     return _dims[key]
 
 
-def build(backend: str, sequence_parallel: bool, world: int, seed: int = 0, layers: int = 2):
+def build(backend: str, sequence_parallel: bool, world: int, seed: int = 0, layers: int = 2, fuse_qkv: bool = False,
+          shape: Optional[dict] = None):
     """torchtitan's Llama3 built from its configs, initialized by its init_states (same seed: same weights), and
-    parallelized by Module.parallelize; returns (model, context): call the model inside `context()`."""
+    parallelized by Module.parallelize; returns (model, context): call the model inside `context()`. fuse_qkv: one
+    wqkv projection (torchtitan's FusedQKVLinear) instead of wq/wk/wv. shape: dim, heads, kv_heads, hidden, vocab
+    (default: `sizes(world)`)."""
     titan = import_torchtitan()
-    s = sizes(world)
+    s = shape or sizes(world)
     dim = s["dim"]
     config = titan.Llama3Model.Config(
         dim=dim, vocab_size=s["vocab"],
@@ -117,8 +121,8 @@ def build(backend: str, sequence_parallel: bool, world: int, seed: int = 0, laye
         lm_head=titan.Linear.Config(in_features=dim, out_features=s["vocab"],
                                     param_init={"weight": lambda p: torch.nn.init.normal_(p, std=dim ** -0.5)}),
         layers=titan.build_layers(n_layers=layers, dim=dim, n_heads=s["heads"], n_kv_heads=s["kv_heads"],
-                                  hidden_dim=s["hidden"], fuse_qkv=False, attn_backend="flex",
-                                  rope=titan.ComplexRoPE.Config(dim=dim // s["heads"], max_seq_len=64, theta=1e4)))
+                                  hidden_dim=s["hidden"], fuse_qkv=fuse_qkv, attn_backend="flex",
+                                  rope=titan.ComplexRoPE.Config(dim=dim // s["heads"], max_seq_len=512, theta=1e4)))
     for layer in config.layers:
         layer.attention.inner_attention = titan.ScaledDotProductAttention.Config()  # CPU: see the docstring
         layer.attention_norm.param_init = layer.ffn_norm.param_init = {"weight": _uniform_norm}
