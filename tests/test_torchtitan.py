@@ -3,6 +3,10 @@ torch_gemm_ar.nn.replace_torchtitan: logits and one SGD step equal to torchtitan
 parallelism on and off, 2 and 3 ranks; the report names what converted and why the rest did not. Skipped, with the
 reason, where torchtitan is not installed (CI installs it, .ci/run)."""
 import os
+import random
+import re
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +16,10 @@ pytest.importorskip("torchtitan", reason="needs torchtitan==0.3.0 (installed by 
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 
+from rank_pool import free_port  # noqa: E402
 from titan_llama import backend, build, local, sizes  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BACKENDS = ("spmd_types", "partial_dtensor")
 ROWS = ("attention.wo", "feed_forward.w2")
@@ -104,11 +111,20 @@ def titan_nothing_convertible(rank, world):
             model.layers["0"].get_submodule(name).register_forward_hook(lambda *args: None)
         report = torch_gemm_ar.nn.replace_torchtitan(model)
         configured = [n for n, m in model.named_modules() if getattr(m, "_sharding_config", None) is not None]
-    return list(report), dict(report.skipped), configured, str(report)
+        # The converters that read torch's or transformers' style hooks name this one instead of finding nothing.
+        pointers = []
+        for convert in (torch_gemm_ar.nn.replace_row_parallel, torch_gemm_ar.nn.replace_column_parallel,
+                        torch_gemm_ar.nn.replace_sequence_parallel):
+            try:
+                convert(model)
+                pointers.append(f"{convert.__name__} raised nothing")
+            except ValueError as error:
+                pointers.append(str(error))
+    return list(report), dict(report.skipped), configured, str(report), pointers
 
 
 def test_nothing_convertible_is_a_report(ranks):
-    replaced, skipped, configured, text = ranks(2).run(titan_nothing_convertible)[0]
+    replaced, skipped, configured, text, pointers = ranks(2).run(titan_nothing_convertible)[0]
     assert replaced == [], text
     # Every module with a sharding config is named, with its reason; the column layers under the skipped parents too.
     assert set(skipped) == set(configured), text
@@ -118,3 +134,24 @@ def test_nothing_convertible_is_a_report(ranks):
     for name in ("layers.0.attention.qkv_linear.wqkv", "layers.0.feed_forward.w3"):
         assert skipped[name].startswith("column-parallel; its input collective sits at"), text
     assert text.startswith("replace_torchtitan: replaced 0 module(s)"), text
+    for who, message in zip(("replace_row_parallel", "replace_column_parallel", "replace_sequence_parallel"), pointers):
+        assert message.startswith(f"{who}: the model was parallelized by torchtitan") and "replace_torchtitan" in message
+
+
+@pytest.mark.multirank  # torchrun starts the ranks
+def test_readme_example_command_runs():
+    """The README's torchrun line of examples/titan_llama_tp.py as typed, made tiny by options appended after it
+    (the last occurrence wins), on a free port: the report, its own tolerance check and both timings."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        lines = [m.group(1) for m in re.finditer(r"(torchrun [^`\n]*examples/titan_llama_tp\.py[^`\n]*)", f.read())]
+    assert lines, "README.md shows no torchrun command line for examples/titan_llama_tp.py"
+    tiny = ["--layers", "1", "--dim", "48", "--hidden", "88", "--heads", "4", "--kv-heads", "2", "--vocab", "62",
+            "--batch", "2", "--seq", "10", "--iters", "2", "--warmup", "0", "--seed", str(random.randrange(1 << 30))]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
+    done = subprocess.run([torchrun, *shlex.split(lines[0])[1:], *tiny], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env=env)
+    assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    assert "replace_torchtitan: replaced 7 module(s)" in done.stdout and "CPU:" in done.stdout, done.stdout
+    assert re.search(r"from torchtitan's TP: \S+ \(tolerance \S+\); .*: ok", done.stdout), done.stdout
+    assert re.search(r"ms/forward +\d", done.stdout) and re.search(r"ms/train step +\d", done.stdout), done.stdout

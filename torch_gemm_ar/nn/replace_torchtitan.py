@@ -135,8 +135,12 @@ def _classify(module: nn.Module) -> Tuple[str, Any]:
                 " (its output redistribution feeds the output layer's GEMM, which is not fused)" if out_dst else "")
         if config.local_map is not None and not config.state_shardings:
             return "other", "runs on local shards (local_map): no collective next to a GEMM"
-        if config.in_dst_shardings or config.out_dst_shardings:
-            return "other", "no GEMM of its own: its redistribution is of a norm's or a block's activations"
+        if config.in_dst_shardings:
+            return "other", ("it redistributes its input for the layers inside it, and is not a module known to hand "
+                             "that input to column-parallel layers only (torchtitan's GQAttention with QKVLinear, "
+                             "FeedForward)")
+        if config.out_dst_shardings:
+            return "other", "no GEMM of its own: it redistributes its output"
         return "other", "parameters or buffers only: no collective in forward"
     if _is_dtensor(module.weight) and module.weight.device_mesh.ndim != 1:
         return "other", f"its weight is on a {module.weight.device_mesh.ndim}-D mesh: only a TP-only mesh is converted"
@@ -240,7 +244,6 @@ def _as_input(x, like, placement_fn):
 def _install(module: nn.Module, kind: str, forward: Callable) -> None:
     torchtitan_forward = vars(module)["forward"]
     module.forward = functools.wraps(torchtitan_forward)(forward)
-    module._torch_gemm_ar_torchtitan_forward = torchtitan_forward  # the unfused closure, kept for reference
     setattr(module, _MARK, kind)
 
 
@@ -293,12 +296,16 @@ class _GatheredInput(torch.autograd.Function):
 
 
 class _ParentState:
-    """What the column layers of one parent call share: the parent's input and, with sequence parallelism, the
-    gathered input after the first layer."""
+    """What the column layers share during one call of their parent: that the call is on, the input the first layer
+    got and, with sequence parallelism, the input gathered by it."""
 
     def __init__(self):
+        self.active = False
         self.input = None
         self.gathered: Optional[torch.Tensor] = None
+
+    def reset(self, active: bool) -> None:
+        self.active, self.input, self.gathered = active, None, None
 
 
 def _fuse_parent(parent: nn.Module, children: List[nn.Module], algorithm: str) -> None:
@@ -315,12 +322,11 @@ def _fuse_parent(parent: nn.Module, children: List[nn.Module], algorithm: str) -
     parent_forward = vars(parent)["forward"]
 
     def forward(*args, **kwargs):
-        state.input = kwargs[arg] if arg in kwargs else args[0]
-        state.gathered = None
+        state.reset(active=True)
         try:
             return parent_forward(*args, **kwargs)
         finally:
-            state.input = state.gathered = None
+            state.reset(active=False)
 
     _install(parent, "column collective in its layers", forward)
     if gather_dim is not None and type(parent).__name__ == "GQAttention":
@@ -348,10 +354,11 @@ def _fuse_column(module: nn.Module, state: _ParentState, gather_dim: Optional[in
         group = _tp_group_name(module)
         if group is None:
             return torchtitan_forward(x)
-        if x is not state.input:
-            raise RuntimeError(f"{WHO}: a converted column-parallel layer got an input that is not its parent "
-                               "module's input; the parent's collective was moved into these layers, so they must "
-                               "be called from the parent's forward")
+        if not state.active or (state.input is not None and x is not state.input):
+            raise RuntimeError(f"{WHO}: a converted column-parallel layer was called outside its parent's forward, or "
+                               "on another input than its siblings; the parent's input collective runs in these "
+                               "layers, so only the parent's own forward may call them")
+        state.input = x
         local, weight = _local(x), _local(module.weight)
         bias = None if module.bias is None else _local(module.bias)
         if gather_dim is None:  # replicated input: the backward all-reduce of its gradient, fused
