@@ -5,12 +5,14 @@ torch_gemm_ar.nn.replace_torchtitan -- no change to torchtitan's code or configs
 
 The model is built from torchtitan 0.3.0's Llama3 configs with random weights (its init_states; nothing is
 downloaded), its sharding configs set by `set_llama3_sharding_config` (sequence parallelism on, torchtitan's
-default; --no-sp for off) and parallelized by `Module.parallelize` over gloo, with the `spmd_types` SPMD backend
+default; --no-sp for off; one fused wqkv projection as in its Llama3 flavours, --qkv separate for wq/wk/wv) and
+parallelized by `Module.parallelize` over gloo, with the `spmd_types` SPMD backend
 (torchtitan's default; --backend partial_dtensor for DTensors). The CPU-only workarounds are in
 examples/titan_llama.py. The script prints what was converted (and why the rest was not), the largest logit
 difference from the unconverted TP model, and the median time per forward and per train step (forward, backward,
 SGD) of both, interleaved, with the speedup; it exits non-zero when a difference is beyond the tolerance.
-Needs `pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17` (.ci/run installs the same).
+Needs `pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0
+typeguard==4.6.1` (.ci/run installs the same).
 """
 import argparse
 import os
@@ -31,6 +33,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["spmd_types", "partial_dtensor"], default="spmd_types")
     parser.add_argument("--no-sp", action="store_true", help="sequence parallelism off")
+    parser.add_argument("--qkv", choices=["fused", "separate"], default="fused",
+                        help="one wqkv projection (torchtitan's Llama3 flavours) or wq/wk/wv")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1376)
@@ -54,8 +58,8 @@ def main(argv=None) -> int:
     try:
         import torchtitan  # noqa: F401
     except ImportError:
-        print("needs torchtitan: pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17",
-              file=sys.stderr)
+        print("needs torchtitan: pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 "
+              "docstring-parser==0.18.0 typeguard==4.6.1", file=sys.stderr)
         return 2
     import torch_gemm_ar
     from titan_llama import backend, build, local
@@ -67,7 +71,8 @@ def main(argv=None) -> int:
     shape = dict(dim=args.dim, heads=args.heads, kv_heads=args.kv_heads, hidden=args.hidden, vocab=args.vocab)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(args.seed))
     with backend(args.backend):
-        models, contexts = zip(*(build(args.backend, sp, world, args.seed, args.layers, shape=shape) for _ in "ab"))
+        models, contexts = zip(*(build(args.backend, sp, world, args.seed, args.layers, fuse_qkv=args.qkv == "fused",
+                                       shape=shape) for _ in "ab"))
         context = contexts[0]
         report = torch_gemm_ar.nn.replace_torchtitan(models[1], algorithm=args.algorithm)
         # Built after the conversion is as good as before it: the converted modules keep their Parameter objects.
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     if rank == 0:
         sp_text = "sequence parallel" if sp else "no sequence parallelism"
         print(f"\ntorchtitan Llama3, {args.layers} layers, dim {args.dim}, ffn {args.hidden}, heads {args.heads}/"
-              f"{args.kv_heads}, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {world} ranks, "
+              f"{args.kv_heads} ({args.qkv} qkv), vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {world} ranks, "
               f"{args.backend}, {sp_text}")
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
         print(report)

@@ -23,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BACKENDS = ("spmd_types", "partial_dtensor")
 ROWS = ("attention.wo", "feed_forward.w2")
-COLUMNS = ("attention.qkv_linear.wq", "attention.qkv_linear.wk", "attention.qkv_linear.wv", "feed_forward.w1",
-           "feed_forward.w3")
+QKV = ("attention.qkv_linear.wq", "attention.qkv_linear.wk", "attention.qkv_linear.wv")
+FFN_COLUMNS = ("feed_forward.w1", "feed_forward.w3")
 
 
 def _step(model, context, ids, target):
@@ -54,12 +54,12 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5 * scale, msg=lambda m: f"{what}: {m}")
 
 
-def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel):
+def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv):
     import torch_gemm_ar
 
     with backend(spmd_backend):
-        reference, context = build(spmd_backend, sequence_parallel, world, seed=3)
-        converted, _ = build(spmd_backend, sequence_parallel, world, seed=3)
+        reference, context = build(spmd_backend, sequence_parallel, world, seed=3, fuse_qkv=fuse_qkv)
+        converted, _ = build(spmd_backend, sequence_parallel, world, seed=3, fuse_qkv=fuse_qkv)
         report = torch_gemm_ar.nn.replace_torchtitan(converted)
         again = torch_gemm_ar.nn.replace_torchtitan(converted)
         generator = torch.Generator().manual_seed(11)
@@ -68,13 +68,14 @@ def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel):
         target = torch.randn(2, seq, 31, generator=torch.Generator().manual_seed(100 + rank))
         want = _step(reference, context, ids, target)
         got = _step(converted, context, ids, target)
+    qkv = "wqkv" if fuse_qkv else "wq/wk/wv"
     for what, a, b in (("logits", got[0], want[0]), ("logits after the SGD step", got[2], want[2])):
-        _close(a, b, f"rank {rank}: {what}")
+        _close(a, b, f"rank {rank}, {qkv}: {what}")
     assert got[1].keys() == want[1].keys()
     for name, g in got[1].items():
         assert (g is None) == (want[1][name] is None), name
         if g is not None:
-            _close(g, want[1][name], f"rank {rank}: grad of {name}")
+            _close(g, want[1][name], f"rank {rank}, {qkv}: grad of {name}")
     kinds = {name: getattr(converted.get_submodule(name), "_torch_gemm_ar_fused", None) for name in report}
     return list(report), dict(report.skipped), kinds, list(again), str(report)
 
@@ -83,31 +84,34 @@ def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no_sp"])
 @pytest.mark.parametrize("spmd_backend", BACKENDS)
 def test_converted_llama3_matches_torchtitan_tp(ranks, world, sequence_parallel, spmd_backend):
+    """Each setup with both of torchtitan's QKV forms: wq/wk/wv (QKVLinear) and one wqkv (FusedQKVLinear, the
+    default of its Llama3 flavours)."""
     if world == 3 and (spmd_backend, sequence_parallel) != ("spmd_types", True):
         pytest.skip("3 ranks: one setup (spmd_types, sequence parallel) keeps the test time small; 2 ranks run all")
-    results = ranks(world).run(titan_converted_vs_tp, spmd_backend, sequence_parallel, timeout_s=300)
-    replaced, skipped, kinds, again, text = results[0]
-    assert all(r[:4] == results[0][:4] for r in results), "ranks disagree on the report"
-    layers = [f"layers.{i}.{n}" for i in range(2) for n in ROWS + COLUMNS]
-    assert sorted(replaced) == sorted(layers), text
     row = "gemm_reduce_scatter" if sequence_parallel else "gemm_allreduce"
     column = "allgather_gemm" if sequence_parallel else "gemm_allreduce in backward"
-    assert kinds == {n: row if n.endswith(ROWS) else column for n in layers}, kinds
-    assert again == [], "a second call converts nothing more"
-    assert set(skipped) >= {"tok_embeddings", "lm_head", "norm", "layers.0.attention_norm", "layers.1.ffn_norm",
-                            "layers.0.attention.inner_attention"}, text
-    assert "column-parallel" in skipped["lm_head"] and "lookup" in skipped["tok_embeddings"], text
-    assert "replace_torchtitan: replaced 14 module(s)" in text
+    for fuse_qkv, qkv in ((False, QKV), (True, ("attention.qkv_linear.wqkv",))):
+        results = ranks(world).run(titan_converted_vs_tp, spmd_backend, sequence_parallel, fuse_qkv, timeout_s=300)
+        replaced, skipped, kinds, again, text = results[0]
+        assert all(r[:4] == results[0][:4] for r in results), "ranks disagree on the report"
+        layers = [f"layers.{i}.{n}" for i in range(2) for n in ROWS + qkv + FFN_COLUMNS]
+        assert sorted(replaced) == sorted(layers), text
+        assert kinds == {n: row if n.endswith(ROWS) else column for n in layers}, kinds
+        assert again == [], "a second call converts nothing more"
+        assert set(skipped) >= {"tok_embeddings", "lm_head", "norm", "layers.0.attention_norm", "layers.1.ffn_norm",
+                                "layers.0.attention.inner_attention"}, text
+        assert "column-parallel" in skipped["lm_head"] and "lookup" in skipped["tok_embeddings"], text
+        assert f"replace_torchtitan: replaced {len(layers)} module(s)" in text
 
 
 def titan_nothing_convertible(rank, world):
-    """torchtitan's fused QKV projection (one wqkv), and forward hooks on wo, w1 and w2 (a hook the fused forward
-    would skip): nothing to convert, so a report naming every parallelized module with its reason."""
+    """Forward hooks (which a fused forward would skip) on wo, wqkv, w1 and w2 of a one-layer model with torchtitan's
+    fused QKV projection: nothing to convert, so a report naming every parallelized module with its reason."""
     import torch_gemm_ar
 
     with backend("spmd_types"):
         model, _ = build("spmd_types", True, world, seed=1, layers=1, fuse_qkv=True)
-        for name in ("attention.wo", "feed_forward.w1", "feed_forward.w2"):
+        for name in ("attention.wo", "attention.qkv_linear.wqkv", "feed_forward.w1", "feed_forward.w2"):
             model.layers["0"].get_submodule(name).register_forward_hook(lambda *args: None)
         report = torch_gemm_ar.nn.replace_torchtitan(model)
         configured = [n for n, m in model.named_modules() if getattr(m, "_sharding_config", None) is not None]
@@ -128,11 +132,11 @@ def test_nothing_convertible_is_a_report(ranks):
     assert replaced == [], text
     # Every module with a sharding config is named, with its reason; the column layers under the skipped parents too.
     assert set(skipped) == set(configured), text
-    assert "FusedQKVLinear" in skipped["layers.0.attention"], text
+    assert "layers.0.attention.qkv_linear.wqkv" in skipped["layers.0.attention"], text
     assert "forward_hooks" in skipped["layers.0.attention.wo"] and "forward_hooks" in skipped["layers.0.feed_forward.w2"]
     assert "layers.0.feed_forward.w1" in skipped["layers.0.feed_forward"], text
-    for name in ("layers.0.attention.qkv_linear.wqkv", "layers.0.feed_forward.w3"):
-        assert skipped[name].startswith("column-parallel; its input collective sits at"), text
+    assert "forward_hooks" in skipped["layers.0.attention.qkv_linear.wqkv"], text
+    assert skipped["layers.0.feed_forward.w3"].startswith("column-parallel; its input collective sits at"), text
     assert text.startswith("replace_torchtitan: replaced 0 module(s)"), text
     for who, message in zip(("replace_row_parallel", "replace_column_parallel", "replace_sequence_parallel"), pointers):
         assert message.startswith(f"{who}: the model was parallelized by torchtitan") and "replace_torchtitan" in message
@@ -152,6 +156,6 @@ def test_readme_example_command_runs():
     done = subprocess.run([torchrun, *shlex.split(lines[0])[1:], *tiny], capture_output=True, text=True, timeout=300,
                           cwd=REPO, env=env)
     assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    assert "replace_torchtitan: replaced 7 module(s)" in done.stdout and "CPU:" in done.stdout, done.stdout
+    assert "replace_torchtitan: replaced 5 module(s)" in done.stdout and "CPU:" in done.stdout, done.stdout
     assert re.search(r"from torchtitan's TP: \S+ \(tolerance \S+\); .*: ok", done.stdout), done.stdout
     assert re.search(r"ms/forward +\d", done.stdout) and re.search(r"ms/train step +\d", done.stdout), done.stdout

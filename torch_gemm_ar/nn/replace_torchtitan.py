@@ -11,7 +11,8 @@ nothing. This one reads the configs (docs/adoption.md, "torchtitan") and replace
   invariant/replicated = an all-reduce, or to sequence shards = a reduce-scatter): one `gemm_allreduce` or
   `gemm_reduce_scatter(scatter_dim=d)`;
 - the column-parallel `nn.Linear`s (weight sharded on its output dim, output Shard(-1)) inside a module whose input
-  redistribution is their collective: torchtitan's `GQAttention` with separate `wq`/`wk`/`wv` (`QKVLinear`) and its
+  redistribution is their collective: torchtitan's `GQAttention` (`wq`/`wk`/`wv` of `QKVLinear`, or the one `wqkv`
+  of `FusedQKVLinear`, its flavours' default) and its
   `FeedForward` (`w1`/`w3`), whose inputs reach only those layers. The parent's input redistribution is turned off
   (its destination layout set to its source) and the layers run it fused: without sequence parallelism (invariant
   -> replicated: identity forward, all-reduce of the input gradient) each layer's backward is one
@@ -39,7 +40,9 @@ WHO = "replace_torchtitan"
 TP = "tp"
 # torchtitan modules whose forward hands its input to column-parallel layers only: (class name, input argument).
 _FUSABLE_PARENTS = {"GQAttention": "x_BLD", "FeedForward": "x"}
-_COLUMN_CHILDREN = {"GQAttention": ("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "FeedForward": ("w1", "w3")}
+# The column-parallel layers under each, by the class of the module holding them.
+_COLUMN_CHILDREN = {"QKVLinear": ("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"),
+                    "FusedQKVLinear": ("qkv_linear.wqkv",), "FeedForward": ("w1", "w3")}
 _MARK = "_torch_gemm_ar_fused"  # set on a converted module: what it became
 
 
@@ -137,7 +140,7 @@ def _classify(module: nn.Module) -> Tuple[str, Any]:
             return "other", "runs on local shards (local_map): no collective next to a GEMM"
         if config.in_dst_shardings:
             return "other", ("it redistributes its input for the layers inside it, and is not a module known to hand "
-                             "that input to column-parallel layers only (torchtitan's GQAttention with QKVLinear, "
+                             "that input to column-parallel layers only (torchtitan's GQAttention, "
                              "FeedForward)")
         if config.out_dst_shardings:
             return "other", "no GEMM of its own: it redistributes its output"
@@ -178,16 +181,16 @@ def _is_parent(module: nn.Module) -> bool:
 def _parent_plan(name: str, module: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], str]:
     """The column layers under a known parent, or the reason it is left alone."""
     kind = type(module).__name__
-    if kind == "GQAttention" and type(module.qkv_linear).__name__ != "QKVLinear":
-        return [], (f"{type(module.qkv_linear).__name__} projections: only separate wq/wk/wv (QKVLinear) are "
-                    "converted")
+    holder = type(module.qkv_linear).__name__ if kind == "GQAttention" else kind
+    if holder not in _COLUMN_CHILDREN:
+        return [], f"its projections are a {holder}: only QKVLinear and FusedQKVLinear are converted"
     config = _config(module)
     arg = _FUSABLE_PARENTS[kind]
     src = _tp_type((config.in_src_shardings or {}).get(arg))
     dst = _tp_type((config.in_dst_shardings or {}).get(arg))
     if not (_named(dst, "R") and (_named(src, "I") or _shard_dim(src) in (1,))):
         return [], f"its input redistribution on the TP axis is {src!r} -> {dst!r}, not one this converter fuses"
-    children = [(f"{name}.{child}", module.get_submodule(child)) for child in _COLUMN_CHILDREN[kind]]
+    children = [(f"{name}.{child}", module.get_submodule(child)) for child in _COLUMN_CHILDREN[holder]]
     for child_name, child in children:
         if _config(child) is None or _classify(child)[0] != "column":
             why = "no sharding config" if _config(child) is None else _classify(child)[1]
@@ -330,18 +333,34 @@ def _fuse_parent(parent: nn.Module, children: List[nn.Module], algorithm: str) -
 
     _install(parent, "column collective in its layers", forward)
     if gather_dim is not None and type(parent).__name__ == "GQAttention":
-        _heads_from_outputs(parent.qkv_linear)
+        _split_heads_by_outputs(parent.qkv_linear)
     for child in children:
         _fuse_column(child, state, gather_dim, algorithm)
 
 
-def _heads_from_outputs(qkv: nn.Module) -> None:
-    """QKVLinear.forward splits heads with its input's (batch, sequence) sizes; with the all-gather moved into wq the
-    input is this rank's sequence shard, so the sizes are read from the projections instead."""
+def _split_heads_by_outputs(qkv: nn.Module) -> None:
+    """QKVLinear's and FusedQKVLinear's forwards split heads with their input's (batch, sequence) sizes; with the
+    all-gather moved into the projections the input is this rank's sequence shard, so these forwards take the sizes
+    from the projections' outputs (otherwise the same steps)."""
+    if type(qkv).__name__ == "QKVLinear":
+        def forward(x):
+            projected = (qkv.wq(x), qkv.wk(x), qkv.wv(x))
+            return tuple(t.view(t.shape[0], t.shape[1], -1, qkv.head_dim) for t in projected)
+    else:
+        def forward(x):
+            fused = qkv.wqkv(x)  # [B, L, kv_heads * (heads_per_kv + 2) * head_dim], this rank's heads
+            values = _local(fused)
+            b, length = values.shape[0], values.shape[1]
+            grouped = values.view(b, length, -1, qkv.r_dim, qkv.head_dim)
+            parts = torch.split(grouped, [qkv.heads_per_kv, 1, 1], dim=-2)
+            q, k, v = (t.reshape(b, length, -1, qkv.head_dim).contiguous() for t in parts)
+            if not _is_dtensor(fused):
+                return q, k, v
+            from torch.distributed.tensor import DTensor
 
-    def forward(x):
-        projected = (qkv.wq(x), qkv.wk(x), qkv.wv(x))
-        return tuple(t.view(t.shape[0], t.shape[1], -1, qkv.head_dim) for t in projected)
+            # Heads sharded as the projection's output was (its placements on dim 2 of the 5-D view carry over).
+            return tuple(DTensor.from_local(t, fused.device_mesh, fused.placements, run_check=False)
+                         for t in (q, k, v))
 
     qkv.forward = forward
     setattr(qkv, _MARK, "heads split after the fused all-gather")
