@@ -218,14 +218,14 @@ def _is_dtensor(t) -> bool:
 
 
 def _tp_group_name(module: nn.Module) -> Optional[str]:
-    """The TP group at call time: the weight's mesh (partial_dtensor), or the "tp" axis of torchtitan's current SPMD
-    mesh (spmd_types). None where torchtitan itself would not redistribute (no mesh, or one rank)."""
-    if _is_dtensor(module.weight):
-        mesh = module.weight.device_mesh
-        return group_name_of(mesh.get_group(), WHO) if mesh.size() > 1 else None
-    from torchtitan.distributed.spmd_types import current_spmd_mesh
+    """The TP group at call time: the "tp" axis of the weight's mesh (partial_dtensor), else of torchtitan's current
+    SPMD mesh (spmd_types; a weight may still be a DTensor there on a mesh without that axis, e.g. FSDP's). None
+    where torchtitan itself would not redistribute (no mesh, or one rank)."""
+    mesh = module.weight.device_mesh if _is_dtensor(module.weight) else None
+    if mesh is None or TP not in (mesh.mesh_dim_names or ()):
+        from torchtitan.distributed.spmd_types import current_spmd_mesh
 
-    mesh = current_spmd_mesh()
+        mesh = current_spmd_mesh()
     if mesh is None or TP not in (mesh.mesh_dim_names or ()) or mesh.size(mesh.mesh_dim_names.index(TP)) == 1:
         return None
     return group_name_of(mesh.get_group(TP), WHO)
