@@ -4,21 +4,21 @@ torchtitan 0.3.0 does not call torch's `parallelize_module`: each of its modules
 (`_sharding_config`: per-parameter layouts, and source/destination layouts of its inputs and output), and
 `Module.parallelize` shards the parameters and replaces the instance's `forward` with a closure that redistributes
 the inputs, runs the module's own forward and redistributes the output. No hooks, so the other converters find
-nothing. This one reads the configs (docs/adoption.md, "torchtitan") and replaces, in turn, the instance's
-`forward` of each convertible layer -- the module, its type, its Parameter objects and its state_dict stay:
+nothing. This one reads the configs (docs/adoption.md, "torchtitan"; docs/decisions/0016-torchtitan-converter.md)
+and replaces, in turn, the instance's `forward` of each convertible layer; the module, its type, its Parameter
+objects and its state_dict stay:
 
 - a row-parallel `nn.Linear` (weight sharded on its input dim, output Partial on the TP axis, then redistributed to
   invariant/replicated = an all-reduce, or to sequence shards = a reduce-scatter): one `gemm_allreduce` or
   `gemm_reduce_scatter(scatter_dim=d)`;
 - the column-parallel `nn.Linear`s (weight sharded on its output dim, output Shard(-1)) inside a module whose input
   redistribution is their collective: torchtitan's `GQAttention` (`wq`/`wk`/`wv` of `QKVLinear`, or the one `wqkv`
-  of `FusedQKVLinear`, its flavours' default) and its
-  `FeedForward` (`w1`/`w3`), whose inputs reach only those layers. The parent's input redistribution is turned off
-  (its destination layout set to its source) and the layers run it fused: without sequence parallelism (invariant
-  -> replicated: identity forward, all-reduce of the input gradient) each layer's backward is one
-  `gemm_allreduce(grad, weight)`; with it (sequence shards -> replicated: an all-gather) the first layer to run is
-  one `allgather_gemm(return_gathered=True)` and its siblings multiply the same gathered input, whose gradient is
-  reduce-scattered once for all of them.
+  of `FusedQKVLinear`, its flavours' default) and its `FeedForward` (`w1`/`w3`), whose inputs reach only those
+  layers. The parent's input redistribution is turned off (its destination layout set to its source) and the layers
+  run it fused: without sequence parallelism (invariant -> replicated: identity forward, all-reduce of the input
+  gradient) each layer's backward is one `gemm_allreduce(grad, weight)`; with it (sequence shards -> replicated: an
+  all-gather) the first layer to run is one `allgather_gemm(return_gathered=True)` and its siblings multiply the
+  same gathered input, whose gradient is reduce-scattered once for all of them.
 
 Both of torchtitan's SPMD backends: `spmd_types` (plain local tensors; the TP group is the "tp" axis of torchtitan's
 current SPMD mesh at call time, as for its own redistributions) and `partial_dtensor` (DTensors on a 1-D TP mesh).
