@@ -68,6 +68,12 @@ def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv
         target = torch.randn(2, seq, 31, generator=torch.Generator().manual_seed(100 + rank))
         want = _step(reference, context, ids, target)
         got = _step(converted, context, ids, target)
+        with context():  # a converted column layer on its own: its parent's collective would be missing
+            try:
+                converted.get_submodule("layers.0.feed_forward.w1")(torch.zeros(2, seq, sizes(world)["dim"]))
+                misuse = "no error"
+            except RuntimeError as error:
+                misuse = str(error)
     qkv = "wqkv" if fuse_qkv else "wq/wk/wv"
     for what, a, b in (("logits", got[0], want[0]), ("logits after the SGD step", got[2], want[2])):
         _close(a, b, f"rank {rank}, {qkv}: {what}")
@@ -77,7 +83,7 @@ def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv
         if g is not None:
             _close(g, want[1][name], f"rank {rank}, {qkv}: grad of {name}")
     kinds = {name: getattr(converted.get_submodule(name), "_torch_gemm_ar_fused", None) for name in report}
-    return list(report), dict(report.skipped), kinds, list(again), str(report)
+    return list(report), dict(report.skipped), kinds, list(again), str(report), misuse
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -92,7 +98,7 @@ def test_converted_llama3_matches_torchtitan_tp(ranks, world, sequence_parallel,
     column = "allgather_gemm" if sequence_parallel else "gemm_allreduce in backward"
     for fuse_qkv, qkv in ((False, QKV), (True, ("attention.qkv_linear.wqkv",))):
         results = ranks(world).run(titan_converted_vs_tp, spmd_backend, sequence_parallel, fuse_qkv, timeout_s=300)
-        replaced, skipped, kinds, again, text = results[0]
+        replaced, skipped, kinds, again, text, misuse = results[0]
         assert all(r[:4] == results[0][:4] for r in results), "ranks disagree on the report"
         layers = [f"layers.{i}.{n}" for i in range(2) for n in ROWS + qkv + FFN_COLUMNS]
         assert sorted(replaced) == sorted(layers), text
@@ -102,6 +108,8 @@ def test_converted_llama3_matches_torchtitan_tp(ranks, world, sequence_parallel,
                                 "layers.0.attention.inner_attention"}, text
         assert "column-parallel" in skipped["lm_head"] and "lookup" in skipped["tok_embeddings"], text
         assert f"replace_torchtitan: replaced {len(layers)} module(s)" in text
+        assert all(r[5].startswith("replace_torchtitan: a converted column-parallel layer was called outside")
+                   for r in results), misuse
 
 
 def titan_nothing_convertible(rank, world):
