@@ -11,8 +11,12 @@ import textwrap
 
 import pytest
 
+from error_codes import code
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ERR_TIMEOUT_PREPARE, ERR_SIGNATURE_MISMATCH, ERR_PEER_REJECTED = 3, 8, 9  # gemm_ar::ErrorCode
+ERR_TIMEOUT_PREPARE = code("kErrTimeoutPrepare")
+ERR_SIGNATURE_MISMATCH = code("kErrSignatureMismatch")
+ERR_PEER_REJECTED = code("kErrPeerRejected")
 
 
 @pytest.fixture(scope="module")

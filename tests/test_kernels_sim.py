@@ -17,6 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from error_codes import code
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTO_ISA_ROOT = os.environ.get("PTO_ISA_ROOT")
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 FP16, BF16 = 1, 2  # gemm_ar::DTypeCode
 B_ROW_MAJOR, B_TRANSPOSED = 0, 1  # gemm_ar::BLayoutCode
-ERR_TIMEOUT_PREPARE = 3  # gemm_ar::kErrTimeoutPrepare: a rank never announced the call
+ERR_TIMEOUT_PREPARE = code("kErrTimeoutPrepare")  # a rank never announced the call
 MESH, RING, RING_MOVED_LAYOUT = 0, 1, 2  # sim_main.cpp topology: how each rank's CommContext is built
 MESH_WRONG_CONTEXT, MESH_NO_CONTEXT = 3, 4  # rank 1's context names rank 0 / rank 1 gets none
 SP_REDUCE_SCATTER, SP_ALLGATHER = 1, 2  # gemm_ar::OpKind: the sequence-parallel kernel pairs (sim_main.cpp op)
@@ -341,8 +342,8 @@ def test_flags_are_not_forged_by_data_equal_to_the_tag(simulator, tmp_path):
 # strict simulator must then show (an expect_* check below): error codes, a model's counter, or wrong values no rank
 # noticed. One entry per flush/invalidate/fence site of the kernels the models observe, plus the bugs the flag and
 # queue designs guard against; the sites the model cannot observe are listed in docs/ascend.md with the reason.
-ERR_QUEUE_CORRUPT = 7  # gemm_ar::kErrQueueCorrupt
-ERR_SIGNATURE_MISMATCH, ERR_PEER_REJECTED = 8, 9  # gemm_ar::kErrSignatureMismatch, kErrPeerRejected
+ERR_QUEUE_CORRUPT = code("kErrQueueCorrupt")
+ERR_SIGNATURE_MISMATCH, ERR_PEER_REJECTED = code("kErrSignatureMismatch"), code("kErrPeerRejected")
 TORN = -2  # kErrSignatureMismatch's item when a peer's slot stayed torn (words and complements disagree)
 SIG_M, SIG_N, SIG_DTYPE, SIG_ALGORITHM = 1, 3, 4, 6  # words of the signature (common/rank_agreement.h)
 # Every control run and its baseline (the same job without the control, which must pass) use this wait bound, so
@@ -606,7 +607,7 @@ def test_negative_control_unflushed_error_record_is_caught(simulator, tmp_path):
         assert np.all(np.isnan(got)), f"rank {r}: not poisoned, so it did not give up at all"
 
 
-ERR_BAD_ARGS = 1  # gemm_ar::kErrBadArgs
+ERR_BAD_ARGS = code("kErrBadArgs")
 
 
 @pytest.mark.parametrize("topology", [MESH_WRONG_CONTEXT, MESH_NO_CONTEXT], ids=["attach_fails", "header_unusable"])

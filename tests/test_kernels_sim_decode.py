@@ -13,6 +13,7 @@ bf16: as in test_kernels_sim.py, with g++ < 13 pto-isa's simulator stores bfloat
 import numpy as np
 import pytest
 
+from error_codes import code
 from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
                               CONTROL_TIMEOUT_US, DECODE, ERR_SIGNATURE_MISMATCH, FP16, _check_call, _check_clean_run,
                               _check_control, _check_failed_call, _check_values, _run_job, expect_counter,
@@ -29,7 +30,7 @@ CONTROL_ARRIVAL_ORDER = 29  # partials summed own first, then in push order: ano
 CONTROL_NO_WAIT = 30  # a tile reduced without waiting for the peers' pushed flags
 CONTROL_FLAG_UNFLUSHED = 31  # pushed flags stored but never written back
 CONTROL_FLAG_STALE = 32  # pushed flags polled without invalidating this core's cached copy
-ERR_TIMEOUT_REDUCE = 4  # gemm_ar::kErrTimeoutReduce: a peer's partial of tile `item` never arrived
+ERR_TIMEOUT_REDUCE = code("kErrTimeoutReduce")  # a peer's partial of tile `item` never arrived
 
 
 def _run_decode(sim, tmp_path, world, dtype, calls, seed, compute_blocks=3, comm_blocks=2, **kw):

@@ -17,6 +17,7 @@ bf16: as in test_kernels_sim.py, with g++ < 13 pto-isa's simulator stores bfloat
 import numpy as np
 import pytest
 
+from error_codes import code
 from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
                               CONTROL_TIMEOUT_US, DECODE, ERR_SIGNATURE_MISMATCH, FP16, _check_clean_run,
                               _check_control, _decode, _run_job, expect_counter, expect_errors,
@@ -33,7 +34,7 @@ CONTROL_EPILOGUE_NO_WAIT = 25  # the band normalised without waiting for the pus
 CONTROL_ARRIVAL_ORDER = 29  # partials summed own first, then in push order: another order on every rank
 CONTROL_NO_RESIDUAL = 33  # the residual left out of `out` and normed
 CONTROL_FLAG_UNFLUSHED = 31  # peers' pushed flags stored but never written back
-ERR_TIMEOUT_REDUCE = 4  # gemm_ar::kErrTimeoutReduce: a source's partial of tile `item` never arrived
+ERR_TIMEOUT_REDUCE = code("kErrTimeoutReduce")  # a source's partial of tile `item` never arrived
 SIG_VARIANT = 15  # the signature word the NPU host puts KernelArgs::variant in (common/rank_agreement.h kSigEngineMode)
 
 

@@ -8,6 +8,7 @@ bf16: as in test_kernels_sim.py, with g++ < 13 pto-isa's simulator stores bfloat
 import numpy as np
 import pytest
 
+from error_codes import code
 from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TAGS, CLOBBER_RANDOM,
                               CONTROL_TIMEOUT_US, ERR_BAD_ARGS, ERR_SIGNATURE_MISMATCH, ERR_TIMEOUT_PREPARE, FP16,
                               SP_ALLGATHER, SP_REDUCE_SCATTER, _check_control, _decode, _run_job, _unit_roundoff,
@@ -16,7 +17,7 @@ from test_kernels_sim import (B_ROW_MAJOR, B_TRANSPOSED, BF16, CLOBBER_FORGED_TA
 __all__ = ["pytestmark"]  # the skip reason
 
 SIG_OP = 12  # kSigOp of common/rank_agreement.h: which op the rank called
-ERR_TIMEOUT_ROWS = 20  # gemm_ar::kErrTimeoutRows: the cube waited too long for a peer's rows (allgather)
+ERR_TIMEOUT_ROWS = code("kErrTimeoutRows")  # the cube waited too long for a peer's rows (allgather)
 
 
 def _out_rows(op, world, m):

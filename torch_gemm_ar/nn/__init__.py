@@ -14,6 +14,9 @@
   gemm_reduce_scatter).
 - replace_megatron(model): converts Megatron-core's RowParallelLinear / ColumnParallelLinear modules (found by type)
   to MegatronRowParallelLinear / MegatronColumnParallelLinear, which return Megatron's (output, output_bias) pair.
+- replace_torchtitan(model): fuses the collectives of a model parallelized by torchtitan's Module.parallelize
+  (its sharding configs: row layers -> gemm_allreduce / gemm_reduce_scatter, column layers under attention and
+  feed-forward -> allgather_gemm or the backward all-reduce fused).
 - DTensorRowParallelLinear: what a RowwiseParallel nn.Linear becomes (same parameters, inputs and outputs).
 - DTensorColumnParallelLinear: what a ColwiseParallel(input_layouts=Shard(d)) nn.Linear becomes.
 """
@@ -24,8 +27,10 @@ from .replace import ReplaceReport, replace_row_parallel
 from .replace_column_parallel import replace_column_parallel
 from .replace_megatron import MegatronColumnParallelLinear, MegatronRowParallelLinear, replace_megatron
 from .replace_sequence_parallel import replace_sequence_parallel
+from .replace_torchtitan import replace_torchtitan
 from .row_parallel_linear import RowParallelLinear
 
 __all__ = ["ColumnParallelLinear", "DTensorColumnParallelLinear", "DTensorRowParallelLinear",
            "MegatronColumnParallelLinear", "MegatronRowParallelLinear", "ReplaceReport", "RowParallelLinear",
-           "replace_column_parallel", "replace_megatron", "replace_row_parallel", "replace_sequence_parallel"]
+           "replace_column_parallel", "replace_megatron", "replace_row_parallel", "replace_sequence_parallel",
+           "replace_torchtitan"]

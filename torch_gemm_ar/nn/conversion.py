@@ -1,6 +1,6 @@
 """What the model converters (replace_row_parallel, replace_column_parallel, replace_sequence_parallel) share: the
 report they return, a module they may convert, name patterns, the checks of a plain layer's parameters and their
-exchange between ranks, the refusal error, and the size of a probe's random input."""
+exchange between ranks, the refusal errors (torchtitan's models pointed to replace_torchtitan), and the size of a probe's random input."""
 import fnmatch
 import logging
 from dataclasses import dataclass, field
@@ -159,6 +159,14 @@ def probe_close(got: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) 
     """Whether a probe's result matches a float32 reference, within what `dtype` rounds to."""
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
     return bool((got.float() - reference).abs().max() <= tolerance * (reference.abs().max() + 1.0))
+
+
+def refuse_torchtitan(modules: Iterable[nn.Module], who: str) -> None:
+    """A model that torchtitan's Module.parallelize parallelized has no style hooks for `who` to find: say which
+    converter reads its sharding configs instead of "found nothing"."""
+    if any(getattr(m, "_sharding_config", None) is not None for m in modules):
+        raise ValueError(f"{who}: the model was parallelized by torchtitan's Module.parallelize (sharding configs, "
+                         "no tensor-parallel style hooks): use torch_gemm_ar.nn.replace_torchtitan(model)")
 
 
 def put_in_place(model: nn.Module, names: List[str], new: nn.Module) -> None:

@@ -34,7 +34,7 @@ from .._groups import GroupInfo, resolve_group
 from ._probe_timeout import run_bounded_probe
 from .conversion import (
     PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, probe_close,
-    put_in_place, raise_if_problems, reported, share_problems, style_of,
+    put_in_place, raise_if_problems, refuse_torchtitan, reported, share_problems, style_of,
 )
 from .dtensor_column_parallel import DTensorColumnParallelLinear, read_colwise_style
 from .dtensor_row_parallel import (
@@ -172,6 +172,7 @@ def _select(model: nn.Module, patterns: Optional[Sequence[str]]) -> List[Candida
         if not found:
             if any(isinstance(m, converted) for m in modules.values()):
                 return []  # converted by an earlier call
+            refuse_torchtitan(modules.values(), "replace_row_parallel")
             raise ValueError(
                 "replace_row_parallel: found no module parallelized with RowwiseParallel (DTensor: torch's "
                 "parallelize_module or transformers' tp_plan); for a plain "

@@ -31,7 +31,7 @@ from .dtensor_row_parallel import is_dtensor
 from ._probe_timeout import run_bounded_probe
 from .conversion import (
     PROBE_ROWS, PROBE_SEED, Candidate, ReplaceReport, matches, modules_by_id, plain_problems, probe_close,
-    put_in_place, raise_if_problems, reported, share_problems,
+    put_in_place, raise_if_problems, refuse_torchtitan, reported, share_problems,
 )
 from .row_parallel_linear import check_algorithm
 
@@ -115,6 +115,7 @@ def _select(model: nn.Module, patterns: Optional[List[str]]) -> List[Candidate]:
     if patterns is None:
         found = [i for i, m in modules.items() if not isinstance(m, converted) and _has_colwise_style(m)]
         if not found and not any(isinstance(m, converted) for m in modules.values()):
+            refuse_torchtitan(modules.values(), WHO)
             raise ValueError(f"{WHO}: found no module parallelized with ColwiseParallel (torch's DTensor hooks or "
                              "transformers' tp_plan \"colwise\" styles); for a plain tensor-parallel model pass "
                              "patterns=[...] naming its column-parallel layers, e.g. ['*.q_proj', '*.k_proj', "

@@ -16,7 +16,7 @@ from torch import nn
 
 from .dtensor_column_parallel import DTensorColumnParallelLinear, colwise_problems
 from .dtensor_row_parallel import DTensorRowParallelLinear, read_style_hooks, rowwise_problems, sequence_shard_dim
-from .conversion import ReplaceReport, modules_by_id, put_in_place, reported, style_of
+from .conversion import ReplaceReport, modules_by_id, put_in_place, refuse_torchtitan, reported, style_of
 from .row_parallel_linear import check_algorithm
 
 _CONVERTED = (DTensorRowParallelLinear, DTensorColumnParallelLinear)
@@ -91,6 +91,7 @@ def replace_sequence_parallel(model: nn.Module, *, patterns: Optional[Sequence[s
         if any(isinstance(m, _CONVERTED) for m in modules.values()):
             return reported(ReplaceReport([], skipped, converter="replace_sequence_parallel",
                                           ops="allgather_gemm / gemm_reduce_scatter"))
+        refuse_torchtitan(modules.values(), "replace_sequence_parallel")
         raise ValueError("replace_sequence_parallel: found no nn.Linear parallelized with "
                          "ColwiseParallel(input_layouts=Shard(d)) or RowwiseParallel(output_layouts=Shard(d))"
                          + (f" matching {list(patterns)}" if patterns is not None else ""))
