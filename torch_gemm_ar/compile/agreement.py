@@ -19,7 +19,7 @@ other. So before a graph is rewritten, each candidate site is agreed over its gr
 - The keys of an agreement are deleted by the last of its ranks to read the outcome; an agreement that a rank never
   reached leaves its few keys behind (one set per site and compile, so bounded by the number of compiles).
 
-docs/decisions/0016-compile-rewrite-agreement.md gives the reasons and the limits.
+docs/decisions/0017-compile-rewrite-agreement.md gives the reasons and the limits.
 """
 import hashlib
 import os
