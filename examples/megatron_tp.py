@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
@@ -27,25 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "benchmarks"))
 
 from benchkit.dist_env import cpu_model  # noqa: E402
-
-TRITON_ONLY = "megatron.core.transformer.moe.ops.paged_stash"
-
-
-def stub_triton_only_module():
-    stub = types.ModuleType(TRITON_ONLY)
-    stub.GLOBAL_BLOCK_SIZE = 1024
-
-    def missing(name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def kernel(*args, **kwargs):
-            raise RuntimeError(f"{TRITON_ONLY}.{name} needs triton (stubbed by examples/megatron_tp.py)")
-        return kernel
-
-    stub.__getattr__ = missing
-    sys.modules.setdefault(TRITON_ONLY, stub)
-
+from megatron_cpu import stub_triton_only_module  # noqa: E402
 
 def build_mlp(seed, hidden, ffn, config):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear

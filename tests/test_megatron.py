@@ -24,43 +24,26 @@ import re
 import shlex
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 from rank_pool import free_port
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
+
+from megatron_cpu import stub_triton_only_module  # noqa: E402
+
 H, F, ROWS = 24, 40, 7  # odd rows; F divisible by the tensor-parallel size
-TRITON_ONLY = "megatron.core.transformer.moe.ops.paged_stash"
 # Looked up without importing it: megatron.core imports only after the triton stub, in the rank processes.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core is not installed (.ci/run installs it for the tests)")
-
-
-def _stub_triton_only_module():
-    """Megatron imports its MoE paged-stash triton kernels at import time; the MLP never calls them."""
-    if TRITON_ONLY in sys.modules:
-        return
-    stub = types.ModuleType(TRITON_ONLY)
-    stub.GLOBAL_BLOCK_SIZE = 1024
-
-    def missing(name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def kernel(*args, **kwargs):
-            raise RuntimeError(f"{TRITON_ONLY}.{name} needs triton (stubbed on CPU by tests/test_megatron.py)")
-        return kernel
-
-    stub.__getattr__ = missing
-    sys.modules[TRITON_ONLY] = stub
 
 
 @contextlib.contextmanager
 def megatron_on_cpu(world):
     """Megatron's model-parallel state on these ranks (tensor-parallel size `world`), with the CPU workarounds of the
     module docstring; torn down after, so that the rank pool can run other tests."""
-    _stub_triton_only_module()
+    stub_triton_only_module()
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
