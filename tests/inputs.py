@@ -56,7 +56,8 @@ def assert_matches_sum_of_partials(out: torch.Tensor, shards, b: torch.Tensor, b
     to half a unit in the last place of |a_r @ b| per rank, which cancelling partials keep while the sum shrinks
     (e.g. at K=1 two partials of about 13 may sum to 0.05). Elementwise bound: assert_matches' plus that term.
     reduced_in_dtype: the collective itself adds in the dtype (gloo's all_reduce of bf16), so each of its world - 1
-    additions rounds too, to half a unit of a partial sum, which the same sum of magnitudes bounds."""
+    additions rounds too, to half a unit of a partial sum, which the same sum of magnitudes bounds: `world` such
+    terms in all (the partials' rounding and the additions')."""
     ref = reference(shards, b, bias)
     assert out.dtype == dtype and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
     tol = TOLERANCE[dtype]

@@ -19,9 +19,12 @@ def check_shapes(rank, world, seed, algorithm, dtype):
         b = weight(seed + case, k, n, dtype, transposed)
         bias = bias_vector(seed + case, n, dtype) if with_bias else None
         out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm=algorithm)
-        what = f"{algorithm} {dtype} M={m} K={k} N={n} bias={with_bias} bT={transposed} 3d={three_d} rank={rank}"
-        # The fused engine reduces in fp32; the others hand 2-byte partials to torch's all_reduce, which adds in bf16.
-        assert_matches_sum_of_partials(out, shards, b, bias, dtype, k, what, reduced_in_dtype=algorithm != "fused")
+        what = (f"{algorithm} {dtype} M={m} K={k} N={n} bias={with_bias} bT={transposed} 3d={three_d} rank={rank} "
+                f"seed={seed + case}")
+        if algorithm == "fused":  # the engine reduces in fp32
+            assert_matches(out, reference(shards, b, bias), dtype, k, world, what)
+        else:  # 2-byte partials go to torch's all_reduce, which adds them in their dtype
+            assert_matches_sum_of_partials(out, shards, b, bias, dtype, k, what, reduced_in_dtype=True)
         digests.append(digest(out))
     return digests
 

@@ -92,3 +92,52 @@ def test_no_process_group_initialized():
         pytest.skip("this process already has a default group")
     with pytest.raises(RuntimeError, match="init_process_group"):
         torch_gemm_ar.gemm_allreduce(torch.randn(2, 2), torch.randn(2, 2))
+
+
+def rejections_in_a_row(rank, world, op, skip_previous_call_wait=False):
+    """The last rank passes a `b` of the wrong K three calls in a row, then every rank calls correctly. Rank 0 enters
+    each call late, so the rejecting rank (which leaves a rejected call at once) runs ahead of it. Returns each
+    rank's error types and messages."""
+    import time
+
+    from hooked_build import hooked
+
+    fn = getattr(torch_gemm_ar, op)
+    a = torch.ones(4 * world, 8)
+    errors = []
+    with hooked("skip_previous_call_wait", skip_previous_call_wait):
+        for _ in range(3):
+            if rank == 0:
+                time.sleep(0.2)
+            b = torch.ones(9 if rank == world - 1 else 8, 5)
+            try:
+                fn(a, b)
+            except (ValueError, RuntimeError) as e:
+                errors.append((type(e).__name__, str(e)))
+            else:
+                errors.append((None, "no error"))
+        out = fn(a, torch.ones(8, 5))
+    out = out[0] if isinstance(out, tuple) else out
+    assert bool((out == out.flatten()[0]).all()) and float(out.flatten()[0]) in (8.0, 8.0 * world), out
+    return errors
+
+
+@pytest.mark.parametrize("world,op", [(2, "allgather_gemm"), (3, "gemm_allreduce"), (2, "gemm_reduce_scatter")])
+def test_a_rank_that_keeps_rejecting_its_arguments_gets_value_errors_everywhere(ranks, world, op):
+    """Every rank raises a ValueError each time, its peers naming the rejecting rank: the rejecting rank publishes
+    its next call's header only once every peer has started the previous one (the header keeps two calls)."""
+    for rank, errors in enumerate(ranks(world).run(rejections_in_a_row, op, timeout_s=120)):
+        for kind, message in errors:
+            assert kind == "ValueError", (rank, errors)
+            assert ("K=9" if rank == world - 1 else f"rank {world - 1}") in message, (rank, message)
+
+
+def test_negative_control_rejections_in_a_row_without_the_wait(hooked_ranks):
+    """Without the wait the rejecting rank overwrites its header of a call rank 0 has not read yet: rank 0 then
+    sees an abandoned call (a RuntimeError that names no argument) instead of the rejection."""
+    pool = hooked_ranks(2)
+    try:
+        errors = pool.run(rejections_in_a_row, "allgather_gemm", True, timeout_s=120)
+    finally:
+        pool.close(force=True)
+    assert any(kind != "ValueError" or "abandoned" in message for kind, message in errors[0]), errors[0]

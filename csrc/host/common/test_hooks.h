@@ -17,7 +17,7 @@
   X(bool, gathered_inputs_late, false, "gathered-inputs flow: inputs published after the flags announcing them")     \
   X(bool, one_shot_single_bank, false, "one-shot calls put their partials in bank 0 whatever the call's parity")     \
   X(bool, skip_previous_call_wait, false,                                                                            \
-    "calls write into the windows without checking that every peer has started the previous call")                   \
+    "calls publish headers and write into windows without checking that every peer started the previous call")       \
   X(bool, shared_output_no_wait, false,                                                                              \
     "an owner whose output is in a window slot returns before its peers have copied its rows")                       \
   X(int64_t, peer_copy_delay_us, 0, "a rank sleeps this long before each copy of a peer's rows (timing only)")       \

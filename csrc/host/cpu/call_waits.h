@@ -51,14 +51,15 @@ void bounded_wait(Ready ready, Progress progress, Watch watch, Describe describe
     if (ready()) return;
     if (spins < max_spins) {
       ++spins;
-      if (spins % kSpinsPerYield == 0) {
-        sched_yield();
-      } else {
+      if (spins % kSpinsPerYield != 0) {
         cpu_relax();
+        continue;
       }
-      continue;
+      // A long spin (a decode call's or a tuning call's) yields, and watches its peers and its bound, as sleeps do.
+      sched_yield();
+    } else {
+      bell.sleep(seen, kWaitSleepSliceNs);
     }
-    bell.sleep(seen, kWaitSleepSliceNs);
     if (ready()) return;
     const auto now = Clock::now();
     if (now - last_watch >= kWatchEvery) {

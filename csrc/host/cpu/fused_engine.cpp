@@ -150,6 +150,9 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
     signature_[kSigCommBlocks] = config_.comm_inline ? 0 : config_.comm_blocks;
     signature_[kSigEngineMode] = engine_mode_bits();
   }
+  // The header keeps two calls: this one overwrites call e - 2's, which a peer reads until it starts e - 1. A rank
+  // that left its earlier calls at once (its own arguments rejected) could otherwise be two calls ahead of a peer.
+  if (epoch_ > 1 && !test_hooks::skip_previous_call_wait()) wait_for_peers_to_start(bases(), epoch_);
   publish_header(windows_->base(rank_), epoch_, signature_);
   ring_peers();
   if (!call.error.empty()) raise(call.error + where(), agreement_problem_is_value_error({}, call));
@@ -377,11 +380,13 @@ int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const Local
 
 void FusedEngine::wait_for_previous_call(const CallJob& job) {
   if (test_hooks::skip_previous_call_wait()) return;
+  wait_for_peers_to_start(job.windows, job.epoch);
+}
+
+void FusedEngine::wait_for_peers_to_start(const std::vector<uint8_t*>& windows, uint32_t epoch) {
   // A peer that has published its header of call e - 1 (or of e, in windows grown for this call: nobody reads old
   // data there) has finished call e - 2.
-  auto started = [&](int r) {
-    return started_call(job.windows[r], job.epoch - 1u) || started_call(job.windows[r], job.epoch);
-  };
+  auto started = [&](int r) { return started_call(windows[r], epoch - 1u) || started_call(windows[r], epoch); };
   bounded_wait(
       [&] {
         for (int r = 0; r < world_; ++r)

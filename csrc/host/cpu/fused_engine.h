@@ -76,6 +76,8 @@ class FusedEngine {
   // Runs a planned job (compute blocks here, comm blocks on the comm threads or between tiles); raises its error.
   // Waits until every peer has started the call before this one (see execute).
   void wait_for_previous_call(const CallJob& job);
+  // Until every peer has started call `epoch` - 1 or `epoch` (bounded; names a late or dead peer).
+  void wait_for_peers_to_start(const std::vector<uint8_t*>& windows, uint32_t epoch);
   void execute(CallJob& job);
   void start_comm_threads(int64_t count);
   void run_with_comm_threads(CallJob& job);
