@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's own Llama3 and tensor-parallel plan (tests/titan_llama.py), converted by
+"""torchtitan 0.3.0's own Llama3 and tensor-parallel plan (examples/titan_llama.py), converted by
 torch_gemm_ar.nn.replace_torchtitan: logits and one SGD step equal to torchtitan's TP, both SPMD backends, sequence
 parallelism on and off, 2 and 3 ranks; the report names what converted and why the rest did not. Skipped, with the
 reason, where torchtitan is not installed (CI installs it, .ci/run)."""
@@ -65,7 +65,8 @@ def titan_converted_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv
         generator = torch.Generator().manual_seed(11)
         seq = 5 * world  # sequence shards of 5 rows with sequence parallelism
         ids = torch.randint(0, sizes(world)["vocab"], (2, seq), generator=generator)
-        target = torch.randn(2, seq, 31, generator=torch.Generator().manual_seed(100 + rank))
+        vocab_shard = sizes(world)["vocab"] // world  # the logits' last dim on this rank
+        target = torch.randn(2, seq, vocab_shard, generator=torch.Generator().manual_seed(100 + rank))
         want = _step(reference, context, ids, target)
         got = _step(converted, context, ids, target)
         with context():  # a converted column layer on its own: its parent's collective would be missing
@@ -114,8 +115,9 @@ def test_converted_llama3_matches_torchtitan_tp(ranks, world, sequence_parallel,
 
 
 def titan_nothing_convertible(rank, world):
-    """Forward hooks (which a fused forward would skip) on wo, wqkv, w1 and w2 of a one-layer model with torchtitan's
-    fused QKV projection: nothing to convert, so a report naming every parallelized module with its reason."""
+    """Forward hooks (which would see the fused forward's shard tensors) on wo, wqkv, w1 and w2 of a one-layer model
+    with torchtitan's fused QKV projection: nothing to convert, so a report naming every parallelized module with its
+    reason."""
     import torch_gemm_ar
 
     with backend("spmd_types"):
@@ -134,6 +136,32 @@ def titan_nothing_convertible(rank, world):
             except ValueError as error:
                 pointers.append(str(error))
     return list(report), dict(report.skipped), configured, str(report), pointers
+
+
+def titan_hook_on_rank_0_only(rank, world):
+    """A forward hook on one row layer on rank 0 only: the ranks decide differently there, so no rank converts it
+    (a rank converting it alone would run the project's op where its peers run torchtitan's all-reduce); the other
+    layers convert, and the model still equals torchtitan's."""
+    import torch_gemm_ar
+
+    with backend("spmd_types"):
+        reference, context = build("spmd_types", False, world, seed=5, layers=1)
+        converted, _ = build("spmd_types", False, world, seed=5, layers=1)
+        if rank == 0:
+            converted.layers["0"].attention.wo.register_forward_hook(lambda *args: None)
+        report = torch_gemm_ar.nn.replace_torchtitan(converted)
+        ids = torch.randint(0, sizes(world)["vocab"], (2, 6), generator=torch.Generator().manual_seed(2))
+        with context(), torch.no_grad():
+            got, want = local(converted(ids)), local(reference(ids))
+    _close(got, want, f"rank {rank}: logits")
+    return list(report), dict(report.skipped)
+
+
+def test_a_layer_the_ranks_decide_differently_is_converted_nowhere(ranks):
+    for rank, (replaced, skipped) in enumerate(ranks(2).run(titan_hook_on_rank_0_only)):
+        assert "layers.0.attention.wo" not in replaced and "layers.0.feed_forward.w2" in replaced, (rank, replaced)
+        reason = skipped["layers.0.attention.wo"]
+        assert reason.startswith("the ranks decide differently") and "rank 1: row" in reason, (rank, reason)
 
 
 def test_nothing_convertible_is_a_report(ranks):

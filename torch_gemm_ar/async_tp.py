@@ -38,21 +38,12 @@ def _gather_dim_outermost(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _run_as(symm_op: str, pto_op: str, fn, *args, **kwargs):
-    """fn(*args, **kwargs), its argument errors naming the op the caller called as well as the one that ran."""
+    """fn(*args, **kwargs); an argument error (ValueError, TypeError) names the op the caller called as well as the
+    one that ran it. The project's ops raise those on every rank of the group alike."""
     try:
         return fn(*args, **kwargs)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise type(e)(f"symm_mem.{symm_op} (run by torch_gemm_ar as pto.{pto_op}): {e}") from e
-
-
-def _check_operands(symm_op: str, a: torch.Tensor, bs: List[torch.Tensor], a_name: str, k: int) -> None:
-    """`k`: the rows each B must have (the gathered K where the gather is along the last dim)."""
-    if a.dim() < 2:
-        raise ValueError(f"symm_mem.{symm_op}: {a_name} must have at least 2 dims, got shape {tuple(a.shape)}")
-    for i, b in enumerate(bs):
-        if b.dim() != 2 or b.shape[0] != k:
-            raise ValueError(f"symm_mem.{symm_op}: B{f'[{i}]' if len(bs) > 1 else ''} must be [{k}, N] to multiply "
-                             f"{a_name} of shape {tuple(a.shape)}, got {tuple(b.shape)}")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"symm_mem.{symm_op} (run by torch_gemm_ar as pto.{pto_op}): {e}") from e
 
 
 def _fused_all_gather_matmul_cpu(
@@ -62,9 +53,10 @@ def _fused_all_gather_matmul_cpu(
 
     if not bs:
         raise ValueError("symm_mem.fused_all_gather_matmul: Bs is empty")
-    dim = _row_dim(gather_dim, a_shard) if a_shard.dim() >= 2 else 0
-    world = torch.distributed.distributed_c10d._get_group_size_by_name(group_name)
-    _check_operands("fused_all_gather_matmul", a_shard, bs, "A_shard", a_shard.shape[-1] * (world if dim is None else 1))
+    # No local check of the operands before the collective: a rank that raised alone would leave its peers waiting.
+    # On a row dim the project's op agrees on them first and raises on every rank; the last dim runs as torch's
+    # reference kernel does (the collective, then the matmul).
+    dim = _row_dim(gather_dim, a_shard)
     if dim is None:
         gathered = funcol.wait_tensor(funcol.all_gather_single(a_shard.contiguous(), gather_dim, group_name))
         return (gathered if return_A else None), [torch.matmul(gathered, b) for b in bs]
@@ -83,7 +75,6 @@ def _fused_matmul_reduce_scatter_cpu(
 
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"symm_mem.fused_matmul_reduce_scatter: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    _check_operands("fused_matmul_reduce_scatter", a, [b], "A", a.shape[-1])
     dim = _row_dim(scatter_dim, a)
     if dim is None:
         return funcol.wait_tensor(funcol.reduce_scatter_single(torch.matmul(a, b), reduce_op, scatter_dim,

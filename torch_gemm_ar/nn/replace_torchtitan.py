@@ -37,6 +37,7 @@ from .reduced_input_grad import linear_with_reduced_input_grad
 from .row_parallel_linear import check_algorithm
 
 WHO = "replace_torchtitan"
+TESTED_VERSION = "0.3."
 TP = "tp"
 # torchtitan modules whose forward hands its input to column-parallel layers only: (class name, input argument).
 _FUSABLE_PARENTS = {"GQAttention": "x_BLD", "FeedForward": "x"}
@@ -53,31 +54,44 @@ def replace_torchtitan(model: nn.Module, *, algorithm: str = "auto") -> ReplaceR
     sharding config, with the reason it was left alone (a model with nothing convertible gets only reasons). Call it
     on every rank alike, after `parallelize`. Modules converted before are not listed again."""
     check_algorithm(algorithm, WHO)
+    _warn_if_untested_version()
     configured = [(name, m) for name, m in model.named_modules() if _config(m) is not None]
     if not configured:
         raise ValueError(f"{WHO}: found no module with a torchtitan sharding config that Module.parallelize applied "
                          "(call it after model.parallelize(parallel_dims))")
-    replaced: List[str] = []
-    skipped: List[Tuple[str, str]] = []
-    handled = set()
+    # Decide everything first, agree on the decisions across ranks, then convert: a rank that converted a layer its
+    # peers left alone would run the project's op where they run torchtitan's collective.
+    plan: List[Tuple[str, str, Any]] = []  # (name, "parent" | "row" | "skip", children / scatter dim / reason)
+    planned = set()
     for name, module in configured:
-        if id(module) in handled or getattr(module, _MARK, None):
+        if id(module) in planned or getattr(module, _MARK, None):
             continue
         if _is_parent(module):
             children, reason = _parent_plan(name, module)
             if reason:
-                skipped.append((name, reason))
+                plan.append((name, "skip", reason))
                 continue
-            _fuse_parent(module, [m for _, m in children], algorithm)
-            handled.update(id(m) for _, m in children)
-            replaced += [n for n, _ in children]
+            plan.append((name, "parent", children))
+            planned.update(id(m) for _, m in children)
             continue
         kind, detail = _classify(module)
         if kind == "row":
+            plan.append((name, "row", detail))
+        elif kind != "column":  # a column layer is converted with its parent, or listed when the parent is
+            plan.append((name, "skip", detail))
+    plan = _agreed(plan)
+    replaced: List[str] = []
+    skipped: List[Tuple[str, str]] = []
+    handled = set()
+    for name, action, detail in plan:
+        module = model.get_submodule(name)
+        if action == "parent":
+            _fuse_parent(module, [m for _, m in detail], algorithm)
+            handled.update(id(m) for _, m in detail)
+            replaced += [n for n, _ in detail]
+        elif action == "row":
             _fuse_row(module, detail, algorithm)
             replaced.append(name)
-        elif kind == "column":
-            continue  # converted with its parent, or listed when the parent is
         else:
             skipped.append((name, detail))
     # Column layers whose parent was not converted: named with the parent's reason.
@@ -96,6 +110,45 @@ def replace_torchtitan(model: nn.Module, *, algorithm: str = "auto") -> ReplaceR
         skipped.append((name, f"column-parallel; its input collective sits at {owner!r}: {why}"))
     return reported(ReplaceReport(replaced, skipped, converter=WHO,
                                   ops="gemm_allreduce / gemm_reduce_scatter / allgather_gemm"))
+
+
+def _warn_if_untested_version() -> None:
+    import warnings
+
+    import torchtitan
+
+    version = getattr(torchtitan, "__version__", "unknown")
+    if not str(version).startswith(TESTED_VERSION):
+        warnings.warn(f"{WHO} reads torchtitan {TESTED_VERSION}'s sharding configs and private attributes "
+                      f"(_sharding_config, _parallelized); this is torchtitan {version}: check the report",
+                      stacklevel=3)
+
+
+def _agreed(plan: List[Tuple[str, str, Any]]) -> List[Tuple[str, str, Any]]:
+    """`plan` where every rank of the default group made the same decisions; each module the ranks decided
+    differently (a forward hook on one rank only, say) is left alone on every rank, with every rank's decision."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+
+    def summary(action, detail):
+        return (action, [n for n, _ in detail] if action == "parent" else detail)
+
+    local = {name: summary(action, detail) for name, action, detail in plan}
+    everyone: List[Optional[Dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    names = list(local) + sorted({n for other in everyone for n in other} - set(local))
+    agreed = []
+    for name in names:
+        decisions = [other.get(name, ("absent", None)) for other in everyone]
+        mine = next((entry for entry in plan if entry[0] == name), None)
+        if mine is not None and all(d == decisions[0] for d in decisions):
+            agreed.append(mine)
+        elif mine is not None:
+            agreed.append((name, "skip", "the ranks decide differently, so no rank converts it: " + "; ".join(
+                f"rank {r}: {d[0]}" + (f" ({d[1]})" if d[0] == "skip" else "") for r, d in enumerate(decisions))))
+    return agreed
 
 
 def _config(module: nn.Module):
@@ -149,14 +202,18 @@ def _classify(module: nn.Module) -> Tuple[str, Any]:
         return "other", f"its weight is on a {module.weight.device_mesh.ndim}-D mesh: only a TP-only mesh is converted"
     extra = [kind for kind in ("_forward_pre_hooks", "_forward_hooks") if getattr(module, kind)]
     if extra:
-        return "other", f"it has {', '.join(extra)} that the fused forward would skip"
+        return "other", (f"it has {', '.join(extra)}: they would see the fused forward's shard inputs and outputs "
+                         "instead of torchtitan's redistributed ones")
     if weight is not None and _shard_dim(weight) in (1, -1) and _named(out_src, "P"):
         if config.in_dst_shardings:
             return "other", "row-parallel with an input redistribution of its own: not converted"
         if module.bias is not None:
             return "other", "row-parallel with a bias (torchtitan adds it per rank before the reduction)"
-        if _named(out_dst, "I", "R"):
+        if _named(out_dst, "I"):
             return "row", None
+        if _named(out_dst, "R"):  # replicated with a partial gradient: its backward all-reduces it
+            return "other", ("row-parallel with a replicated (R) output: its gradient is partial and needs an "
+                             "all-reduce in backward, which the fused op's backward does not do")
         dim = _shard_dim(out_dst)
         if dim is not None and dim not in (-1, 2):
             return "row", dim
