@@ -24,6 +24,7 @@ Both of torchtitan's SPMD backends: `spmd_types` (plain local tensors; the TP gr
 current SPMD mesh at call time, as for its own redistributions) and `partial_dtensor` (DTensors on a 1-D TP mesh).
 """
 import functools
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -355,9 +356,10 @@ class _GatheredInput(torch.autograd.Function):
         return torch.ops._c10d_functional.wait_tensor(scattered).movedim(0, dim), None, None, None
 
 
-class _ParentState:
+class _ParentState(threading.local):
     """What the column layers share during one call of their parent: that the call is on, the input the first layer
-    got and, with sequence parallelism, the input gathered by it."""
+    got and, with sequence parallelism, the input gathered by it. Per thread: threads calling the model at once each
+    have their own call."""
 
     def __init__(self):
         self.active = False
