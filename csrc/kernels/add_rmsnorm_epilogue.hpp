@@ -200,13 +200,6 @@ class AddRmsNormEpilogue {
     }
   }
 
-  // The rank whose partial the decode variant's sum adds k-th: rank k (under kControlDecodeArrivalOrder: this rank
-  // first, then its peers in the order it pushed to them, as decode_comm_block.hpp's summand() has it).
-  AICORE inline int32_t summand(int32_t k, int64_t t) const {
-    if (negative_control() != kControlDecodeArrivalOrder) return k;
-    return k == 0 ? args_.rank : static_cast<int32_t>(rotated_peer(args_.rank, t, k - 1, args_.world));
-  }
-
   // x = the reduced rows at `reduced` (rows x cols, row stride pad_n) in fp32, as the call dtype holds them; `in`
   // and `tmp` are scratch. Tiled: the window's reduced buffer. Decode: `reduced` is source 0's partial, source s's
   // lies s * m * pad_n further; their sum in fp32, in rank order, rounded once to the call dtype. The caller has
@@ -218,7 +211,7 @@ class AddRmsNormEpilogue {
     const int64_t t = band_tile(ni);
     for (int32_t k = 0; k < sources; ++k) {
       if (k > 0) hand_over<PIPE_V, PIPE_MTE2>();  // the vector unit is done with the last source's `in`
-      const int64_t source = decode_ ? summand(k, t) : 0;
+      const int64_t source = decode_ ? decode_summand(k, t, args_.rank, args_.world) : 0;
       auto src = nd_view<T>(reduced + source * p.m * p.pad_n, rows, cols, p.pad_n);
       note_guarded_access();  // the band's flags (poll)
       TLOAD(in, src);

@@ -223,13 +223,6 @@ class DecodeCommBlock : public CommBlockBase {
     return (source == me_ ? own_rows(col0) : pushed_rows(me_, source, col0)) + row0 * pad_n;
   }
 
-  // The rank whose partial is added k-th: rank k (under kControlDecodeArrivalOrder: this rank first, then its peers
-  // in the order it pushes to them, as an accumulate-on-arrival would: another order on every rank).
-  AICORE inline int32_t summand(int32_t k, int64_t t) const {
-    if (negative_control() != kControlDecodeArrivalOrder) return k;
-    return k == 0 ? me_ : static_cast<int32_t>(rotated_peer(me_, t, k - 1, world_));
-  }
-
   // Pipe hand-overs inside this block: `To` starts only after `From`'s earlier work is done.
   template <pipe_t From, pipe_t To>
   AICORE inline static void hand_over() {
@@ -250,7 +243,7 @@ class DecodeCommBlock : public CommBlockBase {
       TASSIGN(x, DecodeUb::kX);
       TASSIGN(acc, DecodeUb::kAcc);
       for (int32_t k = 0; k < world_; ++k) {
-        const int32_t source = summand(k, t);
+        const int32_t source = decode_summand(k, t, me_, world_);
         hand_over<PIPE_V, PIPE_MTE2>();     // the vector unit is done with `in`
         hand_over<PIPE_MTE3, PIPE_MTE2>();  // and so is the last store to `out`
         auto src = nd_view<T>(source_rows(source, col0, row0), rows, cols, p.pad_n);

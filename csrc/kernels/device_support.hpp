@@ -133,6 +133,14 @@ AICORE constexpr inline int negative_control() { return kControlNone; }
 // False only in a simulator run whose negative control removes the site guarded by `control`.
 AICORE inline bool site_kept(int control) { return negative_control() != control; }
 
+// The decode variant's k-th summand of column tile t on rank `me`: rank k (every rank sums in rank order, so the
+// ranks agree bitwise). Control kControlDecodeArrivalOrder sums this rank's own partial first, then its peers in the
+// order it pushed to them.
+AICORE inline int32_t decode_summand(int32_t k, int64_t t, int32_t me, int32_t world) {
+  if (negative_control() != kControlDecodeArrivalOrder) return k;
+  return k == 0 ? me : static_cast<int32_t>(rotated_peer(me, t, k - 1, world));
+}
+
 // Cache maintenance, dsb and pipe_barrier order the core, not the compiler: without this it may move scalar
 // accesses across them (the poll above the invalidate, the flag store below the write-back).
 AICORE inline void compiler_barrier() { __asm__ __volatile__("" ::: "memory"); }
