@@ -135,7 +135,8 @@ std::string window_too_small(const CallArgs& call, const CommState& state, const
   os << "the HCCL window of group '" << state.group_name << "' holds " << state.window_bytes / kMiB
      << " MiB but this call needs " << needed_mib << " MiB (M=" << call.m << ", N=" << call.n << " padded to "
      << args.plan.pad_m << "x" << args.plan.pad_n << ": " << args.layout.reduced_bytes
-     << (args.variant == kVariantDecode ? " B of peers' partials + signals + " : " B reduced buffer + signals + ")
+     << (args.variant == kVariantDecode ? " B of partials (one per rank) + signals + "
+                                        : " B reduced buffer + signals + ")
      << kHcclStagingReserveBytes / kMiB << " MiB left to HCCL); set HCCL_BUFFSIZE=" << needed_mib
      << " (MB; HCCL's default is 200) on every rank before the process group is created";
   return os.str();
