@@ -1,7 +1,8 @@
 """The NPU host code reaches the device only through its runtime seam (csrc/host/npu/device_runtime.h,
 docs/decisions/0018-npu-device-runtime-seam.md): every file of csrc/host/npu other than the seam's Ascend
 implementation names no torch_npu, ACL or HCCL header, namespace or function, and preprocesses with torch's headers
-alone, so that another runtime (an emulated one) can be linked behind the same host logic without torch-npu.
+alone, so that another runtime (an emulated one) can be linked behind the same host logic without torch-npu; the
+seam itself compiles as C++17 with torch's headers alone.
 
 Negative controls put a torch_npu include, a torch_npu call and an ACL call into a copy of fused_npu.cpp."""
 import os
@@ -70,6 +71,16 @@ def gxx():
 def test_host_logic_preprocesses_without_npu_headers(gxx, tmp_path):
     result = preprocess_without_npu_headers(HOST_LOGIC, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_the_seam_compiles_as_cxx17_with_torch_headers_alone(gxx, tmp_path):
+    # What an emulated runtime implements: device_runtime.h, with no torch-npu anywhere on the include path.
+    unit = tmp_path / "seam.cpp"
+    unit.write_text('#include "npu/device_runtime.h"\n')
+    command = ["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", f"-I{os.path.join(ROOT, 'csrc', 'host')}",
+               *[arg for d in cpp_extension.include_paths() for arg in ("-isystem", d)], str(unit)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr[-4000:]
 
 
 INJECTIONS = {
