@@ -14,6 +14,9 @@
 namespace gemm_ar::npu {
 namespace {
 
+// The seam's status codes are ACL's and HCCL's own; the host logic takes 0 for success.
+static_assert(ACL_SUCCESS == 0 && HCCL_SUCCESS == 0, "the host logic takes status 0 for success");
+
 c10d_npu::ProcessGroupHCCL* hccl_backend(c10d::ProcessGroup& group, std::string* backend_name) {
   c10::intrusive_ptr<c10d::Backend> backend;
   try {
