@@ -9,11 +9,17 @@ against the real torch-npu 2.13.0 headers (as tests/test_npu_host_compile.py doe
 3. reach: every project function they call that is not itself in a per-call unit is on a short allow-list, each
    with the reason it is safe per call (e.g. comm_state: a cached lookup after the group's setup).
 
+The device is reached through the runtime seam (csrc/host/npu/device_runtime.h). Its non-blocking half, the
+DeviceQueue, is implemented over torch_npu in device_queue_npu.cpp, a per-call unit here, so every call behind it is
+checked like the path's own (virtual calls leave no symbol in the caller, so the implementation itself must be
+checked). Its blocking half, the DeviceControl, is implemented in another unit: reaching it from the per-call path is
+a reach problem (device_control() is not allow-listed), and per-call source never names it.
+
 The per-call path must not take a stream from torch_npu's pool either (it can hand out the caller's own stream).
 
 The negative controls inject a `.cpu()`, an `aclrtSynchronizeStream`, a call to the syncing check_all_errors(), a
-blocking `copy_(src)`, a `Work::wait()`, `.to(kCPU)` and a pool stream into a copy of fused_npu.cpp and require the
-checks to fail.
+blocking `copy_(src)`, a `Work::wait()`, `.to(kCPU)`, a pool stream and a DeviceControl call into a copy of
+fused_npu.cpp, and an event synchronisation into a copy of device_queue_npu.cpp, and require the checks to fail.
 check_ranks_agree, the one allow-listed exchange, is checked structurally to run only before the group agreed or for
 calls that do not run the kernels (with negative controls that move or loosen the guard)."""
 import concurrent.futures
@@ -33,7 +39,7 @@ PER_CALL_SOURCES = [os.path.join(ROOT, "csrc", "host", p) for p in (
     "npu/fused_npu.cpp", "npu/npu_op.cpp", "common/op_flow.cpp", "common/call_args.cpp", "common/settings.cpp",
     "common/algorithm.cpp", "common/kernel_error_watch.cpp", "common/auto_tuner.cpp", "common/tuning_race.cpp",
     "common/tune_cache_file.cpp", "common/sequence_parallel_flow.cpp", "npu/add_rmsnorm_npu_op.cpp", "common/add_rmsnorm.cpp",
-    "common/current_op.cpp",
+    "common/current_op.cpp", "npu/device_queue_npu.cpp",
 )]
 
 # Demangled undefined symbols that synchronise, copy synchronously, allocate outside the caching allocators or run a
@@ -58,6 +64,8 @@ DENIED_SOURCE = [
     r"\bWork::wait\b", r"\.wait\s*\(\s*\)",
     r"\.to\(\s*(at::|c10::)?Device\(\s*(at::|c10::)?(kCPU|DeviceType::CPU)", r"\.to\(\s*(at::|c10::)?DeviceType::CPU",
     r"\.to\(\s*\"cpu\"",
+    # The blocking half of the device runtime seam.
+    r"\bdevice_control\s*\(", r"\bDeviceControl\b",
 ]
 
 # Project functions outside the per-call units that the per-call path may call, and why that is safe.
@@ -77,6 +85,7 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::npu::npu_stream_capturing": "a capture-status query (no device wait)",
     "gemm_ar::monotonic_us": "auto's tuning calls: clock_gettime(CLOCK_MONOTONIC) on the host (host_clock.cpp)",
     "gemm_ar::monotonic_clock_domain": "auto's tuning calls: a hash of /proc entries, read once per process",
+    # Called by DeviceQueue::launch (device_queue_npu.cpp).
     "gemm_ar::launch_gemm_compute": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_gemm_comm": "the bisheng launch shim: queues the kernel on the stream",
     "gemm_ar::launch_rs_compute": "the bisheng launch shim: queues the kernel on the stream",
@@ -184,10 +193,11 @@ INJECTIONS = {
     "to_cpu_device": ("  (void)out.to(at::Device(at::kCPU));\n", {"source"}),
     "to_kcpu": ("  (void)out.to(at::kCPU);\n", {"source"}),
     "pool_stream": ("  (void)c10_npu::getNPUStreamFromPool(call.b.device().index());\n", {"symbols"}),
+    "device_control_call": ("  device_control().synchronize_device(call.b.device());\n", {"reach", "source"}),
 }
 
 
-_INJECTION_ANCHOR = "  auto out = at::empty({call.m, call.n}, call.b.options());\n"
+_INJECTION_ANCHOR = "  auto out = device_queue().empty({call.m, call.n}, call.b.options());\n"
 
 
 def _injected_source(names):
@@ -197,7 +207,8 @@ def _injected_source(names):
     assert text.count(_INJECTION_ANCHOR) == 1, "anchor for the injection not found in fused_npu.cpp"
     code = "".join(INJECTIONS[name][0] for name in names)
     return text.replace(_INJECTION_ANCHOR, _INJECTION_ANCHOR + code).replace(
-        '#include "npu/sync_points.h"', '#include "npu/sync_points.h"\n#include <acl/acl.h>')
+        '#include "npu/sync_points.h"',
+        '#include "npu/sync_points.h"\n#include <acl/acl.h>\n#include <torch_npu/csrc/core/npu/NPUStream.h>')
 
 
 def _needs_object(name):
@@ -239,6 +250,27 @@ def test_negative_control_injected_sync_is_caught(per_call_objects, injected, na
     found = problems([obj or per_call_objects[0]] + per_call_objects[1:], [broken])
     kinds = {line.split(":")[0] for line in found}
     assert expected_kinds <= kinds, f"injected {code.strip()!r} was not caught by {expected_kinds - kinds}: {found}"
+
+
+# The queue's implementation is checked as the path's own code: an event wait behind DeviceQueue::query.
+_QUEUE_SOURCE = os.path.join(ROOT, "csrc", "host", "npu", "device_queue_npu.cpp")
+_QUEUE_ANCHOR = "  bool query(const DeviceEvent& event) override { return event->event.query(); }\n"
+_QUEUE_BLOCKING = "  bool query(const DeviceEvent& event) override {\n    event->event.synchronize();\n    return true;\n  }\n"
+
+
+def test_negative_control_blocking_call_behind_the_device_queue_is_caught(per_call_objects, npu_objects, tmp_path):
+    with open(_QUEUE_SOURCE) as f:
+        text = f.read()
+    assert text.count(_QUEUE_ANCHOR) == 1, "anchor for the injection not found in device_queue_npu.cpp"
+    broken = tmp_path / "device_queue_npu.cpp"
+    broken.write_text(text.replace(_QUEUE_ANCHOR, _QUEUE_BLOCKING))
+    result = npu_objects.compile(str(broken), str(tmp_path / "device_queue_npu.o"))
+    assert result.returncode == 0, f"{broken} does not compile:\n{result.stderr[-6000:]}"
+    index = PER_CALL_SOURCES.index(_QUEUE_SOURCE)
+    objects = per_call_objects[:index] + [result.obj] + per_call_objects[index + 1:]
+    found = problems(objects, [str(broken)])
+    kinds = {line.split(":")[0] for line in found}
+    assert {"symbols", "source"} <= kinds, found
 
 
 # check_ranks_agree is allow-listed for "the first fused call of a group, and non-fused calls" only. That claim is

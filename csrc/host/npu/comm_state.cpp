@@ -1,8 +1,6 @@
 #include "npu/comm_state.h"
 
-#include <acl/acl.h>
-#include <torch_npu/csrc/core/npu/NPUGuard.h>
-#include <torch_npu/csrc/distributed/ProcessGroupHCCL.hpp>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,14 +11,13 @@
 #include <stdexcept>
 #include <vector>
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include "common/current_op.h"
 #include "common/kernel_timeout.h"
 #include "common/settings.h"
+#include "npu/device_runtime.h"
 #include "npu/hccl_context_layout.h"
-#include "npu/hccl_symbols.h"
 #include "npu/ring_context.h"
 
 namespace gemm_ar::npu {
@@ -63,14 +60,15 @@ struct SetupError : std::runtime_error {
   SetupStage stage;
 };
 
-void check_acl(aclError status, SetupStage stage, const char* what) {
-  if (status != ACL_SUCCESS) {
+// `status`: a runtime status code (ACL's on Ascend), 0 = success.
+void check_acl(int32_t status, SetupStage stage, const char* what) {
+  if (status != 0) {
     throw SetupError(stage, std::string(what) + " returned ACL error " + std::to_string(status));
   }
 }
 
 void copy_from_device(void* host, const void* device, size_t bytes, SetupStage stage, const char* what) {
-  check_acl(aclrtMemcpy(host, bytes, device, bytes, ACL_MEMCPY_DEVICE_TO_HOST), stage, what);
+  check_acl(device_control().copy_to_host_now(host, device, bytes), stage, what);
 }
 
 void read_device_for_setup(void* host, const void* device, size_t bytes, const char* what) {
@@ -86,19 +84,17 @@ void assemble_ring_context(const uint8_t* block, CommContext* ctx) {
   }
 }
 
-// The runtime's AI Core op-execute timeout in ms. aclrtGetOpExecuteTimeout exists only in newer CANN, so it is
-// looked up at run time; without it, the documented default (common/kernel_timeout.h).
+// The runtime's AI Core op-execute timeout in ms (aclrtGetOpExecuteTimeout, only in newer CANN); without it, the
+// documented default (common/kernel_timeout.h).
 int64_t aicore_timeout_ms() {
-  using GetTimeout = aclError (*)(uint32_t*);
-  auto get = reinterpret_cast<GetTimeout>(dlsym(RTLD_DEFAULT, "aclrtGetOpExecuteTimeout"));
-  uint32_t ms = 0;
-  if (get != nullptr && get(&ms) == ACL_SUCCESS && ms > 0) return static_cast<int64_t>(ms);
+  int64_t ms = 0;
+  if (device_control().op_execute_timeout_ms(&ms) && ms > 0) return ms;
   return kAssumedAiCoreTimeoutMs;
 }
 
-int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
+int64_t device_info(int32_t device, DeviceAttribute attribute, const char* name) {
   int64_t value = 0;
-  check_acl(aclrtGetDeviceInfo(static_cast<uint32_t>(device), attribute, &value), kStageCores, name);
+  check_acl(device_control().device_info(device, attribute, &value), kStageCores, name);
   if (value <= 0) throw SetupError(kStageCores, std::string(name) + " reported " + std::to_string(value));
   return value;
 }
@@ -107,11 +103,8 @@ int64_t device_info(int32_t device, aclrtDevAttr attribute, const char* name) {
 // cores (docs/ascend.md, "Review findings, round 2").
 int64_t cube_core_count(int32_t device) {
   int64_t value = 0;
-  if (aclrtGetDeviceInfo(static_cast<uint32_t>(device), ACL_DEV_ATTR_CUBE_CORE_NUM, &value) == ACL_SUCCESS &&
-      value > 0) {
-    return value;
-  }
-  return device_info(device, ACL_DEV_ATTR_AICORE_CORE_NUM, "aclrtGetDeviceInfo(CUBE_CORE_NUM, then AICORE_CORE_NUM)");
+  if (device_control().device_info(device, DeviceAttribute::kCubeCores, &value) == 0 && value > 0) return value;
+  return device_info(device, DeviceAttribute::kAiCoreCores, "aclrtGetDeviceInfo(CUBE_CORE_NUM, then AICORE_CORE_NUM)");
 }
 
 // comm_block_num: the vector cores HCCL may prepare AIV resources for, the device's count (not a constant).
@@ -140,7 +133,8 @@ struct LocalSetup {
 
 // Everything up to (not including) the cross-rank agreement. Never throws: a failure is reported, so that this
 // rank still joins the agreement and no peer waits for it forever.
-LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
+LocalSetup set_up_locally(CommState& state, c10d::ProcessGroup& group) {
+  DeviceControl& control = device_control();
   LocalSetup local;
   try {
     // In AIV expansion mode HCCL's collectives are vector kernels that take every vector core and wait for their
@@ -152,41 +146,38 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
                        "HCCL_OP_EXPANSION_MODE=AIV is set: unset it (or use another mode) on "
                        "every rank to run `fused`");
     }
-    // torch_npu only uses the rank argument to check that rank % device_count is the current device; passing the
-    // device index itself satisfies that check for every rank layout.
-    state.hcom_name = hccl.getHcclCommName(state.device.index());
-    const HcclInternalApi& api = hccl_internal_api();
-    if (!api.missing.empty()) throw SetupError(kStageSymbols, "missing " + api.missing);
+    state.hcom_name = control.hccl_comm_name(group, state.device.index());
+    const std::string missing = control.hccl_one_sided_missing();
+    if (!missing.empty()) throw SetupError(kStageSymbols, "missing " + missing);
 
-    CommTopo topo = COMM_TOPO_RESERVED;
-    HcclResult result = api.get_l0_topo_type(state.hcom_name.c_str(), &topo, kTopoQueryWithoutSetDevice);
-    if (result != HCCL_SUCCESS) {
+    // Results are HCCL status codes, 0 = HCCL_SUCCESS.
+    int32_t result = control.hccl_topology_is_mesh(state.hcom_name, &state.mesh);
+    if (result != 0) {
       throw SetupError(kStageTopology, "HcomGetL0TopoTypeEx('" + state.hcom_name + "') returned HCCL error " +
                                            std::to_string(static_cast<int>(result)));
     }
-    state.mesh = topo == COMM_TOPO_1DMESH;
-    result = api.get_comm_handle_by_group(state.hcom_name.c_str(), &state.comm);
-    if (result != HCCL_SUCCESS || state.comm == nullptr) {
+    result = control.hccl_comm_handle(state.hcom_name, &state.comm);
+    if (result != 0 || state.comm == nullptr) {
       throw SetupError(kStageHandle, "HcomGetCommHandleByGroup('" + state.hcom_name + "') returned HCCL error " +
                                          std::to_string(static_cast<int>(result)));
     }
 
     // HCCL may keep using the stream it was given for the resources' lifetime, so it gets its own and keeps it.
-    aclrtStream resource_stream = nullptr;
-    check_acl(aclrtCreateStream(&resource_stream), kStageResources, "aclrtCreateStream");
+    NativeStream resource_stream = nullptr;
+    check_acl(control.create_stream(&resource_stream), kStageResources, "aclrtCreateStream");
     const int32_t device = state.device.index();
     const int64_t cube = cube_core_count(device);
-    const int64_t vector = device_info(device, ACL_DEV_ATTR_VECTOR_CORE_NUM, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
+    const int64_t vector = device_info(device, DeviceAttribute::kVectorCores, "aclrtGetDeviceInfo(VECTOR_CORE_NUM)");
     layout::Mc2TilingV2 tiling = batch_write_tiling(state.hcom_name, vector);
     void* context = nullptr;
-    result = api.alloc_com_resource_by_tiling(state.comm, resource_stream, &tiling, &context);
-    if (result != HCCL_SUCCESS || context == nullptr) {
+    result = control.hccl_alloc_comm_resource(state.comm, resource_stream, &tiling, &context);
+    if (result != 0 || context == nullptr) {
       throw SetupError(kStageResources, "HcclAllocComResourceByTiling('" + state.hcom_name +
                                             "', BatchWrite full mesh) returned HCCL error " +
                                             std::to_string(static_cast<int>(result)));
     }
-    check_acl(aclrtSynchronizeStream(resource_stream), kStageResources, "aclrtSynchronizeStream");
-    check_acl(aclrtCreateStream(&state.comm_stream), kStageResources, "aclrtCreateStream(comm)");
+    check_acl(control.synchronize_stream(resource_stream), kStageResources, "aclrtSynchronizeStream");
+    check_acl(control.create_stream(&state.comm_stream), kStageResources, "aclrtCreateStream(comm)");
 
     if (state.mesh) {
       // MESH: HCCL's context starts with exactly the fields the kernels read.
@@ -195,7 +186,8 @@ LocalSetup set_up_locally(CommState& state, c10d_npu::ProcessGroupHCCL& hccl) {
     } else {
       assemble_ring_context(static_cast<const uint8_t*>(context), &state.host_ctx);
       state.assembled_ctx =
-          at::from_blob(&state.host_ctx, {static_cast<int64_t>(sizeof(CommContext))}, at::kByte).to(state.device);
+          control.to_device_now(at::from_blob(&state.host_ctx, {static_cast<int64_t>(sizeof(CommContext))}, at::kByte),
+                                state.device);
       state.comm_ctx_device = reinterpret_cast<uint64_t>(state.assembled_ctx.data_ptr());
     }
 
@@ -263,11 +255,11 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
     // A random first epoch: flags a previous process left in recycled window memory never carry this run's tags.
     row[kFieldEpoch] = static_cast<int64_t>(std::random_device{}());
   }
-  std::vector<at::Tensor> tensors{table.to(state.device)};
+  std::vector<at::Tensor> tensors{device_control().to_device_now(table, state.device)};
   c10d::AllreduceOptions options;
   options.timeout = wait_timeout();
   group.allreduce(tensors, options)->wait(options.timeout);
-  auto gathered = tensors[0].cpu();
+  auto gathered = device_control().to_host_now(tensors[0]);
   auto rows = gathered.accessor<int64_t, 2>();
 
   std::ostringstream failures;
@@ -305,32 +297,28 @@ void agree(CommState& state, c10d::ProcessGroup& group, const LocalSetup& local)
   state.compute_blocks = static_cast<int32_t>(compute);
   state.comm_blocks = static_cast<int32_t>(comm);
   state.calls = KernelErrorWatch(static_cast<uint32_t>(rows[0][kFieldEpoch]));
-  state.epoch_device = at::full({1}, static_cast<int64_t>(static_cast<uint32_t>(rows[0][kFieldEpoch])),
-                                at::TensorOptions().dtype(at::kLong).device(state.device));
+  state.epoch_device = device_control().to_device_now(
+      at::full({1}, static_cast<int64_t>(static_cast<uint32_t>(rows[0][kFieldEpoch])), at::kLong), state.device);
   state.aicore_timeout_ms = aicore_timeout_ms();
-  state.error_device =
-      at::zeros({static_cast<int64_t>(sizeof(ErrorRecord))}, at::TensorOptions().dtype(at::kByte).device(state.device));
-  state.error_host =
-      at::empty({static_cast<int64_t>(sizeof(ErrorRecord))}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  DeviceQueue& queue = device_queue();
+  state.error_device = queue.empty({static_cast<int64_t>(sizeof(ErrorRecord))},
+                                   at::TensorOptions().dtype(at::kByte).device(state.device));
+  queue.fill_zero(queue.current_stream(state.device.index()), state.error_device);
+  state.error_host = queue.empty_pinned(static_cast<int64_t>(sizeof(ErrorRecord)));
   std::memset(state.error_host.data_ptr(), 0, sizeof(ErrorRecord));
 }
 
 void set_up(CommState& state, c10d::ProcessGroup& group) {
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = group.getBackend(c10::DeviceType::PrivateUse1);
-  } catch (const std::exception&) {
-  }
-  auto* hccl = dynamic_cast<c10d_npu::ProcessGroupHCCL*>(backend.get());
-  if (hccl == nullptr) {
+  std::string backend_name;
+  if (!device_control().has_hccl_backend(group, &backend_name)) {
     // Same answer on every rank (it is a property of the group), so no agreement is needed.
     state.unavailable = "group '" + state.group_name + "' has no HCCL backend for NPU tensors" +
-                        (backend ? " (its NPU backend is " + backend->getBackendName() + ")" : std::string());
+                        (backend_name.empty() ? std::string() : " (its NPU backend is " + backend_name + ")");
     state.unavailable_kind = FusedBlocker::kBackend;
     return;
   }
-  c10_npu::NPUGuard guard(state.device);
-  LocalSetup local = set_up_locally(state, *hccl);
+  c10::DeviceGuard guard(state.device);
+  LocalSetup local = set_up_locally(state, group);
   agree(state, group, local);
 }
 

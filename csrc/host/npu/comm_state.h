@@ -4,8 +4,6 @@
 // by a collective setup over the group; never destroyed (HCCL owns the windows for the communicator's lifetime).
 #pragma once
 #include <ATen/ATen.h>
-#include <acl/acl_base.h>
-#include <hccl/hccl_types.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
@@ -16,11 +14,8 @@
 
 #include "common/kernel_error_watch.h"
 #include "gemm_ar/kernel_args.hpp"
+#include "npu/device_runtime.h"
 #include "npu/fused_call_sequence.h"
-
-namespace c10_npu {
-struct NPUEvent;
-}
 
 namespace gemm_ar::npu {
 
@@ -46,7 +41,7 @@ struct CommState {
   std::string unavailable;
   FusedBlocker unavailable_kind = FusedBlocker::kNone;
 
-  HcclComm comm = nullptr;
+  HcclCommHandle comm = nullptr;
   bool mesh = false;             // L0 topology is a full mesh (A2); otherwise the RING (A3) context was assembled
   uint64_t comm_ctx_device = 0;  // device address of the CommContext the kernels read
   CommContext host_ctx{};        // host copy of it
@@ -58,7 +53,7 @@ struct CommState {
   int64_t aicore_timeout_ms = 0;  // the runtime's AI Core op-execute timeout (common/kernel_timeout.h)
   // The comm kernels' stream, this group's own: a pool stream may be the caller's (allgather_gemm's compute kernel
   // then waits for rows only the comm kernel queued behind it delivers) or one an HCCL collective runs on.
-  aclrtStream comm_stream = nullptr;
+  NativeStream comm_stream = nullptr;
 
   // Per call. Guarded by `mutex`.
   std::mutex mutex;
@@ -68,13 +63,13 @@ struct CommState {
   // Set after the first fused call was agreed over the process group: from then on fused calls agree through the
   // window only (the comm kernel compares the ranks' signatures), with no host synchronisation.
   bool agreed = false;
-  at::Tensor epoch_device;  // int64 [1]: the epoch the kernels use (KernelArgs::epoch_counter), +1 on the
-                            // caller's stream after every call, so graph replays get new epochs too
-  at::Tensor error_device;  // ErrorRecord the kernels write (plain device memory, zeroed once)
-  at::Tensor error_host;    // pinned copy, refreshed asynchronously after every call
-  std::shared_ptr<c10_npu::NPUEvent> error_copied;  // recorded after the refresh
+  at::Tensor epoch_device;   // int64 [1]: the epoch the kernels use (KernelArgs::epoch_counter), +1 on the
+                             // caller's stream after every call, so graph replays get new epochs too
+  at::Tensor error_device;   // ErrorRecord the kernels write (plain device memory, zeroed once)
+  at::Tensor error_host;     // pinned copy, refreshed asynchronously after every call
+  DeviceEvent error_copied;  // recorded after the refresh
   // Where the group's previous fused call ended, on whatever stream: the next one waits for it (fused_call_sequence.h).
-  GroupOrder<std::shared_ptr<c10_npu::NPUEvent>> order;
+  GroupOrder<DeviceEvent> order;
   std::vector<at::Tensor> captured_args;  // pinned KernelArgs copies graph replays read again
 };
 

@@ -1,6 +1,6 @@
 // The order in which one fused call of a group puts its work on the device, free of torch_npu so that the same code
 // runs against an emulated stream runtime in the tests (tests/npu_host/sequence_main.cpp). fused_npu.cpp
-// instantiates it with torch_npu's streams and events.
+// instantiates it with the device runtime seam's streams and events (npu/device_runtime.h).
 //
 // Two rules live here (docs/ascend.md, "Ordering of fused calls" and "Errors"):
 //  - Per-group order: a call's kernels start only after the previous fused call of the same group finished on the
@@ -12,7 +12,7 @@
 //    earlier call's failure is raised, so every rank counts every call, whenever its copy of the error record
 //    landed, and the next call on the group works.
 //
-// Runtime (what the device must offer; fused_npu.cpp wraps torch_npu, the tests emulate it):
+// Runtime (what the device must offer; fused_npu.cpp wraps the DeviceQueue, the tests emulate it):
 //   Stream, Event                  copyable handles; a default Event is "none" (converts to false)
 //   Event record(const Stream&)    an event that completes after everything queued on the stream so far
 //   void stream_waits_for(const Stream&, const Event&)   the stream runs nothing more until the event completed

@@ -1,12 +1,6 @@
 #include "npu/fused_npu.h"
 
-#include <torch_npu/csrc/core/npu/NPUCachingAllocator.h>
-#include <torch_npu/csrc/core/npu/NPUEvent.h>
-#include <torch_npu/csrc/core/npu/NPUFunctions.h>
-#include <torch_npu/csrc/core/npu/NPUGraphsUtils.h>
-#include <torch_npu/csrc/core/npu/NPUGuard.h>
-#include <torch_npu/csrc/core/npu/NPUStream.h>
-#include <torch_npu/csrc/framework/OpCommand.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
 #include <cstring>
@@ -18,8 +12,7 @@
 #include "common/settings.h"
 #include "gemm_ar/kernel_args.hpp"
 #include "gemm_ar/sequence_parallel.hpp"
-#include "kernel_launch.h"
-#include "sp_kernel_launch.h"
+#include "npu/device_runtime.h"
 #include "npu/fused_call_sequence.h"
 #include "npu/sync_points.h"
 
@@ -52,12 +45,14 @@ struct Operands {
   uint32_t b_layout = kBRowMajor;
 };
 
-Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
+// Copies and zeroing are queued on `stream`, the caller's.
+Operands prepare_operands(const CallArgs& call, const TilePlan& plan, const c10::Stream& stream) {
+  DeviceQueue& queue = device_queue();
   const int64_t m = call.m, k = call.k, n = call.n;
   Operands ops;
   ops.a = call.a2d;
   const bool a_usable = (k == 1 || ops.a.stride(1) == 1) && (m == 1 || ops.a.stride(0) >= k);
-  if (!a_usable || row_stride(ops.a, m, k) > kMaxRowStride) ops.a = ops.a.contiguous();
+  if (!a_usable || row_stride(ops.a, m, k) > kMaxRowStride) ops.a = queue.contiguous(stream, ops.a);
   ops.lda = ops.a.is_contiguous() ? k : row_stride(ops.a, m, k);
 
   const at::Tensor& b = call.b;
@@ -70,17 +65,17 @@ Operands prepare_operands(const CallArgs& call, const TilePlan& plan) {
     ops.b_layout = kBTransposed;
     ops.ldb = n == 1 ? k : b.stride(1);
   } else {
-    ops.b = b.contiguous();
+    ops.b = queue.contiguous(stream, b);
     ops.b_layout = kBRowMajor;
     ops.ldb = n;
   }
   // The cube adds the bias to its fp32 accumulator (A2/A3's bias table takes fp32) and loads it in whole 32-byte
   // blocks per tile, so it goes in as fp32 padded with zeros to pad_n.
   if (call.bias.has_value()) {
-    ops.bias = at::zeros({plan.pad_n}, call.bias->options().dtype(at::kFloat));
-    // Same device (checked with the other arguments): a stream-ordered copy; non_blocking is spelled out so the
-    // per-call sync test can deny every blocking copy_.
-    ops.bias.narrow(0, 0, n).copy_(*call.bias, /*non_blocking=*/true);
+    ops.bias = queue.empty({plan.pad_n}, call.bias->options().dtype(at::kFloat));
+    queue.fill_zero(stream, ops.bias);
+    // Same device (checked with the other arguments): a stream-ordered copy.
+    queue.copy_async(stream, ops.bias.narrow(0, 0, n), *call.bias);
   }
   return ops;
 }
@@ -142,25 +137,13 @@ std::string window_too_small(const CallArgs& call, const CommState& state, const
   return os.str();
 }
 
-// Queues a raw kernel launch on the task queue of `stream`, which must be the current stream (RunOpApi enqueues on
-// the current one); the launch itself runs later, in order with every other operation queued on that stream.
-void enqueue_launch(const c10_npu::NPUStream& stream, const char* name, void (*launch)(uint32_t, void*, void*),
-                    uint32_t blocks, void* args_device) {
-  TORCH_INTERNAL_ASSERT(c10_npu::getCurrentNPUStream(stream.device_index()) == stream);
-  aclrtStream raw = stream.stream(false);
-  at_npu::native::OpCommand::RunOpApi(name, [=]() -> int {
-    launch(blocks, raw, args_device);
-    return 0;
-  });
-}
-
-void keep_alive_on(const c10_npu::NPUStream& stream, std::initializer_list<at::Tensor> tensors) {
-  for (const at::Tensor& t : tensors) c10_npu::NPUCachingAllocator::recordStream(t.storage().data_ptr(), stream);
+void keep_alive_on(const c10::Stream& stream, std::initializer_list<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors) device_queue().keep_alive(stream, t);
 }
 
 // Nothing the per-call path does may wait for the device or copy from it synchronously: a stream being captured
 // into an NPU graph must see only launches and asynchronous copies.
-bool capturing() { return c10_npu::currentStreamCaptureStatusMayInitCtx() != c10_npu::CaptureStatus::None; }
+bool capturing() { return device_queue().capturing(); }
 
 // The signature the kernels compare: the host's CallSignature plus the fused configuration (block counts and
 // tiles), so that ranks built or configured differently stop instead of mixing layouts.
@@ -208,45 +191,37 @@ void fill_call_header(KernelArgs* args, const CommState& state, uint32_t epoch, 
 // The kernels take the struct through device memory; a pinned staging copy (caching host allocator) keeps the
 // upload asynchronous. A captured graph replays the copy from the same host address, so while capturing the
 // staging buffer is kept for good instead of going back to the pool (a few hundred bytes per captured call).
-at::Tensor upload_args(const KernelArgs& args, const at::Device& device, CommState& state) {
-  auto args_host =
-      at::empty({static_cast<int64_t>(sizeof(KernelArgs))}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+at::Tensor upload_args(const KernelArgs& args, const at::Device& device, CommState& state, const c10::Stream& stream) {
+  DeviceQueue& queue = device_queue();
+  auto args_host = queue.empty_pinned(static_cast<int64_t>(sizeof(KernelArgs)));
   std::memcpy(args_host.data_ptr(), &args, sizeof(args));
   if (capturing()) state.captured_args.push_back(args_host);
   auto args_device =
-      at::empty({static_cast<int64_t>(sizeof(KernelArgs))}, at::TensorOptions().dtype(at::kByte).device(device));
-  args_device.copy_(args_host, /*non_blocking=*/true);
+      queue.empty({static_cast<int64_t>(sizeof(KernelArgs))}, at::TensorOptions().dtype(at::kByte).device(device));
+  queue.copy_async(stream, args_device, args_host);
   return args_device;
 }
 
-// torch_npu's streams and events as the runtime of queue_fused_call (npu/fused_call_sequence.h).
-class NpuStreamRuntime {
+// The device queue's streams and events as the runtime of queue_fused_call (npu/fused_call_sequence.h).
+class GroupStreamRuntime {
  public:
-  using Stream = c10_npu::NPUStream;
-  using Event = std::shared_ptr<c10_npu::NPUEvent>;
+  using Stream = c10::Stream;
+  using Event = DeviceEvent;
 
-  explicit NpuStreamRuntime(CommState& state) : state_(state) {}
+  explicit GroupStreamRuntime(CommState& state) : state_(state), queue_(device_queue()) {}
 
-  Event record(const Stream& stream) {
-    auto event = std::make_shared<c10_npu::NPUEvent>();
-    event->record(stream);
-    return event;
-  }
-  void stream_waits_for(const Stream& stream, const Event& event) { event->block(stream); }
-  void add_epoch(const Stream& stream) {
-    c10_npu::NPUStreamGuard on_stream(stream);
-    state_.epoch_device.add_(1);
-  }
+  Event record(const Stream& stream) { return queue_.record(stream); }
+  void stream_waits_for(const Stream& stream, const Event& event) { queue_.stream_waits_for(stream, event); }
+  void add_epoch(const Stream& stream) { queue_.increment_counter(stream, state_.epoch_device); }
   bool capturing(const Stream&) { return npu::capturing(); }
   // An asynchronous copy into pinned memory and an event the next call queries.
   void refresh_error_copy(const Stream& stream) {
-    c10_npu::NPUStreamGuard on_stream(stream);
-    state_.error_host.copy_(state_.error_device, /*non_blocking=*/true);
+    queue_.copy_async(stream, state_.error_host, state_.error_device);
     state_.error_copied = record(stream);
   }
   // Not while capturing (an event query is not allowed then; check_errors() reports).
   std::string take_landed_failure() {
-    if (!state_.error_copied || !state_.error_copied->query()) return "";
+    if (!state_.error_copied || !queue_.query(state_.error_copied)) return "";
     ErrorRecord record;
     std::memcpy(&record, state_.error_host.data_ptr(), sizeof(record));
     return state_.calls.take_unreported(record, state_.group_name, &signature_field_name, &error_code_summary);
@@ -254,17 +229,18 @@ class NpuStreamRuntime {
 
  private:
   CommState& state_;
+  DeviceQueue& queue_;
 };
 
 // Queues one call's kernels (launch(caller, comm)) in the group's order and raises an earlier call's failure after
 // it was queued (npu/fused_call_sequence.h). Needs state.mutex.
 template <class Launch>
-void queue_in_group_order(CommState& state, const c10_npu::NPUStream& caller, const Launch& launch) {
-  const c10_npu::NPUStream comm = c10_npu::getStreamFromExternal(state.comm_stream, caller.device_index());
+void queue_in_group_order(CommState& state, const c10::Stream& caller, const Launch& launch) {
+  const c10::Stream comm = device_queue().native_stream(state.comm_stream, caller.device_index());
   TORCH_CHECK(comm != caller, current_op(),
               ": the current stream is the group's comm stream; fused calls cannot "
               "be queued from it");
-  NpuStreamRuntime runtime(state);
+  GroupStreamRuntime runtime(state);
   const std::string earlier = queue_fused_call(runtime, state.order, caller, comm, launch);
   TORCH_CHECK(earlier.empty(), earlier);
 }
@@ -273,7 +249,7 @@ void queue_in_group_order(CommState& state, const c10_npu::NPUStream& caller, co
 // tensors' device where the call has them, else the current device (a call whose arguments were rejected).
 at::Device call_device(const CallArgs& call) {
   if (call.b.defined() && call.b.device().type() == c10::DeviceType::PrivateUse1) return call.b.device();
-  return at::Device(c10::DeviceType::PrivateUse1, c10_npu::current_device());
+  return at::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device_queue().current_device()));
 }
 
 }  // namespace
@@ -319,14 +295,12 @@ namespace {
 
 // The kernel pair of one op.
 struct KernelPair {
-  const char* compute_name;
-  void (*compute)(uint32_t, void*, void*);
-  const char* comm_name;
-  void (*comm)(uint32_t, void*, void*);
+  Kernel compute;
+  Kernel comm;
 };
-constexpr KernelPair kAllreducePair{"gemm_ar_compute", &launch_gemm_compute, "gemm_ar_comm", &launch_gemm_comm};
-constexpr KernelPair kReduceScatterPair{"gemm_ar_rs_compute", &launch_rs_compute, "gemm_ar_rs_comm", &launch_rs_comm};
-constexpr KernelPair kAllgatherPair{"gemm_ar_ag_compute", &launch_ag_compute, "gemm_ar_ag_comm", &launch_ag_comm};
+constexpr KernelPair kAllreducePair{Kernel::kGemmCompute, Kernel::kGemmComm};
+constexpr KernelPair kReduceScatterPair{Kernel::kRsCompute, Kernel::kRsComm};
+constexpr KernelPair kAllgatherPair{Kernel::kAgCompute, Kernel::kAgComm};
 
 // Plans, uploads and launches one fused call of `pair` writing `out` (the op's [rows, N], contiguous, on b's
 // device), and returns the call's scratch (the allgather's gathered a lives at its start). check_fused must have
@@ -335,7 +309,7 @@ constexpr KernelPair kAllgatherPair{"gemm_ar_ag_compute", &launch_ag_compute, "g
 at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const KernelPair& pair, const at::Tensor& out,
                         const AddRmsNormOperands* epilogue = nullptr) {
   const at::Device device = call_device(call);
-  c10_npu::NPUGuard device_guard(device);
+  c10::DeviceGuard device_guard(device);
   CommState& state = comm_state(group, device);
   TORCH_CHECK(state.unavailable.empty(), call.op_name, ": fused NPU path unavailable: ", state.unavailable);
   std::lock_guard<std::mutex> lock(state.mutex);
@@ -346,16 +320,18 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
   const uint64_t needed = kHcclStagingReserveBytes + static_cast<uint64_t>(args.layout.window_bytes);
   TORCH_CHECK(needed <= state.window_bytes, call.op_name, ": ", window_too_small(call, state, args, needed));
 
-  const Operands ops = prepare_operands(call, args.plan);
+  DeviceQueue& queue = device_queue();
+  const c10::Stream caller = queue.current_stream(device.index());
+  const Operands ops = prepare_operands(call, args.plan, caller);
   const auto bytes = at::TensorOptions().dtype(at::kByte).device(device);
   // The kernels want the scratch kWindowAlign-aligned; the slack makes that true whatever the allocator returns.
-  auto scratch_storage = at::empty({args.layout.scratch_bytes + kWindowAlign}, bytes);
+  auto scratch_storage = queue.empty({args.layout.scratch_bytes + kWindowAlign}, bytes);
   const auto storage_address = static_cast<int64_t>(reinterpret_cast<uintptr_t>(scratch_storage.data_ptr()));
   const int64_t skip = align_up(storage_address, kWindowAlign) - storage_address;
   auto scratch = scratch_storage.narrow(0, skip, args.layout.scratch_bytes);
   // Queue slots carry epoch tags; zero is never one, so recycled memory can never look like a published tile.
-  scratch.narrow(0, args.layout.queue_offset, static_cast<int64_t>(state.compute_blocks) * args.layout.queue_stride)
-      .zero_();
+  queue.fill_zero(caller, scratch.narrow(0, args.layout.queue_offset,
+                                         static_cast<int64_t>(state.compute_blocks) * args.layout.queue_stride));
 
   fill_call_header(&args, state, state.calls.take_epoch(), fused_signature(call, Algorithm::Fused, state));
   args.b_layout = ops.b_layout;
@@ -379,21 +355,15 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
     args.epilogue.ld_normed = call.n;
   }
 
-  at::Tensor args_device = upload_args(args, device, state);
+  at::Tensor args_device = upload_args(args, device, state, caller);
   void* args_ptr = args_device.data_ptr();
 
-  const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
-  queue_in_group_order(state, caller,
-                       [&](const c10_npu::NPUStream& compute_stream, const c10_npu::NPUStream& comm_stream) {
-                         enqueue_launch(compute_stream, pair.compute_name, pair.compute,
-                                        static_cast<uint32_t>(state.compute_blocks), args_ptr);
-                         c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
-                         enqueue_launch(comm_stream, pair.comm_name, pair.comm,
-                                        static_cast<uint32_t>(state.comm_blocks), args_ptr);
-                         keep_alive_on(comm_stream, {args_device, scratch, out});
-                         if (epilogue != nullptr)
-                           keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
-                       });
+  queue_in_group_order(state, caller, [&](const c10::Stream& compute_stream, const c10::Stream& comm_stream) {
+    queue.launch(compute_stream, pair.compute, static_cast<uint32_t>(state.compute_blocks), args_ptr);
+    queue.launch(comm_stream, pair.comm, static_cast<uint32_t>(state.comm_blocks), args_ptr);
+    keep_alive_on(comm_stream, {args_device, scratch, out});
+    if (epilogue != nullptr) keep_alive_on(comm_stream, {epilogue->residual2d, epilogue->weight, epilogue->normed2d});
+  });
   // Opt-in: wait for this call's kernels and raise its own failure (a synchronisation, in sync_points.cpp), which a
   // stream being captured cannot do: raised after queuing, as every rank queued the call.
   if (env_int(Setting::kNpuSyncErrors, 0, 0, 1) == 1) {
@@ -407,7 +377,7 @@ at::Tensor launch_fused(const CallArgs& call, c10d::ProcessGroup& group, const K
 
 // gemm_allreduce's pair, with or without the add+RMSNorm epilogue.
 at::Tensor run_allreduce_pair(const CallArgs& call, c10d::ProcessGroup& group, const AddRmsNormOperands* epilogue) {
-  auto out = at::empty({call.m, call.n}, call.b.options());
+  auto out = device_queue().empty({call.m, call.n}, call.b.options());
   launch_fused(call, group, kAllreducePair, out, epilogue);
   return out.view(call.out_shape);
 }
@@ -426,8 +396,8 @@ at::Tensor run_fused_reduce_scatter(const CallArgs& call, c10d::ProcessGroup& gr
   const int64_t world = group.getSize();
   std::vector<int64_t> shape = call.out_shape;  // dim 0 (check_fused) split over the ranks
   shape[0] /= world;
-  if (call.m == 0) return at::empty(shape, call.b.options());  // M = 0 launches nothing (check_fused)
-  at::Tensor out = at::empty({call.m / world, call.n}, call.b.options());
+  if (call.m == 0) return device_queue().empty(shape, call.b.options());  // M = 0 launches nothing (check_fused)
+  at::Tensor out = device_queue().empty({call.m / world, call.n}, call.b.options());
   launch_fused(call, group, kReduceScatterPair, out);
   return out.view(shape);
 }
@@ -439,9 +409,10 @@ std::tuple<at::Tensor, at::Tensor> run_fused_allgather(const CallArgs& call, c10
   std::vector<int64_t> gathered_shape = shape;
   gathered_shape.back() = call.k;
   if (call.m == 0) {  // M = 0 launches nothing (check_fused)
-    return std::make_tuple(at::empty(shape, call.b.options()), at::empty(gathered_shape, call.b.options()));
+    DeviceQueue& queue = device_queue();
+    return std::make_tuple(queue.empty(shape, call.b.options()), queue.empty(gathered_shape, call.b.options()));
   }
-  at::Tensor out = at::empty({world * call.m, call.n}, call.b.options());
+  at::Tensor out = device_queue().empty({world * call.m, call.n}, call.b.options());
   const at::Tensor scratch = launch_fused(call, group, kAllgatherPair, out);
   // The comm kernel leaves the gathered a (world * M x K, row-major) at the start of the scratch.
   const int64_t gathered_bytes = world * call.m * call.k * static_cast<int64_t>(c10::elementSize(call.dtype));
@@ -475,18 +446,17 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
   if (chosen == Algorithm::Fused && call.error.empty() && call.m > 0) return {};  // run_fused: the kernels compare
   // A rank that rejected its arguments (or has M = 0) still takes part in the call through the window, so that
   // peers running the kernels stop at once with the reason instead of waiting out the timeout.
-  c10_npu::NPUGuard device_guard(device);
+  c10::DeviceGuard device_guard(device);
   std::lock_guard<std::mutex> lock(state.mutex);
   KernelArgs args{};
   fill_call_header(&args, state, state.calls.take_epoch(), fused_signature(call, chosen, state));
   args.dtype = kDTypeFloat16;  // read by nobody: a signature-only call moves no data
   args.signature_only = 1;
-  at::Tensor args_device = upload_args(args, device, state);
-  const c10_npu::NPUStream caller = c10_npu::getCurrentNPUStream(device.index());
-  queue_in_group_order(state, caller, [&](const c10_npu::NPUStream&, const c10_npu::NPUStream& comm_stream) {
-    c10_npu::NPUStreamGuard on_comm_stream(comm_stream);
-    enqueue_launch(comm_stream, "gemm_ar_comm", &launch_gemm_comm, static_cast<uint32_t>(state.comm_blocks),
-                   args_device.data_ptr());
+  DeviceQueue& queue = device_queue();
+  const c10::Stream caller = queue.current_stream(device.index());
+  at::Tensor args_device = upload_args(args, device, state, caller);
+  queue_in_group_order(state, caller, [&](const c10::Stream&, const c10::Stream& comm_stream) {
+    queue.launch(comm_stream, Kernel::kGemmComm, static_cast<uint32_t>(state.comm_blocks), args_device.data_ptr());
     keep_alive_on(comm_stream, {args_device});
   });
   if (call.error.empty()) return {};  // M = 0: nothing to compute; a peer with M > 0 gets the mismatch

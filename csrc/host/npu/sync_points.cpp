@@ -1,13 +1,12 @@
 #include "npu/sync_points.h"
 
-#include <torch_npu/csrc/core/npu/NPUEvent.h>
-#include <torch_npu/csrc/core/npu/NPUFunctions.h>
-#include <torch_npu/csrc/core/npu/NPUGuard.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <cstring>
 
 #include "common/call_args.h"
 #include "common/rank_agreement.h"
+#include "npu/device_runtime.h"
 
 namespace gemm_ar::npu {
 namespace {
@@ -24,18 +23,18 @@ void raise_from_host_copy(CommState& state) {
 }  // namespace
 
 void wait_and_raise_errors(CommState& state) {
-  if (state.error_copied) state.error_copied->synchronize();
+  if (state.error_copied) device_control().wait(state.error_copied);
   raise_from_host_copy(state);
 }
 
 void check_all_errors() {
   for (CommState* state : all_comm_states()) {
     if (!state->unavailable.empty() || !state->error_device.defined()) continue;
-    c10_npu::NPUGuard guard(state->device);
+    c10::DeviceGuard guard(state->device);
     std::lock_guard<std::mutex> lock(state->mutex);
     // Every stream of the device, not only the current one: calls queued from other streams or threads included.
-    c10_npu::device_synchronize();
-    state->error_host.copy_(state->error_device, /*non_blocking=*/false);
+    device_control().synchronize_device(state->device);
+    device_control().copy_now(state->error_host, state->error_device);
     raise_from_host_copy(*state);
   }
 }
