@@ -126,8 +126,9 @@ def _warn_if_untested_version() -> None:
 
 
 def _agreed(plan: List[Tuple[str, str, Any]]) -> List[Tuple[str, str, Any]]:
-    """`plan` where every rank of the default group made the same decisions; each module the ranks decided
-    differently (a forward hook on one rank only, say) is left alone on every rank, with every rank's decision."""
+    """`plan` where the ranks that hold a module made the same decision about it; a module they decided differently (a
+    forward hook on one rank only, say) is left alone on every rank, with every rank's decision. A rank without the
+    module (another pipeline stage) has no say. A collective over the default group: every rank calls it once."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
@@ -139,16 +140,14 @@ def _agreed(plan: List[Tuple[str, str, Any]]) -> List[Tuple[str, str, Any]]:
     local = {name: summary(action, detail) for name, action, detail in plan}
     everyone: List[Optional[Dict]] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
-    names = list(local) + sorted({n for other in everyone for n in other} - set(local))
     agreed = []
-    for name in names:
-        decisions = [other.get(name, ("absent", None)) for other in everyone]
-        mine = next((entry for entry in plan if entry[0] == name), None)
-        if mine is not None and all(d == decisions[0] for d in decisions):
-            agreed.append(mine)
-        elif mine is not None:
+    for name, action, detail in plan:
+        decisions = {r: other[name] for r, other in enumerate(everyone) if name in other}
+        if all(d == local[name] for d in decisions.values()):
+            agreed.append((name, action, detail))
+        else:
             agreed.append((name, "skip", "the ranks decide differently, so no rank converts it: " + "; ".join(
-                f"rank {r}: {d[0]}" + (f" ({d[1]})" if d[0] == "skip" else "") for r, d in enumerate(decisions))))
+                f"rank {r}: {d[0]}" + (f" ({d[1]})" if d[0] == "skip" else "") for r, d in decisions.items())))
     return agreed
 
 

@@ -152,7 +152,17 @@ std::vector<CallSignature> FusedEngine::agree(const CallArgs& call, Algorithm ch
   }
   // The header keeps two calls: this one overwrites call e - 2's, which a peer reads until it starts e - 1. A rank
   // that left its earlier calls at once (its own arguments rejected) could otherwise be two calls ahead of a peer.
-  if (epoch_ > 1 && !test_hooks::skip_previous_call_wait()) wait_for_peers_to_start(bases(), epoch_);
+  // (Call 1 has no predecessor; started_call() holds on a zeroed header, so after the counter wraps calls 0 and 1 pass
+  // at once.)
+  if (epoch_ > 1 && !test_hooks::skip_previous_call_wait()) {
+    try {
+      wait_for_peers_to_start(bases(), epoch_);
+    } catch (const std::exception& e) {  // a peer late or dead: tell the others this rank gave up this call
+      publish_abort(windows_->base(rank_), epoch_);
+      ring_peers();
+      raise(e.what(), false);
+    }
+  }
   publish_header(windows_->base(rank_), epoch_, signature_);
   ring_peers();
   if (!call.error.empty()) raise(call.error + where(), agreement_problem_is_value_error({}, call));
@@ -363,10 +373,10 @@ int64_t FusedEngine::prepare_job(CallJob& job, const CallArgs& call, const Local
   job.overlap = option(engine_options().overlap);
   job.ignore_epochs = test_hooks::ignore_epochs();
   // A rank may leave a call before its peers have read all of its data: a one-shot call ends once this rank has its
-  // peers' partials, and a call that raises on its own arguments waits for nobody. So before this call writes into
-  // the window (shard, partials, flags, bank), every peer must have started the previous call, so finished the one
-  // before it. A peer still in the previous call reads nothing this call changes: after a one-shot call only the
-  // other bank and flags it accepts one call ahead; other calls end once their data is read. After a call that
+  // peers' partials, and a call that raises on its own arguments leaves once its header is out. So before this call
+  // writes into the window (shard, partials, flags, bank), every peer must have started the previous call, so finished
+  // the one before it. A peer still in the previous call reads nothing this call changes: after a one-shot call only
+  // the other bank and flags it accepts one call ahead; other calls end once their data is read. After a call that
   // waited for its peers' data this holds at once.
   try {
     wait_for_previous_call(job);
