@@ -15,14 +15,26 @@ def gemm_allreduce(
     *,
     bias: Optional[torch.Tensor] = None,
     algorithm: str = "auto",
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """`all_reduce_sum(a @ b) + bias` over `group`, the same tensor on every rank.
 
     a: [M, K] or [B, S, K], this rank's shard. b: [K, N], any strides (weight.t() of an nn.Linear is not copied).
     bias: [N], added once to the reduced result. algorithm: one of auto, sequential, chunked, fused.
+
+    Quantized (CPU; docs/usage.md, "Quantized inputs"): W8A8 takes int8 a and b, a_scale (float32, a's leading
+    shape, per token, or one value) and b_scale (float32 [N] or one value) and returns
+    `all_reduce_sum(a_scale * (a @ b in int32) * b_scale) + bias` in out_dtype (default bfloat16). W8A16 takes a
+    float a, int8 b and b_scale: `all_reduce_sum(a @ (b * b_scale)) + bias` in a's dtype unless out_dtype says
+    otherwise. Each rank's partial is dequantized to float32 and the sum is float32, rounded once to out_dtype; bias
+    has out_dtype. Gradient: with respect to W8A16's a only.
     """
     name = group_name_of(group, "gemm_allreduce")
-    return torch.ops.pto.gemm_allreduce(a, b, name, bias=bias, algorithm=algorithm)
+    return torch.ops.pto.gemm_allreduce(
+        a, b, name, bias=bias, algorithm=algorithm, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype
+    )
 
 
 def gemm_reduce_scatter(

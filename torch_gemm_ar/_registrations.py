@@ -3,8 +3,33 @@ The CPU/NPU kernels and the autograd formula are registered in C++ (csrc/host)."
 import torch
 
 
+_QUANT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _quantized_out_dtype(a, b, a_scale, b_scale, out_dtype):
+    """The out dtype of a quantized call (the checks of common/quantization.cpp that decide it), or None for a
+    plain call."""
+    if a.dtype != torch.int8 and b.dtype != torch.int8 and a_scale is None and b_scale is None and (
+        out_dtype is None or out_dtype == a.dtype
+    ):
+        return None
+    torch._check(b.dtype == torch.int8, lambda: f"gemm_allreduce: quantized calls take an int8 b; got b {b.dtype}")
+    torch._check(b_scale is not None, lambda: "gemm_allreduce: b is int8, so b_scale is required")
+    if a.dtype == torch.int8:
+        torch._check(a_scale is not None, lambda: "gemm_allreduce: a is int8, so a_scale is required")
+        out = torch.bfloat16 if out_dtype is None else out_dtype
+    else:
+        torch._check(a.dtype in _QUANT_OUT_DTYPES, lambda: f"gemm_allreduce: W8A16 takes a float a; got {a.dtype}")
+        torch._check(a_scale is None, lambda: "gemm_allreduce: a_scale is only for int8 a (W8A8)")
+        out = a.dtype if out_dtype is None else out_dtype
+    torch._check(out in _QUANT_OUT_DTYPES, lambda: f"gemm_allreduce: out_dtype must be float32, bfloat16 or "
+                                                   f"float16; got {out}")
+    return out
+
+
 @torch.library.register_fake("pto::gemm_allreduce")
-def _gemm_allreduce_fake(a, b, group_name, *, bias=None, algorithm="auto"):
+def _gemm_allreduce_fake(a, b, group_name, *, bias=None, algorithm="auto", a_scale=None, b_scale=None,
+                         out_dtype=None):
     torch._check(a.dim() in (2, 3), lambda: f"gemm_allreduce: a must be 2-D or 3-D; got {a.dim()}-D")
     torch._check(b.dim() == 2, lambda: f"gemm_allreduce: b must be 2-D [K, N]; got {b.dim()}-D")
     torch._check(a.shape[-1] == b.shape[0], lambda: "gemm_allreduce: a and b disagree on K")
@@ -13,6 +38,9 @@ def _gemm_allreduce_fake(a, b, group_name, *, bias=None, algorithm="auto"):
         lambda: f"gemm_allreduce: a, b and bias must be on one device; got a on {a.device}, b on {b.device}"
         + ("" if bias is None else f", bias on {bias.device}"),
     )
+    quantized_out = _quantized_out_dtype(a, b, a_scale, b_scale, out_dtype)
+    if quantized_out is not None:
+        return a.new_empty((*a.shape[:-1], b.shape[1]), dtype=quantized_out)
     torch._check(a.dtype == b.dtype, lambda: f"gemm_allreduce: a and b must have the same dtype; got {a.dtype}, {b.dtype}")
     return a.new_empty((*a.shape[:-1], b.shape[1]))
 

@@ -17,10 +17,12 @@ struct OpDescription {
 
 // Sequence parallelism follows symm_mem's fused_matmul_reduce_scatter / fused_all_gather_matmul conventions: the
 // gathered input is an optional second output, as symm_mem's `return_A` (None unless return_gathered).
+// gemm_allreduce's a_scale, b_scale and out_dtype make it quantized (W8A8, W8A16; common/quantization.h).
 // gemm_allreduce_add_rmsnorm_ writes the new residual stream into `residual` and returns normed (no backward).
 inline constexpr OpDescription kOps[] = {
     {"gemm_allreduce",
-     "gemm_allreduce(Tensor a, Tensor b, str group_name, *, Tensor? bias=None, str algorithm=\"auto\") -> Tensor",
+     "gemm_allreduce(Tensor a, Tensor b, str group_name, *, Tensor? bias=None, str algorithm=\"auto\", "
+     "Tensor? a_scale=None, Tensor? b_scale=None, ScalarType? out_dtype=None) -> Tensor",
      kOpGemmAllreduce},
     {"gemm_reduce_scatter",
      "gemm_reduce_scatter(Tensor a, Tensor b, str group_name, *, int scatter_dim=0, Tensor? bias=None, "

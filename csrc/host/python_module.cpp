@@ -4,6 +4,7 @@
 #include "common/auto_tuner.h"
 #include "common/local_gemm.h"
 #include "common/portable_algorithms.h"
+#include "common/quantization.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
 #include "common/test_hooks.h"
@@ -304,6 +305,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how many B panels this process packed for the CPU engine's tiles (tests)");
   m.def("_sequential_partial_calls", &gemm_ar::sequential_partial_calls,
         "how many sequential partial products this process computed (tests)");
+  m.def("_dequantized_product_calls", &gemm_ar::dequantized_product_calls,
+        "how many dequantized (W8A8, W8A16) partial products this process computed (tests)");
   m.def("_agreement_payload_calls", &gemm_ar::agreement_payload_calls,
         "how many calls of this process got their result from the agreement exchange (tests)");
   auto& tuner = gemm_ar::AutoTuner::instance();

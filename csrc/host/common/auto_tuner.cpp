@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "common/host_clock.h"
+#include "common/quantization.h"
 #include "common/settings.h"
 #include "common/test_hooks.h"
 #include "common/tune_cache_file.h"
@@ -179,14 +180,14 @@ std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available
 
 // A bucket's identity: the one place that lays out its fields.
 FastKey bucket_of(const std::string& group_name, int64_t op, int64_t world, int64_t m, int64_t k, int64_t n,
-                  at::ScalarType dtype, bool bias, c10::DeviceType device, bool fused_available) {
+                  int64_t format, bool bias, c10::DeviceType device, bool fused_available) {
   return FastKey{group_name,
-                 {op, world, next_power_of_two(m), k, n, static_cast<int64_t>(dtype), bias ? 1 : 0,
+                 {op, world, next_power_of_two(m), k, n, format, bias ? 1 : 0,
                   static_cast<int64_t>(device), fused_available ? 1 : 0}};
 }
 
 FastKey fast_key(const CallArgs& call, c10d::ProcessGroup& group, const at::Device& device, bool fused_available) {
-  return bucket_of(group.getGroupName(), call.op, group.getSize(), call.m, call.k, call.n, call.dtype,
+  return bucket_of(group.getGroupName(), call.op, group.getSize(), call.m, call.k, call.n, numeric_format(call),
                    call.bias.has_value(), device.type(), fused_available);
 }
 
@@ -195,7 +196,7 @@ std::string bucket_key(const FastKey& fast) {
   const auto& f = fast.fields;
   std::ostringstream os;
   os << "op=" << f[0] << ";world=" << f[1] << ";m<=" << f[2] << ";k=" << f[3] << ";n=" << f[4]
-     << ";dtype=" << c10::toString(static_cast<at::ScalarType>(f[5])) << ";bias=" << f[6]
+     << ";dtype=" << numeric_format_name(f[5]) << ";bias=" << f[6]
      << ";device=" << c10::DeviceTypeName(static_cast<c10::DeviceType>(f[7]), /*lower_case=*/true) << ";fused=" << f[8];
   return tune_cache_text(os.str());
 }
@@ -413,7 +414,8 @@ std::string AutoTuner::decision_for(const std::string& group_name, int64_t world
     return "";
   }
   for (const bool fused : {true, false}) {  // whether fused was available: the bucket of the calls made
-    const FastKey fast = bucket_of(group_name, kOpGemmAllreduce, world, m, k, n, dtype, bias, device, fused);
+    const FastKey fast =
+        bucket_of(group_name, kOpGemmAllreduce, world, m, k, n, static_cast<int64_t>(dtype), bias, device, fused);
     auto b = g->second.buckets.find(bucket_key(fast));
     if (b != g->second.buckets.end() && b->second.decided) return algorithm_name(b->second.decision);
   }

@@ -2,6 +2,8 @@
 
 #include <sstream>
 
+#include "common/quantization.h"
+
 namespace gemm_ar {
 namespace {
 
@@ -46,13 +48,19 @@ const char* error_code_summary(int64_t code) {
     case kBadResidualError: return "invalid `residual` (must have shape a.shape[:-1] + [N], a's dtype and device)";
     case kBadNormWeightError: return "invalid `norm_weight` (must be 1-D [N], a's dtype and device)";
     case kTuningClockError: return "an earlier tuning call's kernels did not finish in time";
+    case kBadAScaleError: return "invalid `a_scale` (int8 a needs float32 per token or one value)";
+    case kBadBScaleError: return "invalid `b_scale` (int8 b needs float32 [N] or one value)";
+    case kBadOutDtypeError: return "invalid `out_dtype` (float32, bfloat16 or float16, for quantized calls)";
+    case kQuantizedDtypesError: return "invalid quantized dtypes of `a` and `b` (int8 a needs int8 b)";
+    case kQuantizedUnavailableError: return "quantized `a_scale`/`b_scale` arguments are not implemented there";
     default: return "invalid arguments";
   }
 }
 
 CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                       std::string_view algorithm, c10::DeviceType device_type,
-                      const std::vector<at::ScalarType>& supported_dtypes, std::string_view op_name) {
+                      const std::vector<at::ScalarType>& supported_dtypes, std::string_view op_name,
+                      const QuantInputs& quant) {
   CallArgs call;
   call.op_name = std::string(op_name);
   auto fail = [&](ErrorCode code, const std::string& message) {
@@ -78,15 +86,22 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
     return fail(kDevice, "this kernel handles " + std::string(c10::DeviceTypeName(device_type, true)) +
                              " tensors; got a on " + a.device().str());
   }
-  if (a.scalar_type() != b.scalar_type()) {
-    return fail(kDtype, "a and b must have the same dtype; got a " + std::string(c10::toString(a.scalar_type())) +
-                            ", b " + std::string(c10::toString(b.scalar_type())));
-  }
-  bool supported = false;
-  for (auto d : supported_dtypes) supported = supported || d == a.scalar_type();
-  if (!supported) {
-    return fail(kDtype, "a has dtype " + std::string(c10::toString(a.scalar_type())) + "; supported on " +
-                            a.device().str() + ": " + dtype_list(supported_dtypes));
+  call.out_dtype = a.scalar_type();
+  if (quantization_requested(a, b, quant)) {
+    if (auto problem = check_quantization(a, b, quant, call.quant, call.out_dtype)) {
+      return fail(static_cast<ErrorCode>(problem->code), problem->message);
+    }
+  } else {
+    if (a.scalar_type() != b.scalar_type()) {
+      return fail(kDtype, "a and b must have the same dtype; got a " + std::string(c10::toString(a.scalar_type())) +
+                              ", b " + std::string(c10::toString(b.scalar_type())));
+    }
+    bool supported = false;
+    for (auto d : supported_dtypes) supported = supported || d == a.scalar_type();
+    if (!supported) {
+      return fail(kDtype, "a has dtype " + std::string(c10::toString(a.scalar_type())) + "; supported on " +
+                              a.device().str() + ": " + dtype_list(supported_dtypes));
+    }
   }
   if (a.size(-1) != b.size(0)) {
     return fail(kKMismatch, "a has K=" + std::to_string(a.size(-1)) + " (last dim of " + shape_str(a) +
@@ -98,9 +113,10 @@ CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optio
     if (c.dim() != 1 || c.size(0) != n) {
       return fail(kBadBias, "bias must be 1-D [N] with N=" + std::to_string(n) + "; got shape " + shape_str(c));
     }
-    if (c.scalar_type() != a.scalar_type()) {
-      return fail(kDtype, "bias must have the dtype of a (" + std::string(c10::toString(a.scalar_type())) + "); got " +
-                              std::string(c10::toString(c.scalar_type())));
+    if (c.scalar_type() != call.out_dtype) {
+      const std::string of = call.out_dtype == a.scalar_type() ? "a" : "the result (out_dtype)";
+      return fail(kDtype, "bias must have the dtype of " + of + " (" + std::string(c10::toString(call.out_dtype)) +
+                              "); got " + std::string(c10::toString(c.scalar_type())));
     }
     if (c.device() != a.device()) {
       return fail(kDevice, "bias must be on the device of a (" + a.device().str() + "); got " + c.device().str());

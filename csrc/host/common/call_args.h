@@ -21,6 +21,28 @@ struct AgreementPayload {
   bool reduced = false;
 };
 
+// Quantized inputs (docs/decisions/0020-quantized-ops.md): W8A8 multiplies int8 a by int8 b into int32 and
+// dequantizes with a_scale (per token or one value) and b_scale (per output channel or one value); W8A16 multiplies a
+// float a by int8 b dequantized with b_scale. Either way each rank's partial product is fp32 before the reduction.
+enum class QuantScheme : int64_t { kNone = 0, kW8A8 = 1, kW8A16 = 2 };
+// How a scale covers its operand: one value, or one per row of a (per token) / per column of b (per channel).
+enum class ScaleKind : int64_t { kNone = 0, kPerTensor = 1, kPerRow = 2 };
+
+// The quantization arguments as the op received them (all empty for a plain call).
+struct QuantInputs {
+  std::optional<at::Tensor> a_scale;
+  std::optional<at::Tensor> b_scale;
+  std::optional<at::ScalarType> out_dtype;
+};
+
+// A valid quantized call's parameters, normalised by prepare_call.
+struct Quantization {
+  QuantScheme scheme = QuantScheme::kNone;
+  ScaleKind a_scale_kind = ScaleKind::kNone, b_scale_kind = ScaleKind::kNone;
+  at::Tensor a_scale;  // fp32 [M] (per token, a's leading dims flattened) or [1]; undefined for W8A16
+  at::Tensor b_scale;  // fp32 [N] or [1]
+};
+
 // What one rank can say about its own arguments before any data moves. `error` is empty when they are fine.
 struct CallArgs {
   at::Tensor a2d;                  // [M, K], a's leading dims flattened (a view when a allows it)
@@ -28,7 +50,9 @@ struct CallArgs {
   std::optional<at::Tensor> bias;  // [N]
   std::vector<int64_t> out_shape;  // a.shape[:-1] + [N]
   int64_t m = 0, k = 0, n = 0;
-  at::ScalarType dtype = at::kFloat;
+  at::ScalarType dtype = at::kFloat;      // a's dtype
+  at::ScalarType out_dtype = at::kFloat;  // the result's: `dtype` unless the call is quantized
+  Quantization quant;
   Algorithm algorithm = Algorithm::Auto;
   // The tile family a fused run takes (fused_family_of the algorithm that runs: set by the op's flow): 0 the CPU
   // engine's geometry rules, else the family `auto` measured faster here.
@@ -53,7 +77,8 @@ struct CallArgs {
 // rank can raise together after the agreement exchange).
 CallArgs prepare_call(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
                       std::string_view algorithm, c10::DeviceType device_type,
-                      const std::vector<at::ScalarType>& supported_dtypes, std::string_view op_name = "gemm_allreduce");
+                      const std::vector<at::ScalarType>& supported_dtypes, std::string_view op_name = "gemm_allreduce",
+                      const QuantInputs& quant = {});
 
 // Error code of a rank that was asked for algorithm='fused' where it cannot run.
 constexpr int64_t kFusedUnavailableError = 8;
@@ -67,6 +92,13 @@ constexpr int64_t kBadNormWeightError = 13;
 // A device clock of an earlier tuning call could not be read (its kernels did not finish in time): every rank
 // raises (RuntimeError), none waits in the agreement for it.
 constexpr int64_t kTuningClockError = 14;
+// Error codes of the quantization arguments (common/quantization.cpp), each naming its argument for the peers.
+constexpr int64_t kBadAScaleError = 15;
+constexpr int64_t kBadBScaleError = 16;
+constexpr int64_t kBadOutDtypeError = 17;
+constexpr int64_t kQuantizedDtypesError = 18;
+// Quantized arguments on a backend that has no quantized path yet (the NPU): every rank raises NotImplementedError.
+constexpr int64_t kQuantizedUnavailableError = 19;
 
 // Short description of an error code, used when another rank reports it.
 const char* error_code_summary(int64_t code);

@@ -9,6 +9,7 @@
 #include "common/current_op.h"
 #include "common/host_clock.h"
 #include "common/portable_algorithms.h"
+#include "common/quantization.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
 #include "common/test_hooks.h"
@@ -28,7 +29,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name
 Algorithm choose_and_agree(CallArgs& call, c10d::ProcessGroup& group, const BackendHooks& backend,
                            const at::Device& device, const std::function<void(Algorithm)>& before_exchange) {
   // Asked on every rank, bad arguments or not: on CPU the first call on a group sets up its shared windows.
-  const std::string fused_reason = backend.fused_unavailable_reason(call, group);
+  std::string fused_reason = backend.fused_unavailable_reason(call, group);
+  if (fused_reason.empty() && is_quantized(call)) {
+    fused_reason = "quantized calls (W8A8, W8A16) have no fused path yet (docs/decisions/0020-quantized-ops.md)";
+  }
   Algorithm chosen = call.algorithm;
   if (call.error.empty() && chosen == Algorithm::Fused) {
     if (!fused_reason.empty()) {  // raised after the agreement exchange, so that no peer waits for this rank
@@ -93,12 +97,18 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
                               const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks,
-                              std::string_view op_name) {
+                              std::string_view op_name, const QuantInputs& quant) {
   auto group = resolve_group(group_name, op_name);
-  CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes);
+  CallArgs call = prepare_call(a, b, bias, algorithm, backend.device_type, backend.dtypes, "gemm_allreduce", quant);
+  if (call.error.empty() && is_quantized(call) && !backend.quantized) {
+    call.error_code = kQuantizedUnavailableError;
+    call.error = call.op_name + ": quantized calls (int8 a or b, a_scale, b_scale, out_dtype) are not implemented on " +
+                 a.device().str() + " yet (docs/ascend.md); the CPU backend runs them";
+  }
   if (extra_checks && call.error.empty()) extra_checks(call);
   const CurrentOp op(call.op_name);  // errors deep in the engines name this op
   if (group->getSize() == 1) {
+    TORCH_CHECK_NOT_IMPLEMENTED(call.error_code != kQuantizedUnavailableError, call.error);
     TORCH_CHECK_VALUE(call.error.empty(), call.error);
     return run_local(call);
   }
@@ -108,8 +118,8 @@ at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::str
   const Algorithm chosen = choose_and_agree(call, *group, backend, a.device(), [&](Algorithm choice) {
     if (carries) carry_result_on_agreement(call, choice, group->getRank(), payload);
   });
-  if (call.m == 0) return at::empty(call.out_shape, b.options());
-  if (payload.reduced) return payload.data.to(call.dtype).view(call.out_shape);
+  if (call.m == 0) return at::empty(call.out_shape, b.options().dtype(call.out_dtype));
+  if (payload.reduced) return payload.data.to(call.out_dtype).view(call.out_shape);
   return timed_for_tuner(call, *group, backend, [&]() -> at::Tensor {
     switch (chosen) {
       case Algorithm::Sequential: return run_sequential(call, *group);

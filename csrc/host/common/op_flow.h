@@ -55,6 +55,9 @@ struct BackendHooks {
   // family the geometry rules did not pick, where it is a different configuration worth timing) and
   // FusedGatheredInputs (where the inputs are small against the output). Empty list or function: none.
   std::function<std::vector<Algorithm>(const CallArgs&, c10d::ProcessGroup&)> fused_variants;
+  // Whether the backend computes quantized calls (common/quantization.h; `sequential` and `chunked`). Otherwise
+  // they raise NotImplementedError on every rank.
+  bool quantized = false;
 };
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(std::string_view group_name,
@@ -73,10 +76,11 @@ at::Tensor timed_for_tuner(const CallArgs& call, c10d::ProcessGroup& group, cons
 
 // `extra_checks` (may be empty) validates a fused epilogue's own arguments: it runs only when `a`, `b` and `bias`
 // are valid and reports problems in call.error/error_code, so they reach every rank through the agreement.
-// `op_name` names the op in the errors raised before extra_checks runs (an unknown group).
+// `op_name` names the op in the errors raised before extra_checks runs (an unknown group). `quant`: the quantized
+// call's scales and out_dtype (common/quantization.h).
 at::Tensor run_gemm_allreduce(const at::Tensor& a, const at::Tensor& b, std::string_view group_name,
                               const std::optional<at::Tensor>& bias, std::string_view algorithm,
                               const BackendHooks& backend, const std::function<void(CallArgs&)>& extra_checks = {},
-                              std::string_view op_name = "gemm_allreduce");
+                              std::string_view op_name = "gemm_allreduce", const QuantInputs& quant = {});
 
 }  // namespace gemm_ar

@@ -1,8 +1,10 @@
 #include "common/portable_algorithms.h"
 
 #include <atomic>
+#include <optional>
 
 #include "common/local_gemm.h"
+#include "common/quantization.h"
 #include "common/rank_agreement.h"
 #include "common/settings.h"
 
@@ -20,11 +22,22 @@ c10::intrusive_ptr<c10d::Work> start_allreduce(c10d::ProcessGroup& group, const 
   return group.allreduce(tensors, options);
 }
 
-at::Tensor finish(const CallArgs& call, const at::Tensor& out2d) { return out2d.view(call.out_shape); }
+// A quantized call's fp32 sum is rounded to its out dtype once, after the reduction.
+at::Tensor finish(const CallArgs& call, const at::Tensor& out2d) {
+  return out2d.to(call.out_dtype).view(call.out_shape);
+}
+
+// The rank's [M, N] partial of a quantized call: dequantized to fp32 before any exchange.
+at::Tensor quantized_partial(const CallArgs& call, bool add_bias) {
+  auto out = at::empty({call.m, call.n}, call.b.options().dtype(at::kFloat));
+  dequantized_product(call, 0, call.m, add_bias, out);
+  return out;
+}
 
 }  // namespace
 
 at::Tensor run_local(const CallArgs& call) {
+  if (is_quantized(call)) return finish(call, quantized_partial(call, /*add_bias=*/true));
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/true);
   auto out = at::empty({call.m, call.n}, call.b.options());
   gemm.compute(0, call.m, 0, call.n, out);
@@ -35,6 +48,7 @@ int64_t sequential_partial_calls() { return partials_computed.load(std::memory_o
 
 at::Tensor sequential_partial(const CallArgs& call, int rank) {
   partials_computed.fetch_add(1, std::memory_order_relaxed);
+  if (is_quantized(call)) return quantized_partial(call, /*add_bias=*/rank == 0);
   LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/rank == 0);
   auto out = at::empty({call.m, call.n}, call.b.options());
   gemm.compute(0, call.m, 0, call.n, out);
@@ -58,14 +72,21 @@ at::Tensor run_sequential(const CallArgs& call, c10d::ProcessGroup& group) {
 }
 
 at::Tensor run_chunked(const CallArgs& call, c10d::ProcessGroup& group, int64_t chunks) {
-  LocalGemm gemm(call.a2d, call.b, call.bias, /*add_bias=*/group.getRank() == 0);
-  auto out = at::empty({call.m, call.n}, call.b.options());
+  const bool quantized = is_quantized(call);
+  const bool add_bias = group.getRank() == 0;
+  std::optional<LocalGemm> gemm;
+  if (!quantized) gemm.emplace(call.a2d, call.b, call.bias, add_bias);
+  auto out = at::empty({call.m, call.n}, call.b.options().dtype(quantized ? at::kFloat : call.dtype));
   const int64_t rows_per_chunk = std::max<int64_t>(1, (call.m + chunks - 1) / std::max<int64_t>(chunks, 1));
   std::vector<c10::intrusive_ptr<c10d::Work>> in_flight;
   for (int64_t row0 = 0; row0 < call.m; row0 += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, call.m - row0);
     auto slice = out.narrow(0, row0, rows);  // contiguous: whole rows of a row-major buffer
-    gemm.compute(row0, rows, 0, call.n, slice);
+    if (quantized) {
+      dequantized_product(call, row0, rows, add_bias, slice);
+    } else {
+      gemm->compute(row0, rows, 0, call.n, slice);
+    }
     if (slice.numel() > 0) in_flight.push_back(start_allreduce(group, slice));
   }
   for (auto& work : in_flight) work->wait(wait_timeout());

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "common/current_op.h"
+#include "common/quantization.h"
 #include "common/settings.h"
 
 namespace gemm_ar {
@@ -18,7 +19,8 @@ const char* const kFieldNames[kSigComparedFields] = {"error",
                                                      "M",
                                                      "K",
                                                      "N",
-                                                     "dtype",
+                                                     "dtype (with the quantization: scheme, scale kinds, "
+                                                     "out_dtype)",
                                                      "bias",
                                                      "algorithm",
                                                      "tile rows (TORCH_GEMM_AR_CPU_TILE or the CPU engine's "
@@ -70,7 +72,7 @@ std::string field_value(int64_t field, int64_t value, int64_t op) {
     return "dim " + std::to_string(value % kShardRowsUnit) + " with " + std::to_string(value / kShardRowsUnit) +
            " rows per chunk";
   }
-  if (field == kSigDtype) return c10::toString(static_cast<at::ScalarType>(value));
+  if (field == kSigDtype) return numeric_format_name(value);
   if (field == kSigBias) return value ? "given" : "None";
   if (field == kSigAlgorithm) return algorithm_name(static_cast<Algorithm>(value));
   if (field == kSigOp) return op_kind_name(value);
@@ -89,7 +91,7 @@ CallSignature call_signature(const CallArgs& call, Algorithm chosen) {
   s[kSigM] = call.m;
   s[kSigK] = call.k;
   s[kSigN] = call.n;
-  s[kSigDtype] = static_cast<int64_t>(call.dtype);
+  s[kSigDtype] = numeric_format(call);
   s[kSigBias] = call.bias.has_value() ? 1 : 0;
   s[kSigAlgorithm] = static_cast<int64_t>(chosen);
   s[kSigOp] = call.op;
@@ -212,12 +214,22 @@ std::vector<CallSignature> exchange_cpu_buffer(c10d::ProcessGroup& group, const 
 }  // namespace
 
 bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, const CallArgs& mine) {
-  const auto not_an_argument = [](int64_t code) { return code == kFusedUnavailableError || code == kTuningClockError; };
+  const auto not_an_argument = [](int64_t code) {
+    return code == kFusedUnavailableError || code == kTuningClockError || code == kQuantizedUnavailableError;
+  };
   if (mine.error_code != 0) return !not_an_argument(mine.error_code);  // this rank's own message is raised
   for (const auto& s : all) {
     if (not_an_argument(s[kSigError])) return false;
   }
   return true;
+}
+
+bool agreement_problem_is_not_implemented(const std::vector<CallSignature>& all, const CallArgs& mine) {
+  if (mine.error_code != 0) return mine.error_code == kQuantizedUnavailableError;
+  for (const auto& s : all) {
+    if (s[kSigError] == kQuantizedUnavailableError) return true;
+  }
+  return false;
 }
 
 int64_t agreement_payload_calls() { return payload_calls.load(std::memory_order_relaxed); }
@@ -237,6 +249,7 @@ std::vector<CallSignature> check_ranks_agree(c10d::ProcessGroup& group, const Ca
   }
   if (problem.empty()) return all;
   if (agreement_problem_is_value_error(all, call)) TORCH_CHECK_VALUE(false, problem);
+  TORCH_CHECK_NOT_IMPLEMENTED(!agreement_problem_is_not_implemented(all, call), problem);
   TORCH_CHECK(false, problem);
   return all;
 }

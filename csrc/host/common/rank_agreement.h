@@ -17,7 +17,7 @@ enum SignatureField : int64_t {
   kSigM,
   kSigK,
   kSigN,
-  kSigDtype,
+  kSigDtype,  // a's dtype; for a quantized call with the scheme, scale kinds and out dtype (common/quantization.h)
   kSigBias,
   kSigAlgorithm,
   kSigTileM,
@@ -57,6 +57,8 @@ std::string diagnose_signatures(const std::vector<CallSignature>& all, int rank,
 // Whether diagnose_signatures' problem is a bad argument or a disagreement (ValueError) rather than a failure that
 // is not the caller's input, on this rank or another (RuntimeError: fused unavailable, a tuning clock unreadable).
 bool agreement_problem_is_value_error(const std::vector<CallSignature>& all, const CallArgs& mine);
+// Whether it is a feature a rank's backend lacks (quantized arguments on the NPU): NotImplementedError.
+bool agreement_problem_is_not_implemented(const std::vector<CallSignature>& all, const CallArgs& mine);
 
 // Exchanges signatures with one small all_reduce on `group` (bounded by TORCH_GEMM_AR_TIMEOUT_S) and throws the
 // diagnosis, if any, on every rank. Returns every rank's signature.

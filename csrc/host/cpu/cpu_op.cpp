@@ -68,6 +68,7 @@ BackendHooks make_cpu_backend() {
       },
       /*measured_auto=*/true,
   };
+  hooks.quantized = true;
   hooks.start_device_clock = &start_deferred_host_clock;
   // The engine agrees through its windows, which carry no data: a small sequential call then computes once, after.
   hooks.agreement_carries_payload = [](c10d::ProcessGroup& group) { return !engine_of_this_call(group).has_windows(); };
@@ -125,11 +126,14 @@ void with_call_engine(std::string_view op_name, std::string_view name, const std
 namespace {
 
 at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::string_view group_name,
-                              const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+                              const std::optional<at::Tensor>& bias, c10::string_view algorithm,
+                              const std::optional<at::Tensor>& a_scale, const std::optional<at::Tensor>& b_scale,
+                              std::optional<at::ScalarType> out_dtype) {
   const std::string_view name(group_name.data(), group_name.size());
   at::Tensor out;
   with_call_engine("gemm_allreduce", name, [&] {
-    out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend());
+    out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
+                             {}, "gemm_allreduce", QuantInputs{a_scale, b_scale, out_dtype});
   });
   return out;
 }

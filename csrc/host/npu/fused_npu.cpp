@@ -461,6 +461,7 @@ std::vector<CallSignature> agree_fused(const CallArgs& call, Algorithm chosen, c
   });
   if (call.error.empty()) return {};  // M = 0: nothing to compute; a peer with M > 0 gets the mismatch
   // Raised right here; the kernel's record of this rank's own rejection is not raised again (KernelErrorWatch).
+  TORCH_CHECK_NOT_IMPLEMENTED(!agreement_problem_is_not_implemented({}, call), call.error);
   if (!agreement_problem_is_value_error({}, call)) TORCH_CHECK(false, call.error);
   TORCH_CHECK_VALUE(false, call.error);
   return {};  // not reached
