@@ -17,12 +17,12 @@ at::Tensor call_below_autograd(const at::Tensor& a, const at::Tensor& b, c10::st
                                const std::optional<at::Tensor>& bias, c10::string_view algorithm,
                                const std::optional<at::Tensor>& a_scale, const std::optional<at::Tensor>& b_scale,
                                std::optional<at::ScalarType> out_dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pto::gemm_allreduce", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view,
-                                         const std::optional<at::Tensor>&, c10::string_view,
-                                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                         std::optional<at::ScalarType>)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pto::gemm_allreduce", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view, const std::optional<at::Tensor>&,
+                            c10::string_view, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            std::optional<at::ScalarType>)>();
   at::AutoDispatchBelowADInplaceOrView guard;
   return op.call(a, b, group_name, bias, algorithm, a_scale, b_scale, out_dtype);
 }

@@ -182,8 +182,8 @@ std::vector<Algorithm> candidates_for(const CallArgs& call, bool fused_available
 FastKey bucket_of(const std::string& group_name, int64_t op, int64_t world, int64_t m, int64_t k, int64_t n,
                   int64_t format, bool bias, c10::DeviceType device, bool fused_available) {
   return FastKey{group_name,
-                 {op, world, next_power_of_two(m), k, n, format, bias ? 1 : 0,
-                  static_cast<int64_t>(device), fused_available ? 1 : 0}};
+                 {op, world, next_power_of_two(m), k, n, format, bias ? 1 : 0, static_cast<int64_t>(device),
+                  fused_available ? 1 : 0}};
 }
 
 FastKey fast_key(const CallArgs& call, c10d::ProcessGroup& group, const at::Device& device, bool fused_available) {

@@ -45,6 +45,13 @@ std::optional<ArgumentProblem> check_scale_tensor(const at::Tensor& scale, const
   return std::nullopt;
 }
 
+// An operand the int8 kernels read correctly: a fresh row-major copy where a dim has size 1 (torch._int_mm read a
+// [1, N] view with strides (1, 1) wrongly, and `contiguous()` returns such views unchanged), else `t` itself, whose
+// strides the kernels take as they are (b = w.t() is not copied).
+at::Tensor plain_strides(const at::Tensor& t) {
+  return t.size(0) == 1 || t.size(1) == 1 ? t.clone(at::MemoryFormat::Contiguous) : t;
+}
+
 }  // namespace
 
 bool quantization_requested(const at::Tensor& a, const at::Tensor& b, const QuantInputs& inputs) {
@@ -69,13 +76,16 @@ std::optional<ArgumentProblem> check_quantization(const at::Tensor& a, const at:
       return ArgumentProblem{kBadAScaleError, "a_scale is only for int8 a and b (W8A8); " + dtypes};
     }
     if (has_b_scale) return ArgumentProblem{kBadBScaleError, "b_scale is only for int8 b (W8A8, W8A16); " + dtypes};
-    return ArgumentProblem{kBadOutDtypeError, "out_dtype is only for quantized calls (int8 b); a plain call returns "
-                                              "a's dtype " + dtype_name(a.scalar_type()) + ", got out_dtype=" +
-                                                  dtype_name(*inputs.out_dtype)};
+    return ArgumentProblem{kBadOutDtypeError,
+                           "out_dtype is only for quantized calls (int8 b); a plain call returns "
+                           "a's dtype " +
+                               dtype_name(a.scalar_type()) + ", got out_dtype=" + dtype_name(*inputs.out_dtype)};
   }
   if (!a_int8 && !float_dtype(a.scalar_type())) {
-    return ArgumentProblem{kQuantizedDtypesError, "b is int8, so a must be int8 (W8A8) or float32, bfloat16 or "
-                                                  "float16 (W8A16); got a " + dtype_name(a.scalar_type())};
+    return ArgumentProblem{kQuantizedDtypesError,
+                           "b is int8, so a must be int8 (W8A8) or float32, bfloat16 or "
+                           "float16 (W8A16); got a " +
+                               dtype_name(a.scalar_type())};
   }
   quant.scheme = a_int8 ? QuantScheme::kW8A8 : QuantScheme::kW8A16;
   const int64_t n = b.size(1);
@@ -116,8 +126,8 @@ std::optional<ArgumentProblem> check_quantization(const at::Tensor& a, const at:
     }
     quant.a_scale = a_scale.reshape({-1});
   } else if (has_a_scale) {
-    return ArgumentProblem{kBadAScaleError, "a_scale is only for int8 a (W8A8); a is " +
-                                                dtype_name(a.scalar_type()) + " (W8A16 takes b_scale only)"};
+    return ArgumentProblem{kBadAScaleError, "a_scale is only for int8 a (W8A8); a is " + dtype_name(a.scalar_type()) +
+                                                " (W8A16 takes b_scale only)"};
   }
   out_dtype = inputs.out_dtype.value_or(a_int8 ? at::kBFloat16 : a.scalar_type());
   if (!float_dtype(out_dtype)) {
@@ -160,7 +170,8 @@ void dequantized_product(const CallArgs& call, int64_t row0, int64_t rows, bool 
   if (call.k == 0) {
     out.zero_();
   } else if (q.scheme == QuantScheme::kW8A8) {
-    at::Tensor acc = at::_int_mm(call.a2d.narrow(0, row0, rows).contiguous(), call.b);  // int32, exact
+    at::Tensor a_rows = plain_strides(call.a2d.narrow(0, row0, rows).contiguous());
+    at::Tensor acc = at::_int_mm(a_rows, plain_strides(call.b));  // int32, exact
     out.copy_(acc);
     // a_scale * acc * b_scale, in this order (the op's formula, docs/usage.md).
     out.mul_(q.a_scale_kind == ScaleKind::kPerRow ? q.a_scale.narrow(0, row0, rows).unsqueeze(1) : q.a_scale);
@@ -168,8 +179,8 @@ void dequantized_product(const CallArgs& call, int64_t row0, int64_t rows, bool 
   } else {
     // The int8 kernel in fp32 only: fp32 partials before the reduction, and its half-precision kernels are not
     // used at odd shapes (docs/decisions/0020-quantized-ops.md).
-    at::Tensor a_rows = call.a2d.narrow(0, row0, rows).to(at::kFloat).contiguous();
-    at::Tensor b_rows_by_n = call.b.t().contiguous();  // [N, K]: a view for b = w.t() of a [N, K] weight
+    at::Tensor a_rows = plain_strides(call.a2d.narrow(0, row0, rows).to(at::kFloat).contiguous());
+    at::Tensor b_rows_by_n = plain_strides(call.b.t().contiguous());  // [N, K]: a view for b = w.t() of a [N, K] weight
     at::Tensor scales = q.b_scale.expand({call.n}).contiguous();
     out.copy_(at::_weight_int8pack_mm(a_rows, b_rows_by_n, scales));
   }

@@ -132,8 +132,8 @@ at::Tensor gemm_allreduce_cpu(const at::Tensor& a, const at::Tensor& b, c10::str
   const std::string_view name(group_name.data(), group_name.size());
   at::Tensor out;
   with_call_engine("gemm_allreduce", name, [&] {
-    out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
-                             {}, "gemm_allreduce", QuantInputs{a_scale, b_scale, out_dtype});
+    out = run_gemm_allreduce(a, b, name, bias, std::string_view(algorithm.data(), algorithm.size()), cpu_backend(), {},
+                             "gemm_allreduce", QuantInputs{a_scale, b_scale, out_dtype});
   });
   return out;
 }
