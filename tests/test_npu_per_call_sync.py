@@ -81,6 +81,13 @@ ALLOWED_PROJECT_CALLS = {
     "gemm_ar::agreement_problem_is_value_error": "pure: classifies error codes (rank_agreement.cpp)",
     "gemm_ar::signature_field_name": "pure: a table lookup (rank_agreement.cpp)",
     "gemm_ar::kTuneStepFieldName": "a string constant (rank_agreement.cpp)",
+    "gemm_ar::agreement_problem_is_not_implemented": "pure: classifies error codes (rank_agreement.cpp)",
+    # Quantized calls (quantization.cpp): the checks read the tensors' metadata only (dtype, shape, device).
+    "gemm_ar::quantization_requested": "pure: reads dtypes and which arguments are given",
+    "gemm_ar::check_quantization": "reads the scales' metadata (dtype, shape, device), never their data",
+    "gemm_ar::is_quantized": "pure: reads a field",
+    "gemm_ar::numeric_format": "pure: packs fields into one word",
+    "gemm_ar::numeric_format_name[abi:cxx11]": "pure: formats a word (auto's tuning calls and error messages)",
     "gemm_ar::npu::start_npu_clock": "auto's tuning calls only (a bucket's first few calls): records a timing event",
     "gemm_ar::npu::npu_stream_capturing": "a capture-status query (no device wait)",
     "gemm_ar::monotonic_us": "auto's tuning calls: clock_gettime(CLOCK_MONOTONIC) on the host (host_clock.cpp)",
