@@ -6,10 +6,12 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import torch_gemm_ar
 from expect import raises
 from inputs import ODD_SHAPES, digest
+from scoped_env import scoped_env
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Half a unit in the last place, relative: the result is the fp32 sum rounded once to its dtype.
@@ -81,20 +83,36 @@ def assert_close_to_dequantized(out, ref, magnitude, dtype, k, world, what):
                                         f"{float(bound.flatten()[worst]):.4g}")
 
 
-def check_cases(rank, world, seed, algorithm, scheme, a_dtype):
+def portable_group(world):
+    """A fresh group whose CPU engine is off (read when the group's engine is set up), as on ranks spread over hosts:
+    the ranks agree over the process group, where a small sequential call's partial rides on the exchange."""
+    with scoped_env(TORCH_GEMM_AR_CPU_ENGINE="0"):
+        group = dist.new_group(list(range(world)))
+        torch_gemm_ar.gemm_allreduce(torch.ones(1, 1), torch.ones(1, 1), group, algorithm="sequential")
+    return group
+
+
+def check_cases(rank, world, seed, algorithm, scheme, a_dtype, portable=False):
     digests = []
+    group = portable_group(world) if portable else None
     products = torch_gemm_ar._C._dequantized_product_calls()
+    carried = torch_gemm_ar._C._agreement_payload_calls()
     for case, (m, k, n) in enumerate(ODD_SHAPES):
         out_dtype = [None, *OUT_DTYPES][case % 4]
         options = dict(per_row_a=case % 2 == 0, per_row_b=case % 3 != 2, three_d=case % 4 == 1 and m % 2 == 0,
                        transposed=case % 3 != 1, with_bias=case % 2 == 1 or case == 0, out_dtype=out_dtype)
         a, b, kwargs, ref, magnitude, dtype = case_inputs(seed + case, rank, world, m, k, n, scheme, a_dtype,
                                                           **options)
-        out = torch_gemm_ar.gemm_allreduce(a, b, algorithm=algorithm, **kwargs)
-        what = f"{scheme} a={a_dtype} {algorithm} M={m} K={k} N={n} {options} rank={rank} seed={seed + case}"
+        out = torch_gemm_ar.gemm_allreduce(a, b, group, algorithm=algorithm, **kwargs)
+        what = (f"{scheme} a={a_dtype} {algorithm} portable={portable} M={m} K={k} N={n} {options} rank={rank} "
+                f"seed={seed + case}")
         assert_close_to_dequantized(out, ref, magnitude, dtype, k, world, what)
         digests.append(digest(out))
     assert torch_gemm_ar._C._dequantized_product_calls() > products, "the dequantized product never ran"
+    if portable and algorithm == "sequential":  # (1, 1, 1) and the other small outputs fit the exchange's slots
+        assert torch_gemm_ar._C._agreement_payload_calls() > carried, "no quantized result rode on the agreement"
+    if portable:
+        dist.destroy_process_group(group)
     return digests
 
 
@@ -104,6 +122,13 @@ def check_cases(rank, world, seed, algorithm, scheme, a_dtype):
                                              ("w8a16", torch.bfloat16), ("w8a16", torch.float16)], ids=str)
 def test_matches_float64_dequantized_reference(ranks, world, algorithm, scheme, a_dtype):
     digests = ranks(world).run(check_cases, random.randrange(1 << 30), algorithm, scheme, a_dtype)
+    assert all(d == digests[0] for d in digests), "ranks returned different tensors"
+
+
+@pytest.mark.parametrize("algorithm", ["sequential", "chunked"])
+@pytest.mark.parametrize("scheme,a_dtype", [("w8a8", torch.int8), ("w8a16", torch.bfloat16)], ids=str)
+def test_matches_over_the_process_group(ranks, algorithm, scheme, a_dtype):
+    digests = ranks(3).run(check_cases, random.randrange(1 << 30), algorithm, scheme, a_dtype, True)
     assert all(d == digests[0] for d in digests), "ranks returned different tensors"
 
 
@@ -179,7 +204,8 @@ ONE_RANK_CASES = {
 }
 
 
-def one_rank_bad(rank, world, case, algorithm):
+def one_rank_bad(rank, world, case, algorithm, portable=False):
+    group = portable_group(world) if portable else None
     a, b = torch.ones(6, 5, dtype=torch.int8), torch.ones(5, 3, dtype=torch.int8)
     kwargs = dict(a_scale=torch.ones(6), b_scale=torch.ones(3), algorithm=algorithm)
     if rank == 1:
@@ -201,7 +227,7 @@ def one_rank_bad(rank, world, case, algorithm):
             a = torch.ones(6, 5, dtype=torch.bfloat16)
             del kwargs["a_scale"]
     with pytest.raises(ValueError) as info:
-        torch_gemm_ar.gemm_allreduce(a, b, **kwargs)
+        torch_gemm_ar.gemm_allreduce(a, b, group, **kwargs)
     message = str(info.value)
     own, others = ONE_RANK_CASES[case]
     if rank == 1 or own == others:
@@ -209,17 +235,22 @@ def one_rank_bad(rank, world, case, algorithm):
     else:
         assert others in message and "rank 1" in message, message
     # The group is still usable afterwards, with the same algorithm.
-    out = torch_gemm_ar.gemm_allreduce(torch.ones(2, 5, dtype=torch.int8), torch.ones(5, 3, dtype=torch.int8),
+    out = torch_gemm_ar.gemm_allreduce(torch.ones(2, 5, dtype=torch.int8), torch.ones(5, 3, dtype=torch.int8), group,
                                        a_scale=torch.ones(2), b_scale=torch.full((3,), 0.5), algorithm=algorithm,
                                        out_dtype=torch.float32)
     torch.testing.assert_close(out, torch.full((2, 3), 2.5 * world))
+    if portable:
+        dist.destroy_process_group(group)
     return message
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["engine-windows", "process-group"])
 @pytest.mark.parametrize("algorithm", ["sequential", "auto"])
 @pytest.mark.parametrize("case", list(ONE_RANK_CASES))
-def test_one_rank_bad_raises_everywhere(ranks, case, algorithm):
-    messages = ranks(3).run(one_rank_bad, case, algorithm, timeout_s=60)
+def test_one_rank_bad_raises_everywhere(ranks, case, algorithm, portable):
+    """Through both channels of the agreement: the CPU engine's window headers (ranks on one host) and the exchange
+    over the process group (the engine off, as across hosts)."""
+    messages = ranks(3).run(one_rank_bad, case, algorithm, portable, timeout_s=60)
     assert all(messages), messages
 
 
