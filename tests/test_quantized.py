@@ -70,12 +70,12 @@ def case_inputs(seed, rank, world, m, k, n, scheme, a_dtype, per_row_a, per_row_
     return a, b, kwargs, ref.reshape(*lead, n), sum(magnitudes).reshape(*lead, n), result_dtype
 
 
-def assert_close_to_dequantized(out, ref, magnitude, dtype, k, world, what):
+def assert_close_to_dequantized(out, ref, magnitude, dtype, k, world, what, extra=0.0):
     """The fp32 partials (int32 products converted once for W8A8; an fp32 GEMM over K for W8A16) and the fp32 sum
     over `world` ranks err by at most a few fp32 units of the sum of magnitudes; the result's own rounding by half a
-    unit of its dtype."""
+    unit of its dtype. `extra`: an earlier rounding's bound (elementwise), added."""
     assert out.dtype == dtype and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
-    bound = HALF_ULP[dtype] * ref.abs() + 2.0 ** -22 * (k + world + 2) * magnitude + 1e-30
+    bound = HALF_ULP[dtype] * ref.abs() + 2.0 ** -22 * (k + world + 2) * magnitude + extra + 1e-30
     err = (out.double() - ref).abs()
     worst = int(torch.argmax(err - bound))
     assert bool((err <= bound).all()), (f"{what}: {int((err > bound).sum())} elements over the bound; worst at flat "
@@ -313,3 +313,90 @@ def compiled(rank, world, seed):
 def test_compiles_without_graph_break(ranks):
     digests = ranks(2).run(compiled, random.randrange(1 << 30))
     assert digests[0] == digests[1]
+
+
+def add_rmsnorm_cases(rank, world, seed, algorithm, scheme, a_dtype, in_place):
+    """gemm_allreduce_add_rmsnorm(_) with quantized inputs: `out` against the float64 sum (rounded to the out dtype
+    after the reduction, then again after the residual add), `normed` against RMSNorm of the returned `out`."""
+    digests = []
+    for case, (m, k, n) in enumerate([(7, 33, 65), (1, 1, 1), (129, 300, 777), (12, 5, 3)]):
+        out_dtype = [None, *OUT_DTYPES][case % 4]
+        options = dict(per_row_a=case % 2 == 0, per_row_b=case % 3 != 2, three_d=case == 3,
+                       transposed=case % 2 == 0, with_bias=case % 2 == 1, out_dtype=out_dtype)
+        a, b, kwargs, ref, magnitude, dtype = case_inputs(seed + case, rank, world, m, k, n, scheme, a_dtype,
+                                                          **options)
+        g = generator(seed + case, 0, 11)
+        residual = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(dtype)
+        weight = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+        if in_place:
+            out = residual.clone()
+            normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm_(a, b, out, weight, eps=1e-5, algorithm=algorithm,
+                                                              **kwargs)
+        else:
+            out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, residual, weight, eps=1e-5,
+                                                                   algorithm=algorithm, **kwargs)
+        what = f"add_rmsnorm {scheme} a={a_dtype} {algorithm} in_place={in_place} M={m} K={k} N={n} {options}"
+        # The reduced sum is rounded to the out dtype once (half a unit of |ref|), then out = round(that + residual).
+        assert_close_to_dequantized(out, ref + residual.double(), magnitude, dtype, k, world, what + " out",
+                                    extra=HALF_ULP[dtype] * ref.abs())
+        x = out.double()
+        normed_ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+        tol = 4 * HALF_ULP[dtype]
+        assert normed.dtype == dtype
+        torch.testing.assert_close(normed.double(), normed_ref, rtol=tol, atol=tol, msg=lambda s: f"{what} normed: {s}")
+        digests.append(digest(out) + digest(normed))
+    return digests
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize("algorithm", ["sequential", "auto"])
+@pytest.mark.parametrize("scheme,a_dtype", [("w8a8", torch.int8), ("w8a16", torch.bfloat16)], ids=str)
+def test_add_rmsnorm_matches_float64(ranks, algorithm, scheme, a_dtype, in_place):
+    digests = ranks(3).run(add_rmsnorm_cases, random.randrange(1 << 30), algorithm, scheme, a_dtype, in_place)
+    assert all(d == digests[0] for d in digests), "ranks returned different tensors"
+
+
+def add_rmsnorm_bad(rank, world):
+    a, b = torch.ones(6, 5, dtype=torch.int8), torch.ones(5, 3, dtype=torch.int8)
+    scales = dict(a_scale=torch.ones(6), b_scale=torch.ones(3))
+    residual, weight = torch.ones(6, 3, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)
+    op = torch_gemm_ar.gemm_allreduce_add_rmsnorm
+    raises(lambda: op(a, b, residual.float(), weight, **scales), "residual must have the dtype of the result",
+           exc=ValueError)
+    raises(lambda: op(a, b, residual, weight, b_scale=scales["b_scale"]), "a_scale is required", exc=ValueError)
+    if rank == 1:  # one rank alone without b_scale: every rank raises, naming it
+        scales = dict(a_scale=scales["a_scale"])
+    raises(lambda: op(a, b, residual, weight, **scales), "b_scale", exc=ValueError)
+    out, normed = op(a, b, residual, weight, a_scale=torch.ones(6), b_scale=torch.ones(3))
+    torch.testing.assert_close(out, torch.full((6, 3), 5.0 * world + 1, dtype=torch.bfloat16))
+
+
+def test_add_rmsnorm_bad_arguments_raise_everywhere(ranks):
+    ranks(3).run(add_rmsnorm_bad, timeout_s=60)
+
+
+def add_rmsnorm_w8a16_gradient(rank, world, seed):
+    """W8A16 gradients of gemm_allreduce_add_rmsnorm against float64 autograd of the same formula (own a varies,
+    the peers' partials are constants)."""
+    m, k, n = 9, 21, 6
+    shards = [torch.randn(m, k, generator=generator(seed, r, 12), dtype=torch.float64).float() for r in range(world)]
+    b = torch.randint(-127, 128, (n, k), generator=generator(seed, 0, 13), dtype=torch.int8).t()
+    b_scale = scales(seed, 0, (n,), 14)
+    residual = torch.randn(m, n, generator=generator(seed, 0, 15), dtype=torch.float64).float()
+    weight = (torch.rand(n, generator=generator(seed, 0, 16), dtype=torch.float64) + 0.5).float()
+    g_out, g_normed = (torch.randn(m, n, generator=generator(seed, 0, w), dtype=torch.float64) for w in (17, 18))
+    a = shards[rank].clone().requires_grad_()
+    res = residual.clone().requires_grad_()
+    out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(a, b, res, weight, b_scale=b_scale, eps=1e-5)
+    torch.autograd.backward([out, normed], [g_out.float(), g_normed.float()])
+    a64 = shards[rank].double().requires_grad_()
+    b_deq = b.double() * b_scale.double()
+    total = sum((a64 if r == rank else shards[r].double()) @ b_deq for r in range(world)) + residual.double()
+    normed64 = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.autograd.backward([total, normed64], [g_out, g_normed])
+    torch.testing.assert_close(a.grad.double(), a64.grad, rtol=1e-4, atol=1e-4)
+    assert res.grad is not None
+
+
+def test_add_rmsnorm_w8a16_gradient(ranks):
+    ranks(2).run(add_rmsnorm_w8a16_gradient, random.randrange(1 << 30))

@@ -93,16 +93,21 @@ def gemm_allreduce_add_rmsnorm(
     eps: float = 1e-6,
     bias: Optional[torch.Tensor] = None,
     algorithm: str = "auto",
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """gemm_allreduce followed by the residual add and the next RMSNorm of a transformer block: returns
     `(out, normed)` with `out = all_reduce_sum(a @ b) + bias + residual` (the new residual stream) and
     `normed = out * rsqrt(mean(out**2, -1) + eps) * norm_weight` (the next block's input), both the same on every
     rank. residual: a.shape[:-1] + [N]; norm_weight: [N]; both of a's dtype and device. The norm's statistics are
     computed in fp32 (fp64 for float64). Backward needs no communication, as for gemm_allreduce.
+    a_scale, b_scale, out_dtype: quantized inputs (W8A8, W8A16), as for gemm_allreduce; residual and norm_weight then
+    have the out dtype.
     """
     return torch.ops.pto.gemm_allreduce_add_rmsnorm(
         a, b, residual, norm_weight, group_name_of(group, "gemm_allreduce_add_rmsnorm"), eps=eps, bias=bias,
-        algorithm=algorithm,
+        algorithm=algorithm, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
     )
 
 
@@ -116,15 +121,19 @@ def gemm_allreduce_add_rmsnorm_(
     eps: float = 1e-6,
     bias: Optional[torch.Tensor] = None,
     algorithm: str = "auto",
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """In-place gemm_allreduce_add_rmsnorm: writes the new residual stream `all_reduce_sum(a @ b) + bias + residual`
     into `residual` and returns `normed`. Bitwise the same results as the out-of-place op. On the CPU engine the
     reduced sum is added straight into `residual` while it is reduced and copied out, so no separate output is
     written and read back. `residual` must not overlap a, b, norm_weight or bias. Inference only: there is no
-    backward (use gemm_allreduce_add_rmsnorm to train).
+    backward (use gemm_allreduce_add_rmsnorm to train). a_scale, b_scale, out_dtype: as for
+    gemm_allreduce_add_rmsnorm.
     """
     if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (a, b, residual, norm_weight, bias)
+        t is not None and t.requires_grad for t in (a, b, residual, norm_weight, bias, a_scale, b_scale)
     ):
         raise RuntimeError(
             "gemm_allreduce_add_rmsnorm_: writes into residual and has no backward; an input requires grad "
@@ -132,6 +141,6 @@ def gemm_allreduce_add_rmsnorm_(
         )
     return torch.ops.pto.gemm_allreduce_add_rmsnorm_(
         a, b, residual, norm_weight, group_name_of(group, "gemm_allreduce_add_rmsnorm_"), eps=eps, bias=bias,
-        algorithm=algorithm,
+        algorithm=algorithm, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
     )
 

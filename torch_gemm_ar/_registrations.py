@@ -85,8 +85,9 @@ def _allgather_gemm_fake(a, b, group_name, *, gather_dim=0, bias=None, return_ga
 
 @torch.library.register_fake("pto::gemm_allreduce_add_rmsnorm")
 def _gemm_allreduce_add_rmsnorm_fake(a, b, residual, norm_weight, group_name, *, eps=1e-6, bias=None,
-                                     algorithm="auto"):
-    out = _gemm_allreduce_fake(a, b, group_name, bias=bias, algorithm=algorithm)
+                                     algorithm="auto", a_scale=None, b_scale=None, out_dtype=None):
+    out = _gemm_allreduce_fake(a, b, group_name, bias=bias, algorithm=algorithm, a_scale=a_scale, b_scale=b_scale,
+                               out_dtype=out_dtype)
     torch._check(
         tuple(residual.shape) == tuple(out.shape),
         lambda: f"gemm_allreduce_add_rmsnorm: residual must have shape {tuple(out.shape)}; got {tuple(residual.shape)}",
@@ -101,16 +102,17 @@ def _gemm_allreduce_add_rmsnorm_fake(a, b, residual, norm_weight, group_name, *,
         f"got residual on {residual.device}, norm_weight on {norm_weight.device}",
     )
     torch._check(
-        residual.dtype == a.dtype and norm_weight.dtype == a.dtype,
-        lambda: "gemm_allreduce_add_rmsnorm: residual and norm_weight must have the dtype of a",
+        residual.dtype == out.dtype and norm_weight.dtype == out.dtype,
+        lambda: "gemm_allreduce_add_rmsnorm: residual and norm_weight must have the dtype of the result",
     )
     return out, out.new_empty(out.shape)
 
 
 @torch.library.register_fake("pto::gemm_allreduce_add_rmsnorm_")
 def _gemm_allreduce_add_rmsnorm_inplace_fake(a, b, residual, norm_weight, group_name, *, eps=1e-6, bias=None,
-                                             algorithm="auto"):
+                                             algorithm="auto", a_scale=None, b_scale=None, out_dtype=None):
     out, normed = _gemm_allreduce_add_rmsnorm_fake(a, b, residual, norm_weight, group_name, eps=eps, bias=bias,
-                                                   algorithm=algorithm)
+                                                   algorithm=algorithm, a_scale=a_scale, b_scale=b_scale,
+                                                   out_dtype=out_dtype)
     return normed
 

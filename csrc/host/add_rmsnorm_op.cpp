@@ -20,7 +20,9 @@ using torch::autograd::variable_list;
 
 using OpSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                        const at::Tensor&, c10::string_view, double,
-                                                       const std::optional<at::Tensor>&, c10::string_view);
+                                                       const std::optional<at::Tensor>&, c10::string_view,
+                                                       const std::optional<at::Tensor>&,
+                                                       const std::optional<at::Tensor>&, std::optional<at::ScalarType>);
 
 const c10::TypedOperatorHandle<OpSignature>& out_of_place_op() {
   static const auto op =
@@ -28,24 +30,31 @@ const c10::TypedOperatorHandle<OpSignature>& out_of_place_op() {
   return op;
 }
 
-std::tuple<at::Tensor, at::Tensor> call_below_autograd(const at::Tensor& a, const at::Tensor& b,
-                                                       const at::Tensor& residual, const at::Tensor& norm_weight,
-                                                       c10::string_view group_name, double eps,
-                                                       const std::optional<at::Tensor>& bias,
-                                                       c10::string_view algorithm) {
+std::tuple<at::Tensor, at::Tensor> call_below_autograd(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm,
+    const std::optional<at::Tensor>& a_scale, const std::optional<at::Tensor>& b_scale,
+    std::optional<at::ScalarType> out_dtype) {
   at::AutoDispatchBelowADInplaceOrView guard;
-  return out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+  return out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm, a_scale, b_scale,
+                                out_dtype);
 }
 
 class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAllreduceAddRmsNormFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
                                const at::Tensor& residual, const at::Tensor& norm_weight, c10::string_view group_name,
-                               double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+                               double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm,
+                               const std::optional<at::Tensor>& a_scale, const std::optional<at::Tensor>& b_scale,
+                               std::optional<at::ScalarType> out_dtype) {
     const bool has_bias = bias.has_value() && bias->defined();
-    auto [out, normed] = call_below_autograd(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
-    // `out` is all the norm's backward needs (its statistics are recomputed from it, as in the forward).
-    ctx->save_for_backward({a, b, norm_weight, out});
+    auto [out, normed] =
+        call_below_autograd(a, b, residual, norm_weight, group_name, eps, bias, algorithm, a_scale, b_scale, out_dtype);
+    // `out` is all the norm's backward needs (its statistics are recomputed from it, as in the forward). W8A16
+    // differentiates with respect to a float a only, through b dequantized with b_scale (frozen weights:
+    // docs/decisions/0020-quantized-ops.md).
+    const bool w8a16 = b.scalar_type() == at::kChar && a.is_floating_point() && b_scale.has_value();
+    ctx->save_for_backward({a, b, norm_weight, out, w8a16 ? *b_scale : at::Tensor()});
     ctx->saved_data["has_bias"] = has_bias;
     ctx->saved_data["eps"] = eps;
     return {out, normed};
@@ -57,6 +66,7 @@ class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAll
     const at::Tensor& b = saved[1];
     const at::Tensor& weight = saved[2];
     const at::Tensor& out = saved[3];
+    const at::Tensor& b_scale = saved[4];
     const double eps = ctx->saved_data["eps"].toDouble();
     const int64_t n = out.size(-1);
     const auto acc = at::toOpMathType(out.scalar_type());  // fp32 for bf16/fp16, as in the forward statistics
@@ -76,21 +86,30 @@ class GemmAllreduceAddRmsNormFunction : public torch::autograd::Function<GemmAll
     at::Tensor grad_a, grad_b, grad_residual, grad_bias;
     if (grad_total.defined()) {
       const at::Tensor grad2d = grad_total.to(out.scalar_type());
-      if (ctx->needs_input_grad(0)) grad_a = at::matmul(grad2d, b.t()).reshape(a.sizes());
+      if (ctx->needs_input_grad(0) && b_scale.defined()) {  // W8A16: in fp32, rounded once to a's dtype
+        const at::Tensor b_dequantized = b.to(at::kFloat) * b_scale.reshape({-1}).to(at::kFloat);
+        grad_a = at::matmul(grad_total, b_dequantized.t()).to(a.scalar_type()).reshape(a.sizes());
+      } else if (ctx->needs_input_grad(0)) {
+        grad_a = at::matmul(grad2d, b.t()).reshape(a.sizes());
+      }
       if (ctx->needs_input_grad(1)) grad_b = grad_of_b(b, a.reshape({-1, a.size(-1)}), grad2d);
       if (ctx->needs_input_grad(2)) grad_residual = grad2d.reshape(out.sizes());
       // needs_input_grad counts tensor inputs only: a, b, residual, norm_weight, then bias when given.
       if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(4))
         grad_bias = grad_total.sum(0).to(out.scalar_type());
     }
-    return {grad_a, grad_b, grad_residual, grad_weight, at::Tensor(), at::Tensor(), grad_bias, at::Tensor()};
+    return {grad_a,    grad_b,       grad_residual, grad_weight,  at::Tensor(), at::Tensor(),
+            grad_bias, at::Tensor(), at::Tensor(),  at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_autograd(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
-    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
-  auto outputs = GemmAllreduceAddRmsNormFunction::apply(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm,
+    const std::optional<at::Tensor>& a_scale, const std::optional<at::Tensor>& b_scale,
+    std::optional<at::ScalarType> out_dtype) {
+  auto outputs = GemmAllreduceAddRmsNormFunction::apply(a, b, residual, norm_weight, group_name, eps, bias, algorithm,
+                                                        a_scale, b_scale, out_dtype);
   return {outputs[0], outputs[1]};
 }
 
@@ -99,8 +118,12 @@ std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_autograd(
 at::Tensor gemm_allreduce_add_rmsnorm_inplace_composite(const at::Tensor& a, const at::Tensor& b, at::Tensor& residual,
                                                         const at::Tensor& norm_weight, c10::string_view group_name,
                                                         double eps, const std::optional<at::Tensor>& bias,
-                                                        c10::string_view algorithm) {
-  auto [out, normed] = out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm);
+                                                        c10::string_view algorithm,
+                                                        const std::optional<at::Tensor>& a_scale,
+                                                        const std::optional<at::Tensor>& b_scale,
+                                                        std::optional<at::ScalarType> out_dtype) {
+  auto [out, normed] = out_of_place_op().call(a, b, residual, norm_weight, group_name, eps, bias, algorithm, a_scale,
+                                              b_scale, out_dtype);
   residual.copy_(out);
   return normed;
 }

@@ -17,7 +17,7 @@ struct OpDescription {
 
 // Sequence parallelism follows symm_mem's fused_matmul_reduce_scatter / fused_all_gather_matmul conventions: the
 // gathered input is an optional second output, as symm_mem's `return_A` (None unless return_gathered).
-// gemm_allreduce's a_scale, b_scale and out_dtype make it quantized (W8A8, W8A16; common/quantization.h).
+// a_scale, b_scale and out_dtype make a call quantized (W8A8, W8A16; common/quantization.h).
 // gemm_allreduce_add_rmsnorm_ writes the new residual stream into `residual` and returns normed (no backward).
 inline constexpr OpDescription kOps[] = {
     {"gemm_allreduce",
@@ -34,11 +34,13 @@ inline constexpr OpDescription kOps[] = {
      kOpAllgatherGemm},
     {"gemm_allreduce_add_rmsnorm",
      "gemm_allreduce_add_rmsnorm(Tensor a, Tensor b, Tensor residual, Tensor norm_weight, str group_name, *, "
-     "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> (Tensor, Tensor)",
+     "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\", Tensor? a_scale=None, Tensor? b_scale=None, "
+     "ScalarType? out_dtype=None) -> (Tensor, Tensor)",
      kOpGemmAllreduceAddRmsnorm},
     {"gemm_allreduce_add_rmsnorm_",
      "gemm_allreduce_add_rmsnorm_(Tensor a, Tensor b, Tensor(a!) residual, Tensor norm_weight, str group_name, *, "
-     "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\") -> Tensor",
+     "float eps=1e-6, Tensor? bias=None, str algorithm=\"auto\", Tensor? a_scale=None, Tensor? b_scale=None, "
+     "ScalarType? out_dtype=None) -> Tensor",
      kOpGemmAllreduceAddRmsnorm},
 };
 

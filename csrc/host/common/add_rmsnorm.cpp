@@ -190,14 +190,16 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
     call.error = call.op_name + ": " + message;
   };
   const at::Tensor& a = call.a2d;
-  const std::string dtype = c10::toString(call.dtype);
+  // Both have the result's dtype (a's, unless a quantized call's out_dtype says otherwise).
+  const std::string dtype = c10::toString(call.out_dtype);
+  const std::string of = call.out_dtype == call.dtype ? "a" : "the result (out_dtype)";
   if (!residual.defined()) return fail(kBadResidualError, "residual is undefined");
   if (residual.sizes() != at::IntArrayRef(call.out_shape)) {
     return fail(kBadResidualError, "residual must have shape a.shape[:-1] + [N] = " + shape_str(call.out_shape) +
                                        "; got " + shape_str(residual.sizes()));
   }
-  if (residual.scalar_type() != call.dtype) {
-    return fail(kBadResidualError, "residual must have the dtype of a (" + dtype + "); got " +
+  if (residual.scalar_type() != call.out_dtype) {
+    return fail(kBadResidualError, "residual must have the dtype of " + of + " (" + dtype + "); got " +
                                        std::string(c10::toString(residual.scalar_type())));
   }
   if (residual.device() != a.device()) {
@@ -209,8 +211,8 @@ void check_add_rmsnorm_args(CallArgs& call, const at::Tensor& residual, const at
     return fail(kBadNormWeightError, "norm_weight must be 1-D [N] with N=" + std::to_string(call.n) + "; got shape " +
                                          shape_str(norm_weight.sizes()));
   }
-  if (norm_weight.scalar_type() != call.dtype) {
-    return fail(kBadNormWeightError, "norm_weight must have the dtype of a (" + dtype + "); got " +
+  if (norm_weight.scalar_type() != call.out_dtype) {
+    return fail(kBadNormWeightError, "norm_weight must have the dtype of " + of + " (" + dtype + "); got " +
                                          std::string(c10::toString(norm_weight.scalar_type())));
   }
   if (norm_weight.device() != a.device()) {
@@ -281,13 +283,11 @@ using UnfusedAddRmsNorm = std::function<void(at::Tensor& out2d, const AddRmsNorm
 // The op's flow for every backend: gemm_allreduce with the epilogue inside the fused path when `fused` is given and
 // the call runs fused, else `unfused` after it. `in_place`: the new residual stream goes into `residual` (returned
 // as out), and `fused` adds into ops.residual2d itself.
-std::tuple<at::Tensor, at::Tensor> run_with_epilogue(const at::Tensor& a, const at::Tensor& b,
-                                                     const at::Tensor& residual, const at::Tensor& norm_weight,
-                                                     std::string_view group_name, double eps,
-                                                     const std::optional<at::Tensor>& bias, std::string_view algorithm,
-                                                     const BackendHooks& backend, const FusedAddRmsNorm& fused,
-                                                     const UnfusedAddRmsNorm& unfused,
-                                                     const OutputAllocator& allocate_normed, bool in_place) {
+std::tuple<at::Tensor, at::Tensor> run_with_epilogue(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedAddRmsNorm& fused, const UnfusedAddRmsNorm& unfused,
+    const OutputAllocator& allocate_normed, bool in_place, const QuantInputs& quant) {
   AddRmsNormOperands ops;
   ops.eps = eps;
   ops.in_place = in_place;
@@ -322,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor> run_with_epilogue(const at::Tensor& a, const 
         check_add_rmsnorm_args(call, residual, norm_weight, eps);
         if (in_place) check_in_place_residual(call, residual, a, b, norm_weight, bias);
       },
-      in_place ? "gemm_allreduce_add_rmsnorm_" : "gemm_allreduce_add_rmsnorm");
+      in_place ? "gemm_allreduce_add_rmsnorm_" : "gemm_allreduce_add_rmsnorm", quant);
   if (applied) return {in_place ? written_back(out) : out, ops.normed2d.view(out.sizes())};
   // Unfused: one pass over the reduction's output, which is this call's own tensor (fresh, or taken from the
   // engine's pool for this call), so the new residual stream is written into it in place.
@@ -340,13 +340,11 @@ std::tuple<at::Tensor, at::Tensor> run_with_epilogue(const at::Tensor& a, const 
 }
 
 // The CPU row loop as a backend's epilogue: inside its fused path per row block, or in one pass afterwards.
-std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(const at::Tensor& a, const at::Tensor& b,
-                                                         const at::Tensor& residual, const at::Tensor& norm_weight,
-                                                         std::string_view group_name, double eps,
-                                                         const std::optional<at::Tensor>& bias,
-                                                         std::string_view algorithm, const BackendHooks& backend,
-                                                         const FusedWithEpilogue& fused_with_epilogue,
-                                                         const OutputAllocator& allocate_normed, bool in_place) {
+std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(
+    const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
+    std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed,
+    bool in_place, const QuantInputs& quant) {
   FusedAddRmsNorm fused;
   if (fused_with_epilogue) {
     // The fused path calls back per row block, on the host, once those rows are final.
@@ -367,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(const at::Tensor& a, co
     add_rmsnorm_rows(out2d, ops.residual2d, ops.weight, ops.eps, normed2d, 0, out2d.size(0), /*parallel=*/true);
   };
   return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused, unfused,
-                           allocate_normed, in_place);
+                           allocate_normed, in_place, quant);
 }
 
 }  // namespace
@@ -375,9 +373,10 @@ std::tuple<at::Tensor, at::Tensor> run_with_row_epilogue(const at::Tensor& a, co
 std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed) {
+    const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue, const OutputAllocator& allocate_normed,
+    const QuantInputs& quant) {
   return run_with_row_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend,
-                               fused_with_epilogue, allocate_normed, /*in_place=*/false);
+                               fused_with_epilogue, allocate_normed, /*in_place=*/false, quant);
 }
 
 at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual,
@@ -385,17 +384,17 @@ at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(const at::Tensor& a, const at:
                                                   double eps, const std::optional<at::Tensor>& bias,
                                                   std::string_view algorithm, const BackendHooks& backend,
                                                   const FusedWithEpilogue& fused_with_epilogue,
-                                                  const OutputAllocator& allocate_normed) {
+                                                  const OutputAllocator& allocate_normed, const QuantInputs& quant) {
   return std::get<1>(run_with_row_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend,
-                                           fused_with_epilogue, allocate_normed, /*in_place=*/true));
+                                           fused_with_epilogue, allocate_normed, /*in_place=*/true, quant));
 }
 
 std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm_on_device(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm) {
+    const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm, const QuantInputs& quant) {
   return run_with_epilogue(a, b, residual, norm_weight, group_name, eps, bias, algorithm, backend, fused_add_rmsnorm,
-                           &add_rmsnorm_tensor_ops, {}, /*in_place=*/false);
+                           &add_rmsnorm_tensor_ops, {}, /*in_place=*/false, quant);
 }
 
 void add_rmsnorm_tensor_ops(at::Tensor& out2d, const AddRmsNormOperands& ops) {

@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
     const BackendHooks& backend, const FusedWithEpilogue& fused_with_epilogue,
-    const OutputAllocator& allocate_normed = {});
+    const OutputAllocator& allocate_normed = {}, const QuantInputs& quant = {});
 
 // The epilogue's operands as a call gets them: residual [M, N] and weight [N] contiguous, normed [M, N] to fill.
 // in_place: the fused path adds its sum into residual2d (the in-place variant's output) instead of a new output.
@@ -58,7 +58,8 @@ at::Tensor run_gemm_allreduce_add_rmsnorm_inplace(const at::Tensor& a, const at:
                                                   double eps, const std::optional<at::Tensor>& bias,
                                                   std::string_view algorithm, const BackendHooks& backend,
                                                   const FusedWithEpilogue& fused_with_epilogue,
-                                                  const OutputAllocator& allocate_normed = {});
+                                                  const OutputAllocator& allocate_normed = {},
+                                                  const QuantInputs& quant = {});
 
 // The in-place variant's extra checks: `residual` has no overlapping elements and shares no memory with a, b,
 // norm_weight or bias.
@@ -74,7 +75,7 @@ using FusedAddRmsNorm = std::function<at::Tensor(const CallArgs&, c10d::ProcessG
 std::tuple<at::Tensor, at::Tensor> run_gemm_allreduce_add_rmsnorm_on_device(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
     std::string_view group_name, double eps, const std::optional<at::Tensor>& bias, std::string_view algorithm,
-    const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm);
+    const BackendHooks& backend, const FusedAddRmsNorm& fused_add_rmsnorm, const QuantInputs& quant = {});
 
 // The epilogue with ATen operations on whatever device out2d lives: out2d = round(out2d + residual) in place,
 // normed = RMSNorm(out2d) with fp32 statistics. Queued on the current stream; deterministic for equal inputs.

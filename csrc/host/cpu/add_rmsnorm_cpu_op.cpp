@@ -17,14 +17,17 @@ at::Tensor run_fused_with_epilogue(const CallArgs& call, c10d::ProcessGroup& gro
 
 std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
     const at::Tensor& a, const at::Tensor& b, const at::Tensor& residual, const at::Tensor& norm_weight,
-    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm) {
+    c10::string_view group_name, double eps, const std::optional<at::Tensor>& bias, c10::string_view algorithm,
+    const std::optional<at::Tensor>& a_scale, const std::optional<at::Tensor>& b_scale,
+    std::optional<at::ScalarType> out_dtype) {
   const std::string_view name(group_name.data(), group_name.size());
   std::tuple<at::Tensor, at::Tensor> result;
   with_call_engine("gemm_allreduce_add_rmsnorm", name, [&] {
     // A fresh [M, N] buffer costs page faults on every call (cpu/output_pool.h): normed is pooled like out.
     result = run_gemm_allreduce_add_rmsnorm(a, b, residual, norm_weight, name, eps, bias,
                                             std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
-                                            &run_fused_with_epilogue, &pooled_empty);
+                                            &run_fused_with_epilogue, &pooled_empty,
+                                            QuantInputs{a_scale, b_scale, out_dtype});
   });
   return result;
 }
@@ -32,13 +35,16 @@ std::tuple<at::Tensor, at::Tensor> gemm_allreduce_add_rmsnorm_cpu(
 at::Tensor gemm_allreduce_add_rmsnorm_inplace_cpu(const at::Tensor& a, const at::Tensor& b, at::Tensor& residual,
                                                   const at::Tensor& norm_weight, c10::string_view group_name,
                                                   double eps, const std::optional<at::Tensor>& bias,
-                                                  c10::string_view algorithm) {
+                                                  c10::string_view algorithm, const std::optional<at::Tensor>& a_scale,
+                                                  const std::optional<at::Tensor>& b_scale,
+                                                  std::optional<at::ScalarType> out_dtype) {
   const std::string_view name(group_name.data(), group_name.size());
   at::Tensor normed;
   with_call_engine("gemm_allreduce_add_rmsnorm_", name, [&] {
     normed = run_gemm_allreduce_add_rmsnorm_inplace(a, b, residual, norm_weight, name, eps, bias,
                                                     std::string_view(algorithm.data(), algorithm.size()), cpu_backend(),
-                                                    &run_fused_with_epilogue, &pooled_empty);
+                                                    &run_fused_with_epilogue, &pooled_empty,
+                                                    QuantInputs{a_scale, b_scale, out_dtype});
   });
   return normed;
 }
