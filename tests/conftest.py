@@ -40,6 +40,14 @@ class _Pools:
             pool.close()
 
 
+def _build_engine_observation():
+    """Builds tests/engine_observation (cached under build/) before ranks start, so that a rank's first
+    `observe.<name>()` loads it rather than building it inside a bounded call."""
+    from engine_observation_build import observation_module_path
+
+    observation_module_path()
+
+
 @pytest.fixture(scope="session")
 def simulator():
     """The kernel simulator (tests/kernel_sim_build.py), built once for every simulator test file of the session."""
@@ -62,6 +70,7 @@ def npu_objects(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ranks():
+    _build_engine_observation()
     pools = _Pools()
     yield pools
     pools.close()
@@ -73,6 +82,7 @@ def hooked_ranks():
     controls, whose faults exist only there. Built at first use (about a minute on 2 cores), cached under build/."""
     from hooked_build import hooked_extension_path
 
+    _build_engine_observation()
     pools = _Pools(extension_path=hooked_extension_path())
     yield pools
     pools.close()

@@ -14,6 +14,7 @@ from engine_walks import engine_grid, walk_env
 from inputs import TOLERANCE, assert_matches, bias_vector, digest, reference, shard, weight
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 # (M, K, N): M over 2 x world x 256 so the full-width geometry applies; N over the default tile width (512), odd.
 LONG_SHAPES = {2: [(1031, 37, 613), (1100, 20, 1031)], 3: [(1543, 29, 517)]}
@@ -39,7 +40,7 @@ def both_geometries_here(rank, world, seed, dtype, owner_last):
             residual = residual_of(seed + case, ref_sum.shape, dtype)
             w = norm_weight_of(seed + case, n, dtype)
             what = f"{dtype} M={m} K={k} N={n} world={world} owner_last={owner_last} rank={rank}"
-            assert _C._row_epilogue_geometry(m, n, world)[1] >= n, what + ": the full-width geometry does not apply"
+            assert observe.row_epilogue_geometry(m, n, world)[1] >= n, what + ": the full-width geometry does not apply"
             results = {}
             for wide in (True, False):
                 _C._set_engine_option("row_epilogue_geometry", wide)
@@ -70,14 +71,14 @@ def test_long_calls_take_full_width_tiles_and_short_ones_keep_the_default(monkey
     monkeypatch.delenv("TORCH_GEMM_AR_CPU_TILE", raising=False)
     for world, shapes in LONG_SHAPES.items():
         for m, _, n in shapes:
-            assert _C._row_epilogue_geometry(m, n, world) == (256, (n + 15) // 16 * 16, 16), (m, n, world)
+            assert observe.row_epilogue_geometry(m, n, world) == (256, (n + 15) // 16 * 16, 16), (m, n, world)
     # Too short for every rank to own two tile rows: the default tiles, which split N between owners.
-    assert _C._row_epilogue_geometry(1023, 613, 2) == (256, 512, 64)
+    assert observe.row_epilogue_geometry(1023, 613, 2) == (256, 512, 64)
     # Narrow outputs already have whole rows per tile: only the stripes shorten.
-    assert _C._row_epilogue_geometry(64, 300, 2) == (256, 512, 16)
+    assert observe.row_epilogue_geometry(64, 300, 2) == (256, 512, 16)
     # A tile from the environment is kept for every call.
     monkeypatch.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
-    assert _C._row_epilogue_geometry(4096, 2048, 2) == (128, 256, 32)
+    assert observe.row_epilogue_geometry(4096, 2048, 2) == (128, 256, 32)
 
 
 @engine_grid

@@ -17,6 +17,7 @@ from hooked_build import hooked
 from scoped_env import scoped_env
 from inputs import TOLERANCE, reference, shard, weight
 from torch_gemm_ar import _C, tuning
+from engine_observation_build import observe
 
 
 def fresh_tuner(cache_path, budget_ms=0):
@@ -25,7 +26,7 @@ def fresh_tuner(cache_path, budget_ms=0):
     os.environ["TORCH_GEMM_AR_TUNE_CACHE"] = cache_path
     os.environ["TORCH_GEMM_AR_AUTOTUNE_BUDGET_MS"] = str(budget_ms)
     os.environ.pop("TORCH_GEMM_AR_AUTOTUNE", None)
-    _C._tuner_clear_memory()
+    observe.tuner_clear_memory()
 
 
 def tuning_calls(reps, candidates=3):
@@ -126,7 +127,7 @@ def rank_own_cache(rank, world, seed, directory, reps):
     data[fingerprint][decision["bucket"]] = ["fused", "sequential"][rank % 2]
     with open(path, "w") as f:
         json.dump(data, f)
-    _C._tuner_clear_memory()
+    observe.tuner_clear_memory()
     for i in range(tuning_calls(reps)):
         checked_auto_call(rank, world, seed + 100 + i, 100, 40, 90)
     return tuning.decisions()
@@ -297,7 +298,7 @@ def drift_apart(rank, world, cache_path):
     for seed in range(3):
         checked_auto_call(rank, world, seed, 100, 40, 90)
     if rank == 1:
-        _C._tuner_clear_memory()
+        observe.tuner_clear_memory()
     raises(lambda: checked_auto_call(rank, world, 3, 100, 40, 90), "auto` tuning step", exc=ValueError)
     for seed in range(4, 4 + tuning_calls(3)):
         checked_auto_call(rank, world, seed, 100, 40, 90)

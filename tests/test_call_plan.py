@@ -1,4 +1,4 @@
-"""The CPU engine's data flow as a value (csrc/host/cpu/call_plan.h, through _C._plan_call): a table of calls and the
+"""The CPU engine's data flow as a value (csrc/host/cpu/call_plan.h, through observe.plan_call): a table of calls and the
 flow each takes, then random calls against an independent statement of the rules (docs/architecture.md). No ranks."""
 import random
 
@@ -7,13 +7,14 @@ import torch
 
 from scoped_env import engine_switch
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 MiB = 1 << 20
 F32, BF16, F64 = torch.empty(0), torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float64)
 
 
 def plan(op, m, k, n, like=F32, world=2, **kw):
-    return _C._plan_call(op, m, k, n, like, world, **kw)
+    return observe.plan_call(op, m, k, n, like, world, **kw)
 
 
 def flow(*args, **kw):
@@ -53,7 +54,7 @@ def test_decode_calls(one_core_env):
             got = plan("gemm_allreduce", m, 4096, 1024, like)
             assert (got["flow"], got["decode"], got["one_product"]) == ("one-shot", True, True), (m, like.dtype, got)
             assert "decode" in got["described"]
-            assert _C._call_geometry("gemm_allreduce", m, 4096, 1000, like, 2) == (m, 1000, m)
+            assert observe.call_geometry("gemm_allreduce", m, 4096, 1000, like, 2) == (m, 1000, m)
     assert plan("gemm_allreduce", 5, 64, 64, epilogue=True)["decode"]
     assert plan("gemm_allreduce", 5, 64, 64, epilogue=True, in_place=True)["decode"]
     assert plan("gemm_allreduce", 3, 64, 64, world=3)["decode"]
@@ -70,7 +71,7 @@ def test_decode_calls(one_core_env):
         with engine_switch(option, False):
             assert not plan("gemm_allreduce", 1, 4096, 1024)["decode"], option
     with engine_switch("decode", False):
-        assert _C._call_geometry("gemm_allreduce", 1, 4096, 1000, F32, 2) != (1, 1000, 1)
+        assert observe.call_geometry("gemm_allreduce", 1, 4096, 1000, F32, 2) != (1, 1000, 1)
     # Comm threads, or a tile from the environment: their geometry, not the decode one.
     one_core_env.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,64")
     assert not plan("gemm_allreduce", 1, 4096, 1024)["decode"]
@@ -150,7 +151,7 @@ def test_random_calls_follow_the_rules(one_core_env):
             got = plan(op, m, k, n, like, world, epilogue=epilogue, in_place=in_place)
             # One product: where the geometry asks for it, for the flows where the owner reduces in the compute
             # block (allgather_gemm: where every shard is in) and a plain gemm_allreduce.
-            geometry = _C._call_multiplies_in_one_product("add_rmsnorm" if epilogue else op, m, k, n, like, world)
+            geometry = observe.call_multiplies_in_one_product("add_rmsnorm" if epilogue else op, m, k, n, like, world)
         want = expected(op, m, k, n, like, world, epilogue, in_place, comm_inline, options, slots)
         assert (got["flow"], got["slot_output_bytes"], got["decode"]) == want, (op, m, k, n, like.dtype, world, epilogue, in_place,
                                                                  comm_inline, options, slots, got)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import torch_gemm_ar
-from torch_gemm_ar import _C
 from inputs import assert_matches, assert_matches_sum_of_partials, bias_vector, digest, reference, shard, weight
 from scoped_env import engine_switch, scoped_env
+from engine_observation_build import observe
 
 INLINE = dict(TORCH_GEMM_AR_COMM_THREADS="0", TORCH_GEMM_AR_COMPUTE_THREADS="1")
 # (M, K, N): decode sizes, N odd or not a multiple of anything.
@@ -39,7 +39,7 @@ def decode_calls(rank, world, seed):
                 shards = [shard(step, r, m, k, dtype) for r in range(world)]
                 b = weight(step, k, n, dtype, transposed=i % 2 == 0)
                 what = f"M={m} K={k} N={n} {dtype} world {world}"
-                before = _C._decode_calls()
+                before = observe.decode_calls()
                 plain = torch_gemm_ar.gemm_allreduce(shards[rank], b, algorithm="fused")
                 assert torch.equal(plain, torch_sum_of_products(shards, b, dtype)), (
                     f"{what}: not the rank-order sum of torch's a @ b")
@@ -55,7 +55,7 @@ def decode_calls(rank, world, seed):
                 with torch.no_grad():
                     normed_ = torch_gemm_ar.gemm_allreduce_add_rmsnorm_(shards[rank], b, in_place, norm_weight,
                                                                         eps=EPS, bias=bias, algorithm="fused")
-                taken = _C._decode_calls() - before
+                taken = observe.decode_calls() - before
                 assert_matches(out, reference(shards, b, bias) + residual.double(), dtype, k, world, what + " out")
                 assert torch.equal(in_place, out) and torch.equal(normed_, normed), f"{what}: in place differs"
                 got = out.double()
@@ -65,11 +65,11 @@ def decode_calls(rank, world, seed):
                                            msg=lambda msg: f"{what} normed: {msg}")
                 results.append((what, taken, digest(plain), digest(with_bias), digest(out), digest(normed)))
         # Control: with the decode option off the same call takes another geometry, and is not counted.
-        before = _C._decode_calls()
+        before = observe.decode_calls()
         with engine_switch("decode", False):
             torch_gemm_ar.gemm_allreduce(shard(seed, rank, 4, 64, torch.float32),
                                          weight(seed, 64, 1001, torch.float32, transposed=False), algorithm="fused")
-        results.append(("decode off", _C._decode_calls() - before, "", "", "", ""))
+        results.append(("decode off", observe.decode_calls() - before, "", "", "", ""))
     return results
 
 

@@ -2,7 +2,9 @@
 (docs/decisions/0015-test-hooks.md)."""
 import pytest
 
+import torch
 from torch_gemm_ar import _C, engine_options
+from engine_observation_build import observe
 
 OPTIONS = {"overlap", "owner_last", "row_epilogue_geometry", "wide_row_panels", "packed_b", "fewer_b_reorders",
            "one_shot", "one_product", "tune_tile_family", "tune_gathered_inputs", "decode"}
@@ -39,6 +41,13 @@ def test_the_product_has_no_test_hooks():
     assert _C._test_build is False
     for name in ("_set_test_hook", "_test_hooks", "_set_tuner_slow_candidate", "protocol"):
         assert not hasattr(_C, name), name
-    # The only setters left: the options, the reduction loop (A/B), the output slots (a knob's value) and the logger.
+    # The only setters left: the options, the output slots (a knob's value) and the logger.
     setters = {name for name in dir(_C) if name.startswith("_set_")}
-    assert setters == {"_set_engine_option", "_set_avx512_reduce", "_set_shared_output_slots", "_set_tuner_logger"}
+    assert setters == {"_set_engine_option", "_set_shared_output_slots", "_set_tuner_logger"}
+
+
+def test_observations_are_not_product_bindings():
+    # What only tests observe (geometry rules, call counters, the tuner's rule) is bound by tests/engine_observation.
+    for name in ("_plan_call", "_one_shot_calls", "_wide_row_geometry", "_reduce_rows", "_tuner_clear_memory"):
+        assert not hasattr(_C, name), name
+    assert observe.plan_call("gemm_allreduce", 64, 256, 96, torch.empty(0), 2)["flow"]

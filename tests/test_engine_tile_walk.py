@@ -8,6 +8,7 @@ import torch
 from inputs import TOLERANCE, bias_vector, reference, shard, weight
 from scoped_env import scoped_env
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
 TWO_BLOCKS = dict(TORCH_GEMM_AR_COMPUTE_THREADS="2", TORCH_GEMM_AR_COMM_THREADS="1")  # the engine packs no panels
@@ -16,8 +17,8 @@ TWO_BLOCKS = dict(TORCH_GEMM_AR_COMPUTE_THREADS="2", TORCH_GEMM_AR_COMM_THREADS=
 def expected_panels(ranks, m, n, dtype, wide, packed):
     """B panels the engine packs for a gemm_allreduce of this shape: one per tile column, on one-core ranks only,
     from two tile rows on, when the packed GEMM computes this dtype in fp32."""
-    packs = _C._packed_b_available() and (dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype)))
-    rows, cols = _C._wide_row_geometry(m, n, 2)[:2] if wide else (256, 512)
+    packs = observe.packed_b_available() and (dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype)))
+    rows, cols = observe.wide_row_geometry(m, n, 2)[:2] if wide else (256, 512)
     if ranks is not ONE_CORE or not packed or not packs or m <= rows:
         return 0
     return -(-n // cols)
@@ -39,14 +40,14 @@ def test_tile_walk_matches_float64(m, k, n, transposed, dtype, ranks):
                 for packed in (True, False):
                     _C._set_engine_option("wide_row_panels", wide)
                     _C._set_engine_option("packed_b", packed)
-                    before = _C._packed_b_panels()
+                    before = observe.packed_b_panels()
                     out = _C._engine_tile_walk(a, b, bias, 2)
                     what = f"wide={wide} packed={packed}"
                     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * (k ** 0.5 + 1),
                                                msg=lambda s: f"{what}: {s}")
                     # The geometry and the panels the walk took are the engine's.
-                    wide_applies = ranks is ONE_CORE and wide and _C._wide_row_geometry(m, n, 2)[1] > 512
-                    assert _C._packed_b_panels() - before == expected_panels(ranks, m, n, dtype, wide_applies,
+                    wide_applies = ranks is ONE_CORE and wide and observe.wide_row_geometry(m, n, 2)[1] > 512
+                    assert observe.packed_b_panels() - before == expected_panels(ranks, m, n, dtype, wide_applies,
                                                                              packed), what
         finally:
             _C._set_engine_option("wide_row_panels", previous[0])

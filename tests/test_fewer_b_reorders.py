@@ -23,6 +23,7 @@ from scoped_env import engine_switch, scoped_env
 from stress_call import fused_call_is_right
 from test_add_rmsnorm import norm_weight_of, residual_of, rms_norm64
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
 NEVER, NATIVE_HALF, EVERY_DTYPE = 0, 1, 2
@@ -33,37 +34,37 @@ CALLS = [(1, 33, 65), (7, 300, 777), (129, 20, 1000), (1031, 37, 613), (2100, 9,
 
 
 def gemm_allreduce_geometry(m, k, n, world):
-    return (_C._tile_row_per_rank_geometry if _C._prefers_row_panels(m, k) else _C._column_panel_geometry)(m, n, world)
+    return (observe.tile_row_per_rank_geometry if observe.prefers_row_panels(m, k) else observe.column_panel_geometry)(m, n, world)
 
 
 def test_the_rules(one_core_env):
     # gemm_allreduce: all M rows (rounded up to the 64-row stripes), N in `world` panels of 16-column multiples.
-    assert _C._column_panel_geometry(1031, 613, 2) == (1088, 320, 64)
-    assert _C._column_panel_geometry(1, 2048, 2) == (64, 1024, 64)
-    assert _C._column_panel_geometry(1543, 517, 3) == (1600, 176, 64)
-    assert _C._column_panel_geometry(4096, 5000, 4) == (4096, 1264, 64)
+    assert observe.column_panel_geometry(1031, 613, 2) == (1088, 320, 64)
+    assert observe.column_panel_geometry(1, 2048, 2) == (64, 1024, 64)
+    assert observe.column_panel_geometry(1543, 517, 3) == (1600, 176, 64)
+    assert observe.column_panel_geometry(4096, 5000, 4) == (4096, 1264, 64)
     # add+RMSNorm: whole rows, M / world rows a tile (rounded up to the 16-row stripes).
-    assert _C._tile_row_per_rank_geometry(1031, 613, 2) == (528, 624, 16)
-    assert _C._tile_row_per_rank_geometry(1, 2048, 2) == (16, 2048, 16)
-    assert _C._tile_row_per_rank_geometry(1543, 300, 3) == (528, 512, 16)
+    assert observe.tile_row_per_rank_geometry(1031, 613, 2) == (528, 624, 16)
+    assert observe.tile_row_per_rank_geometry(1, 2048, 2) == (16, 2048, 16)
+    assert observe.tile_row_per_rank_geometry(1543, 300, 3) == (528, 512, 16)
     # gemm_allreduce: row panels for long calls whose K is not over 2M (world - 1 more reorders of B against strided
     # half rows in every reduction and copy), column panels otherwise.
-    assert _C._prefers_row_panels(1024, 2048) and _C._prefers_row_panels(4096, 256)
-    assert not _C._prefers_row_panels(1023, 16) and not _C._prefers_row_panels(2048, 4097)
+    assert observe.prefers_row_panels(1024, 2048) and observe.prefers_row_panels(4096, 256)
+    assert not observe.prefers_row_panels(1023, 16) and not observe.prefers_row_panels(2048, 4097)
     # One GEMM call for the whole partial below M = 16K (B's reorders weigh more than the tiles' earlier publication).
-    assert _C._prefers_one_product(2048, 1024) and _C._prefers_one_product(4095, 256)
-    assert not _C._prefers_one_product(4096, 256) and not _C._prefers_one_product(16384, 1024)
+    assert observe.prefers_one_product(2048, 1024) and observe.prefers_one_product(4095, 256)
+    assert not observe.prefers_one_product(4096, 256) and not observe.prefers_one_product(16384, 1024)
     # Long-K gemm_allreduce calls take them in every dtype: K over 2M, from M = 512.
-    assert _C._is_long_k_call(512, 1025) and _C._is_long_k_call(1024, 4096)
-    assert not _C._is_long_k_call(511, 8192) and not _C._is_long_k_call(1024, 2048)
+    assert observe.is_long_k_call(512, 1025) and observe.is_long_k_call(1024, 4096)
+    assert not observe.is_long_k_call(511, 8192) and not observe.is_long_k_call(1024, 2048)
     # A comm thread overlaps the GEMM at the default tiles' finer grain; a tile from the environment is kept.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
-    assert _C._column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
-    assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == _C._row_epilogue_geometry(4096, 2048, 2)
+    assert observe.column_panel_geometry(4096, 2048, 2) == (256, 512, 64)
+    assert observe.tile_row_per_rank_geometry(4096, 2048, 2) == observe.row_epilogue_geometry(4096, 2048, 2)
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
     one_core_env.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
-    assert _C._column_panel_geometry(4096, 2048, 2) == (128, 256, 32)
-    assert _C._tile_row_per_rank_geometry(4096, 2048, 2) == (128, 256, 32)
+    assert observe.column_panel_geometry(4096, 2048, 2) == (128, 256, 32)
+    assert observe.tile_row_per_rank_geometry(4096, 2048, 2) == (128, 256, 32)
 
 
 def each_switch_mode():
@@ -72,7 +73,7 @@ def each_switch_mode():
     caller restores the switch."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         like = torch.empty(0, dtype=dtype)
-        native = _C._reorders_b_per_product(like)
+        native = observe.reorders_b_per_product(like)
         for mode, takes in ((NEVER, False), (NATIVE_HALF, native), (EVERY_DTYPE, True)):
             _C._set_engine_option("fewer_b_reorders", mode)
             yield dtype, like, mode, takes
@@ -82,24 +83,24 @@ def test_which_calls_take_them(one_core_env):
     previous = _C._set_engine_option("fewer_b_reorders", NATIVE_HALF)
     try:
         for dtype, like, mode, takes in each_switch_mode():
-            for k, fewer in ((1024, _C._tile_row_per_rank_geometry), (8192, _C._column_panel_geometry),
-                             (128, _C._tile_row_per_rank_geometry)):
+            for k, fewer in ((1024, observe.tile_row_per_rank_geometry), (8192, observe.column_panel_geometry),
+                             (128, observe.tile_row_per_rank_geometry)):
                 # A long K (over 2M) takes them in every dtype, gemm_allreduce only.
                 long_k = mode == NATIVE_HALF and k == 8192
-                want = fewer(2048, 1024, 2) if takes or long_k else _C._wide_row_geometry(2048, 1024, 2)
-                assert _C._call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
-                want = (_C._tile_row_per_rank_geometry if takes else _C._row_epilogue_geometry)(2048, 1024, 2)
-                assert _C._call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
-                one = _C._call_multiplies_in_one_product("gemm_allreduce", 2048, k, 1024, like, 2)
+                want = fewer(2048, 1024, 2) if takes or long_k else observe.wide_row_geometry(2048, 1024, 2)
+                assert observe.call_geometry("gemm_allreduce", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
+                want = (observe.tile_row_per_rank_geometry if takes else observe.row_epilogue_geometry)(2048, 1024, 2)
+                assert observe.call_geometry("add_rmsnorm", 2048, k, 1024, like, 2) == want, (dtype, mode, k)
+                one = observe.call_multiplies_in_one_product("gemm_allreduce", 2048, k, 1024, like, 2)
                 assert one == ((takes or long_k) and k != 128), (dtype, mode, k)
-                one = _C._call_multiplies_in_one_product("add_rmsnorm", 2048, k, 1024, like, 2)
+                one = observe.call_multiplies_in_one_product("add_rmsnorm", 2048, k, 1024, like, 2)
                 assert one == (takes and k != 128), (dtype, mode, k)
         # fp32 products never reorder B per call (oneMKL; the engine packs B's panels itself).
-        assert not _C._reorders_b_per_product(torch.empty(0))
+        assert not observe.reorders_b_per_product(torch.empty(0))
         with pytest.raises(ValueError, match=r"fewer_b_reorders. must be in \[0, 2\]"):
             _C._set_engine_option("fewer_b_reorders", 3)
         with pytest.raises(ValueError, match="op must be"):
-            _C._call_geometry("matmul", 2, 2, 2, torch.empty(0), 2)
+            observe.call_geometry("matmul", 2, 2, 2, torch.empty(0), 2)
     finally:
         _C._set_engine_option("fewer_b_reorders", previous)
 
@@ -113,21 +114,21 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                     _C._set_engine_option("owner_last", owner_last), _C._set_engine_option("decode", False))
         try:
             for case, (m, k, n) in enumerate(CALLS):
-                one_product = _C._prefers_one_product(m, k)
+                one_product = observe.prefers_one_product(m, k)
                 for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     step = seed + 17 * case
                     like = torch.empty(0, dtype=dtype)
-                    tiles = _C._call_geometry("gemm_allreduce", m, k, n, like, world)
+                    tiles = observe.call_geometry("gemm_allreduce", m, k, n, like, world)
                     assert tiles == gemm_allreduce_geometry(m, k, n, world), (m, k, n, dtype, tiles)
                     shards = [shard(step, r, m, k, dtype, three_d=case % 2 == 0) for r in range(world)]
                     b = weight(step, k, n, dtype, transposed=case % 2 == 1)
                     bias = bias_vector(step, n, dtype) if case % 3 != 1 else None
                     what = f"M={m} K={k} N={n} {dtype} world {world} owner_last={owner_last}"
-                    before = _C._one_product_calls()
+                    before = observe.one_product_calls()
                     out = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
                     # The owner-last walk and one shot (small fp32 calls) multiply in one product where the geometry
                     # asks for it; the comm blocks' way multiplies tile by tile.
-                    took = _C._one_product_calls() - before
+                    took = observe.one_product_calls() - before
                     assert took == int(one_product and owner_last), (what, took)
                     ref_sum = reference(shards, b, bias)
                     assert out.shape == shards[rank].shape[:-1] + (n,), what
@@ -135,8 +136,8 @@ def fewer_b_reorder_calls(rank, world, seed, owner_last):
                     digests.append(digest(out))
                     if dtype == torch.float16:
                         continue  # add+RMSNorm: fp32 and bf16 (its CPU dtypes' tests are in test_add_rmsnorm.py)
-                    tiles = _C._call_geometry("add_rmsnorm", m, k, n, like, world)
-                    assert tiles == _C._tile_row_per_rank_geometry(m, n, world), (m, n, dtype, tiles)
+                    tiles = observe.call_geometry("add_rmsnorm", m, k, n, like, world)
+                    assert tiles == observe.tile_row_per_rank_geometry(m, n, world), (m, n, dtype, tiles)
                     label = f"{what} add+RMSNorm, tiles {tiles}"
                     residual = residual_of(step, ref_sum.shape, dtype)
                     w = norm_weight_of(step, n, dtype)
@@ -211,7 +212,7 @@ def one_product_stress(rank, world, seed, calls, ignore_epochs=False, one_shot=F
     multiplies into the bank in one product too."""
     rng = random.Random(seed)
     wrong = 0
-    before = _C._one_product_calls()
+    before = observe.one_product_calls()
     with engine_switch("fewer_b_reorders", EVERY_DTYPE, **ONE_CORE), engine_switch("one_shot", one_shot), \
             hooked("ignore_epochs", ignore_epochs):
         for step in range(calls):
@@ -219,7 +220,7 @@ def one_product_stress(rank, world, seed, calls, ignore_epochs=False, one_shot=F
             if rank == step % world and step % 5 == 0:
                 time.sleep(0.002)
             wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias, step % 2 == 0)
-    return wrong, _C._one_product_calls() - before
+    return wrong, observe.one_product_calls() - before
 
 
 @pytest.mark.parametrize("world,calls,one_shot", [(2, 1000, False), (3, 300, False), (2, 400, True), (3, 150, True)])

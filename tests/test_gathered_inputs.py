@@ -15,6 +15,7 @@ from scoped_env import scoped_env
 from test_auto_tuner import fresh_tuner
 from inputs import TOLERANCE
 from torch_gemm_ar import _C, tuning
+from engine_observation_build import observe
 
 ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
 SLOW_US = 150_000  # added to every tuning run of the candidates that must lose
@@ -25,7 +26,7 @@ M, K, N = 1000, 40, 700
 
 
 def native(dtype):
-    return dtype == torch.float32 or _C._reorders_b_per_product(torch.empty(0, dtype=dtype))
+    return dtype == torch.float32 or observe.reorders_b_per_product(torch.empty(0, dtype=dtype))
 
 
 def per_rank_inputs(seed, world, m, k, n, dtype, bias):
@@ -50,25 +51,25 @@ def checked_call(rank, world, seed, m, k, n, dtype, bias):
 def test_offered_only_where_the_inputs_are_small_against_the_output(one_core_env):
     f32 = torch.empty(0)
     with scoped_env(**ONE_CORE):
-        offered = _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)  # inputs 0.79M elements, output 8.4M
+        offered = observe.suits_gathered_inputs(2048, 128, 4096, f32, 2)  # inputs 0.79M elements, output 8.4M
     assert offered
     # Not where the engine would not run it: comm threads (no owner-last walk) or a tile from the environment.
     with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="1"):
-        assert not _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)
+        assert not observe.suits_gathered_inputs(2048, 128, 4096, f32, 2)
     with scoped_env(TORCH_GEMM_AR_CPU_TILE="256,512,64", **ONE_CORE):
-        assert not _C._suits_gathered_inputs(2048, 128, 4096, f32, 2)
+        assert not observe.suits_gathered_inputs(2048, 128, 4096, f32, 2)
 
 
 def test_offered_by_shape(one_core_env):
     f32 = torch.empty(0)
-    assert _C._suits_gathered_inputs(M, K, N, f32, 3)
-    assert not _C._suits_gathered_inputs(4096, 256, 2048, f32, 2)  # inputs 1.6M elements, output 8.4M: close
-    assert not _C._suits_gathered_inputs(2048, 1024, 1024, f32, 2)  # inputs 3M elements, output 2M
-    assert not _C._suits_gathered_inputs(100, 2, 200, f32, 2)  # an output under 64K elements
-    assert not _C._suits_gathered_inputs(M, K, N, f32, 1)
+    assert observe.suits_gathered_inputs(M, K, N, f32, 3)
+    assert not observe.suits_gathered_inputs(4096, 256, 2048, f32, 2)  # inputs 1.6M elements, output 8.4M: close
+    assert not observe.suits_gathered_inputs(2048, 1024, 1024, f32, 2)  # inputs 3M elements, output 2M
+    assert not observe.suits_gathered_inputs(100, 2, 200, f32, 2)  # an output under 64K elements
+    assert not observe.suits_gathered_inputs(M, K, N, f32, 1)
     # bf16/fp16 only where the CPU multiplies them as they are (else the engine computes them in fp32).
     bf16 = torch.empty(0, dtype=torch.bfloat16)
-    assert _C._suits_gathered_inputs(M, K, N, bf16, 2) == native(torch.bfloat16)
+    assert observe.suits_gathered_inputs(M, K, N, bf16, 2) == native(torch.bfloat16)
 
 
 def tune_slowing(rank, world, seed, cache_path, dtype, bias, slow):
@@ -86,11 +87,11 @@ def decided_and_run(rank, world, seed, cache_path, dtype, bias, slow):
     several M in the bucket; returns the decision and how many calls took the flow."""
     with scoped_env(**ONE_CORE):
         tune_slowing(rank, world, seed, cache_path, dtype, bias, slow)
-        before = _C._gathered_inputs_calls()
+        before = observe.gathered_inputs_calls()
         ms = [M, 513, 777, 1024, 640]
         for i, m in enumerate(ms):
             checked_call(rank, world, seed + 1 + i, m, K, N, dtype, bias)
-        return tuning.decisions(), _C._gathered_inputs_calls() - before, len(ms)
+        return tuning.decisions(), observe.gathered_inputs_calls() - before, len(ms)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -176,10 +177,10 @@ def test_the_switch_removes_the_candidate(ranks, tmp_path):
 def decided_then_cached(rank, world, seed, cache_path):
     with scoped_env(**ONE_CORE):
         tune_slowing(rank, world, seed, cache_path, torch.float32, True, "!" + GATHERED)
-        _C._tuner_clear_memory()  # a new process, as far as the tuner knows: the decision comes from the file
-        before = _C._gathered_inputs_calls()
+        observe.tuner_clear_memory()  # a new process, as far as the tuner knows: the decision comes from the file
+        before = observe.gathered_inputs_calls()
         checked_call(rank, world, seed + 1, M, K, N, torch.float32, True)
-        return [(d["algorithm"], d["source"]) for d in tuning.decisions()], _C._gathered_inputs_calls() - before
+        return [(d["algorithm"], d["source"]) for d in tuning.decisions()], observe.gathered_inputs_calls() - before
 
 
 def test_the_decision_comes_back_from_the_tune_cache(hooked_ranks, tmp_path):
@@ -201,7 +202,7 @@ def switch_differs(rank, world):
         return str(e)
     finally:
         _C._set_engine_option("tune_gathered_inputs", previous)
-        _C._tuner_clear_memory()
+        observe.tuner_clear_memory()
 
 
 def test_ranks_that_differ_in_the_switch_get_an_error_not_a_hang(ranks):
@@ -223,7 +224,7 @@ def tile_env_differs(rank, world):
         except ValueError as e:
             return str(e)
         finally:
-            _C._tuner_clear_memory()
+            observe.tuner_clear_memory()
 
 
 def test_ranks_that_differ_in_the_tile_from_the_environment_get_an_error(ranks):

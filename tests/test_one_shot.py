@@ -16,6 +16,7 @@ from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from hooked_build import hooked
 from scoped_env import engine_switch, scoped_env
 from stress_call import fused_call_is_right
+from engine_observation_build import observe
 
 # Comm between tiles on the caller's thread (one core per rank), the engine's default tiles (256 x 512): the
 # one-shot reduction's home. Its choice depends only on the call, so every rank makes the same: (world - 1) x M x N
@@ -36,9 +37,9 @@ def four_byte_partials(dtype) -> bool:
 def fused(a, b, bias, one_shot: bool):
     previous = _C._set_engine_option("one_shot", one_shot)
     try:
-        before = _C._one_shot_calls()
+        before = observe.one_shot_calls()
         out = torch_gemm_ar.gemm_allreduce(a, b, bias=bias, algorithm="fused")
-        return out, _C._one_shot_calls() - before
+        return out, observe.one_shot_calls() - before
     finally:
         _C._set_engine_option("one_shot", previous)
 
@@ -93,7 +94,7 @@ def add_rmsnorm_both_ways(rank, world, seed):
                 for one_shot in (True, False):
                     previous = _C._set_engine_option("one_shot", one_shot)
                     try:
-                        before = _C._one_shot_calls()
+                        before = observe.one_shot_calls()
                         out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank], b, residual, norm_weight,
                                                                                algorithm="fused")
                         in_place = residual.clone()
@@ -101,7 +102,7 @@ def add_rmsnorm_both_ways(rank, world, seed):
                             normed_ = torch_gemm_ar.gemm_allreduce_add_rmsnorm_(shards[rank], b, in_place, norm_weight,
                                                                                 algorithm="fused")
                         outs[one_shot] = (out, normed, in_place, normed_)
-                        counts.append((m, k, n, one_shot and four_byte_partials(dtype), _C._one_shot_calls() - before))
+                        counts.append((m, k, n, one_shot and four_byte_partials(dtype), observe.one_shot_calls() - before))
                     finally:
                         _C._set_engine_option("one_shot", previous)
                 for x, y in zip(outs[True], outs[False]):
@@ -141,7 +142,7 @@ def stress(rank, world, seed, calls, single_bank=False):
     """Back-to-back fused calls with new inputs and shapes; a rank runs late now and then. Returns the number of wrong
     results, of one-shot calls, and of calls with 4-byte partials (those that may take one shot)."""
     wrong = eligible = 0
-    before = _C._one_shot_calls()
+    before = observe.one_shot_calls()
     with hooked("one_shot_single_bank", single_bank), scoped_env(**INLINE):
         for step in range(calls):
             m, k, n, dtype, with_bias = random_call(seed, step)
@@ -149,7 +150,7 @@ def stress(rank, world, seed, calls, single_bank=False):
             if rank == step % world and step % 7 == 0:
                 time.sleep(0.001)
             wrong += not fused_call_is_right(rank, world, seed + step, m, k, n, dtype, with_bias)
-    return wrong, _C._one_shot_calls() - before, eligible
+    return wrong, observe.one_shot_calls() - before, eligible
 
 
 @pytest.mark.parametrize("world,calls", [(2, 1500), (3, 500), (4, 300)])

@@ -12,6 +12,7 @@ from engine_walks import engine_grid, walk_env
 from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from scoped_env import scoped_env
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 # (M, K, N, bias, transposed b, 3-D a): M over two tile rows (256), K x N over 16K elements (the engine packs no
 # smaller B), none a multiple of the tiles.
@@ -36,13 +37,13 @@ def packed_and_unpacked_here(rank, world, seed, dtype, owner_last):
             bias = bias_vector(seed + case, n, dtype) if with_bias else None
             ref = reference(shards, b, bias)
             what = f"{dtype} M={m} K={k} N={n} bias={with_bias} bT={transposed} 3d={three_d} rank={rank}"
-            before = _C._packed_b_panels()
+            before = observe.packed_b_panels()
             packed = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
-            packed_panels = _C._packed_b_panels() - before
+            packed_panels = observe.packed_b_panels() - before
             _C._set_engine_option("packed_b", False)
-            before = _C._packed_b_panels()
+            before = observe.packed_b_panels()
             plain = torch_gemm_ar.gemm_allreduce(shards[rank], b, bias=bias, algorithm="fused")
-            assert _C._packed_b_panels() == before, what + ": switched off, panels were still packed"
+            assert observe.packed_b_panels() == before, what + ": switched off, panels were still packed"
             _C._set_engine_option("packed_b", True)
             # fp32 GEMMs (bf16 too where this CPU computes it in fp32) pack each of B's column panels once.
             if dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype)):
@@ -66,14 +67,14 @@ def packed_unless_capped(rank, world):
     with scoped_env(TORCH_GEMM_AR_COMPUTE_THREADS="1"):
         for cap, inputs in (("256", shards), ("0", shards), ("256", expanded)):
             with scoped_env(TORCH_GEMM_AR_PACKED_B_MAX_MB=cap):
-                before = _C._packed_b_panels()
+                before = observe.packed_b_panels()
                 out = torch_gemm_ar.gemm_allreduce(inputs[rank], b, algorithm="fused")
-                counts.append(_C._packed_b_panels() - before)
+                counts.append(observe.packed_b_panels() - before)
             assert_matches(out, reference(inputs, b), torch.float32, 70, world, f"cap {cap}")
     return counts
 
 
-@pytest.mark.skipif(not _C._packed_b_available(),
+@pytest.mark.skipif(not observe.packed_b_available(),
                     reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
 def test_the_memory_cap_and_unsuitable_strides_keep_at_mm(ranks):
     # 2 panels of 512 columns for N=777; none under a zero cap; none for an expanded a (declined before packing).
@@ -81,7 +82,7 @@ def test_the_memory_cap_and_unsuitable_strides_keep_at_mm(ranks):
         assert counts == [2, 0, 0], counts
 
 
-@pytest.mark.skipif(not _C._packed_b_available(),
+@pytest.mark.skipif(not observe.packed_b_available(),
                     reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
 @engine_grid
 def test_packed_panels_match_float64_on_every_rank(ranks, world, dtype, owner_last):

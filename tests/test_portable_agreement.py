@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch_gemm_ar
 from expect import raises
 from scoped_env import scoped_env
+from engine_observation_build import observe
 
 SLOTS = 16384  # kAgreementPayloadSlots
 
@@ -44,12 +45,12 @@ def carried_results(rank, world, seed):
     for i, (m, k, n, dtype, bias, three_d) in enumerate(cases):
         shards, weights, b, want = reference(seed + i, world, m, k, n, dtype, bias, three_d)
         for algorithm in ("sequential", "auto"):
-            before = torch_gemm_ar._C._agreement_payload_calls()
-            partials = torch_gemm_ar._C._sequential_partial_calls()
+            before = observe.agreement_payload_calls()
+            partials = observe.sequential_partial_calls()
             got = torch_gemm_ar.gemm_allreduce(shards[rank], weights[rank], group, bias=b, algorithm=algorithm)
-            carried = torch_gemm_ar._C._agreement_payload_calls() - before
+            carried = observe.agreement_payload_calls() - before
             if algorithm == "sequential":  # its product computed once, carried or not
-                assert torch_gemm_ar._C._sequential_partial_calls() - partials == 1
+                assert observe.sequential_partial_calls() - partials == 1
             assert got.dtype == dtype and got.shape == want.shape
             tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
             err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1)
@@ -99,11 +100,11 @@ def engine_sequential_computes_once(rank, world, seed):
     group = dist.new_group(list(range(world)))
     for i, (m, k, n) in enumerate([(1, 7, 33), (3, 64, 512), (16, 1792, 512)]):
         shards, weights, b, want = reference(seed + i, world, m, k, n, torch.float32, True, False)
-        partials = torch_gemm_ar._C._sequential_partial_calls()
-        carried = torch_gemm_ar._C._agreement_payload_calls()
+        partials = observe.sequential_partial_calls()
+        carried = observe.agreement_payload_calls()
         got = torch_gemm_ar.gemm_allreduce(shards[rank], weights[rank], group, bias=b, algorithm="sequential")
-        assert torch_gemm_ar._C._sequential_partial_calls() - partials == 1, (m, k, n)
-        assert torch_gemm_ar._C._agreement_payload_calls() == carried
+        assert observe.sequential_partial_calls() - partials == 1, (m, k, n)
+        assert observe.agreement_payload_calls() == carried
         err = (got.double() - want).abs().max().item() / (want.abs().max().item() + 1)
         assert err <= 1e-4, err
     dist.destroy_process_group(group)

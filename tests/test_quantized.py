@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import torch_gemm_ar
+from engine_observation_build import observe
 from expect import raises
 from inputs import ODD_SHAPES, digest
 from scoped_env import scoped_env
@@ -95,8 +96,8 @@ def portable_group(world):
 def check_cases(rank, world, seed, algorithm, scheme, a_dtype, portable=False):
     digests = []
     group = portable_group(world) if portable else None
-    products = torch_gemm_ar._C._dequantized_product_calls()
-    carried = torch_gemm_ar._C._agreement_payload_calls()
+    products = observe.dequantized_product_calls()
+    carried = observe.agreement_payload_calls()
     for case, (m, k, n) in enumerate(ODD_SHAPES):
         out_dtype = [None, *OUT_DTYPES][case % 4]
         options = dict(per_row_a=case % 2 == 0, per_row_b=case % 3 != 2, three_d=case % 4 == 1 and m % 2 == 0,
@@ -108,9 +109,9 @@ def check_cases(rank, world, seed, algorithm, scheme, a_dtype, portable=False):
                 f"seed={seed + case}")
         assert_close_to_dequantized(out, ref, magnitude, dtype, k, world, what)
         digests.append(digest(out))
-    assert torch_gemm_ar._C._dequantized_product_calls() > products, "the dequantized product never ran"
+    assert observe.dequantized_product_calls() > products, "the dequantized product never ran"
     if portable and algorithm == "sequential":  # (1, 1, 1) and the other small outputs fit the exchange's slots
-        assert torch_gemm_ar._C._agreement_payload_calls() > carried, "no quantized result rode on the agreement"
+        assert observe.agreement_payload_calls() > carried, "no quantized result rode on the agreement"
     if portable:
         dist.destroy_process_group(group)
     return digests

@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 # (partials, out): the dtype pairs the AVX-512 loop takes.
 PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
 WIDTHS = [1, 15, 16, 17, 31, 33, 257, 999]
 SENTINEL = -12288.0  # exact in bf16 and fp32: what the columns and rows around the region hold before and after
 
-needs_avx512 = pytest.mark.skipif(not _C._has_avx512_reduce(),
+needs_avx512 = pytest.mark.skipif(not observe.has_avx512_reduce(),
                                   reason="this CPU has no AVX-512 F/BW/VL: the reduction runs the portable loop only")
 
 
@@ -54,7 +54,7 @@ def same_bits(a, b):
 def run(partials, out0, bank_wanted, add_into_out, avx512, out_dtype):
     out_buffer, out = padded(out0, out_dtype)
     bank_buffer, bank = padded(torch.zeros_like(out0), out_dtype) if bank_wanted else (None, None)
-    _C._reduce_rows(partials, out, bank, add_into_out, avx512)
+    observe.reduce_rows(partials, out, bank, add_into_out, avx512)
     return out_buffer, bank_buffer
 
 
@@ -96,7 +96,7 @@ def test_avx512_loop_is_bitwise_the_portable_loop():
 
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512_loop", "portable_loop"])
 def test_both_loops_match_float64_and_stay_inside_their_rows(avx512):
-    if avx512 and not _C._has_avx512_reduce():
+    if avx512 and not observe.has_avx512_reduce():
         pytest.skip("this CPU has no AVX-512 F/BW/VL: the reduction runs the portable loop only")
     seed = random.randrange(1 << 30)
     for partials, out0, bank_wanted, add_into_out, partial_dtype, out_dtype in cases(seed):
@@ -129,6 +129,6 @@ def test_a_loop_that_reorders_the_sum_would_be_caught():
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     small, other, big = (torch.randn(8, 999, generator=gen) * scale for scale in (1.0, 1.0, 1e7))
     in_order, reordered = torch.empty(8, 999), torch.empty(8, 999)
-    _C._reduce_rows([small, other, big], in_order, None, False, True)
-    _C._reduce_rows([small, big, other], reordered, None, False, True)
+    observe.reduce_rows([small, other, big], in_order, None, False, True)
+    observe.reduce_rows([small, big, other], reordered, None, False, True)
     assert not same_bits(in_order, reordered)

@@ -18,6 +18,7 @@ from scoped_env import engine_switch
 from test_fewer_b_reorders import EVERY_DTYPE, NATIVE_HALF, ONE_CORE, each_switch_mode
 from test_sequence_parallel_fused import allgather_case, reduce_scatter_case, stress, stress_ignoring_epochs
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 
 def test_the_rule(one_core_env):
@@ -25,18 +26,18 @@ def test_the_rule(one_core_env):
     try:
         for dtype, like, mode, takes in each_switch_mode():
             for m, n, world in ((2048, 1024, 2), (3 * 517, 700, 3)):
-                per_rank = _C._tile_row_per_rank_geometry(m, n, world)
-                rs = _C._call_geometry("gemm_reduce_scatter", m, 256, n, like, world)
-                ag = _C._call_geometry("allgather_gemm", m, 256, n, like, world)
+                per_rank = observe.tile_row_per_rank_geometry(m, n, world)
+                rs = observe.call_geometry("gemm_reduce_scatter", m, 256, n, like, world)
+                ag = observe.call_geometry("allgather_gemm", m, 256, n, like, world)
                 # M / world rows (rounded up to the 16-row stripes) and every column in one tile.
                 assert per_rank[0] >= m // world and per_rank[1] >= n
-                assert rs == (per_rank if takes else _C._wide_row_geometry(m, n, world)), (dtype, mode, m)
+                assert rs == (per_rank if takes else observe.wide_row_geometry(m, n, world)), (dtype, mode, m)
                 assert (ag == per_rank) == takes, (dtype, mode, m)
                 # allgather_gemm multiplies all rows at once where they are all in; gemm_reduce_scatter never.
-                assert _C._call_multiplies_in_one_product("allgather_gemm", m, 256, n, like, world) == takes
-                assert not _C._call_multiplies_in_one_product("gemm_reduce_scatter", m, 256, n, like, world)
+                assert observe.call_multiplies_in_one_product("allgather_gemm", m, 256, n, like, world) == takes
+                assert not observe.call_multiplies_in_one_product("gemm_reduce_scatter", m, 256, n, like, world)
         with pytest.raises(ValueError, match="multiple of world"):
-            _C._call_geometry("allgather_gemm", 1001, 8, 8, torch.empty(0), 2)
+            observe.call_geometry("allgather_gemm", 1001, 8, 8, torch.empty(0), 2)
     finally:
         _C._set_engine_option("fewer_b_reorders", previous)
 
@@ -86,12 +87,12 @@ def forced_stress(rank, world, seed, calls, ignore_epochs=False):
     20x the base case's (chunks of up to 1000 rows, one tile row each; gemm_allreduce calls in between take their own
     geometries)."""
     with engine_rules():
-        before = _C._one_product_calls()
+        before = observe.one_product_calls()
         if ignore_epochs:
             wrong = stress_ignoring_epochs(rank, world, seed, calls, "0", tiles=None, scale_rows=20)
         else:
             wrong = stress(rank, world, seed, calls, "0", slow_rank=world - 1, tiles=None, scale_rows=20)
-        return wrong, _C._one_product_calls() - before
+        return wrong, observe.one_product_calls() - before
 
 
 @pytest.mark.parametrize("world,calls", [(2, 400), (3, 150)])
@@ -118,13 +119,13 @@ def one_product_takers(rank, world, seed, late_rank):
         for i in range(4):
             if rank == late_rank and i > 0:
                 time.sleep(0.15)
-            before = _C._one_product_calls()
+            before = observe.one_product_calls()
             # One signature for all four (a call whose signature differs from the last one's is checked by every
             # rank before any publishes: the ranks would arrive together).
             out, want, _, _ = allgather_case(rank, world, seed + i, torch.bfloat16, lambda k: (world * 70, k), 0,
                                              40, 300, True)
             if i > 0:
-                took.append(_C._one_product_calls() - before)
+                took.append(observe.one_product_calls() - before)
             assert_matches(out, want, torch.bfloat16, 40, 1, "allgather_gemm, one product or tile by tile")
     return took
 
@@ -138,17 +139,17 @@ def test_allgather_gemm_takes_one_product_where_every_rank_s_rows_are_in(ranks):
 
 def packed_panels_of_allgather_calls(rank, world, seed):
     """Packed B panels made by fp32 allgather_gemm calls of two tile rows per rank and more (the default rules)."""
-    before = _C._packed_b_panels()
+    before = observe.packed_b_panels()
     with engine_rules(NATIVE_HALF):
         for i in range(3):
             out, want, _, _ = allgather_case(rank, world, seed + i, torch.float32, lambda k: (world * 600, k), 0,
                                              96, 1100, i == 1)
             assert_matches(out, want, torch.float32, 96, 1, "allgather_gemm with packed B panels")
-    return _C._packed_b_panels() - before
+    return observe.packed_b_panels() - before
 
 
 def test_allgather_gemm_packs_b_panels_once_per_call(ranks):
-    if not _C._packed_b_available():
+    if not observe.packed_b_available():
         pytest.skip("torch's BLAS has no packed GEMM (not a oneMKL build): the engine multiplies through at::mm")
     panels = ranks(2).run(packed_panels_of_allgather_calls, random.randrange(1 << 20))
     # Default tiles (256 x 512 at N 1100: 3 panels), 1200 gathered rows: 5 tile rows share each panel.

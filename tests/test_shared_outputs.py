@@ -17,6 +17,7 @@ from hooked_build import hooked
 from scoped_env import engine_switch
 from test_gathered_inputs import per_rank_inputs
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
 # Outputs of 1 MiB or more take a slot (kMinSlotOutputBytes), except calls whose fp32 partials a peer reads in one
@@ -45,14 +46,14 @@ def right_results(rank, world, seed, dtype, bias, calls, slots=SLOTS):
     slot)."""
     m0, k, n = SLOT_SHAPES[dtype]
     with output_slots(slots):
-        before = _C._shared_output_calls()
+        before = observe.shared_output_calls()
         wrong = 0
         for i in range(calls):
             m = m0 + 37 * i
             a, b, c = per_rank_inputs(seed + i, world, m, k, n, dtype, bias)
             out = torch_gemm_ar.gemm_allreduce(a[rank], b[rank], bias=c[rank], algorithm="fused")
             wrong += not close(out, reference(a, b, c, bias), dtype, k, world)
-        return wrong, _C._shared_output_calls() - before
+        return wrong, observe.shared_output_calls() - before
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -70,13 +71,13 @@ def kept_outputs(rank, world, seed, keep):
     process group is gone."""
     m, k, n = SLOT_SHAPES[torch.float32]
     with output_slots():
-        before = _C._shared_output_calls()
+        before = observe.shared_output_calls()
         kept = []
         shapes = [(m + i, k, n) for i in range(keep)] + [(2 * m, k, 2 * n)]  # the last one needs larger windows
         for i, (mi, ki, ni) in enumerate(shapes):
             a, b, c = per_rank_inputs(seed + i, world, mi, ki, ni, torch.float32, False)
             kept.append((torch_gemm_ar.gemm_allreduce(a[rank], b[rank], algorithm="fused"), reference(a, b, c, False)))
-        in_slots = _C._shared_output_calls() - before
+        in_slots = observe.shared_output_calls() - before
         wrong = sum(not close(out, ref, torch.float32, k, world) for out, ref in kept)
         group = dist.new_group(list(range(world)))
         a, b, c = per_rank_inputs(seed, world, m, k, n, torch.float32, False)
@@ -112,9 +113,9 @@ def overwritten_at_once(rank, world, seed, calls, no_wait):
                 dist.barrier()  # rank 1's sleeps of the call before must not make it the late one
                 if rank == 0:
                     time.sleep(0.005)
-                before = _C._shared_output_calls()
+                before = observe.shared_output_calls()
                 out = torch_gemm_ar.gemm_allreduce(a[rank], b[rank], algorithm="fused")
-                in_slots += _C._shared_output_calls() - before
+                in_slots += observe.shared_output_calls() - before
                 if rank == 0:
                     out.fill_(float("nan"))
                 else:

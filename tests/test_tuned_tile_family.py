@@ -11,6 +11,7 @@ import torch
 from scoped_env import scoped_env
 from test_auto_tuner import checked_auto_call, fresh_tuner
 from torch_gemm_ar import _C, tuning
+from engine_observation_build import observe
 
 # The engine as on a one-core rank (what the rules and these counts assume), whatever this host's core count.
 ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0")
@@ -23,18 +24,18 @@ SLOW_US = 150_000  # added to every tuning run of the candidates that must lose:
 def other_family(dtype, m=M, k=K, n=N, world=2):
     assert os.environ.get("TORCH_GEMM_AR_CPU_TILE") is None  # a tile from the environment hides the families
     with scoped_env(**ONE_CORE):
-        return _C._other_tile_family(m, k, n, torch.empty(0, dtype=dtype), world)
+        return observe.other_tile_family(m, k, n, torch.empty(0, dtype=dtype), world)
 
 
 def test_the_candidate_is_the_family_the_rules_did_not_pick(one_core_env):
     f32, bf16 = torch.empty(0), torch.empty(0, dtype=torch.bfloat16)
-    assert _C._other_tile_family(2048, 1024, 1024, f32, 2) == "fused/few-products"  # rules: default tiles
-    assert _C._other_tile_family(1024, 4096, 1024, f32, 2) == "fused/tiles"  # long K: rules take few products
+    assert observe.other_tile_family(2048, 1024, 1024, f32, 2) == "fused/few-products"  # rules: default tiles
+    assert observe.other_tile_family(1024, 4096, 1024, f32, 2) == "fused/tiles"  # long K: rules take few products
     # Where bf16 products reorder B per call (computed natively), the rules take few products; else as fp32.
-    native = _C._reorders_b_per_product(bf16)
-    assert _C._other_tile_family(2048, 1024, 1024, bf16, 2) == ("fused/tiles" if native else "fused/few-products")
-    assert _C._other_tile_family(100, 40, 90, f32, 2) == ""  # tiny outputs: tiles cannot matter enough
-    assert _C._other_tile_family(8, 4096, 4096, f32, 3) == ""
+    native = observe.reorders_b_per_product(bf16)
+    assert observe.other_tile_family(2048, 1024, 1024, bf16, 2) == ("fused/tiles" if native else "fused/few-products")
+    assert observe.other_tile_family(100, 40, 90, f32, 2) == ""  # tiny outputs: tiles cannot matter enough
+    assert observe.other_tile_family(8, 4096, 4096, f32, 3) == ""
 
 
 def tune_with(rank, world, seed, cache_path, dtype, slow, calls_after):
@@ -48,10 +49,10 @@ def tune_with(rank, world, seed, cache_path, dtype, slow, calls_after):
             tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N, dtype))
         finally:
             _C._set_tuner_slow_candidate("", 0)
-        before = _C._one_product_calls()
+        before = observe.one_product_calls()
         for i in range(calls_after):
             checked_auto_call(rank, world, seed + 1 + i, M, K, N, dtype)
-        one_products = _C._one_product_calls() - before
+        one_products = observe.one_product_calls() - before
         return tuning.decisions(), tuning.decision_for(M, K, N, dtype), one_products
 
 
@@ -96,11 +97,11 @@ def decided_then_cached(rank, world, seed, cache_path, family):
             tuning.warm_up_until_tuned(lambda: checked_auto_call(rank, world, seed, M, K, N))
         finally:
             _C._set_tuner_slow_candidate("", 0)
-        _C._tuner_clear_memory()  # a new process, as far as the tuner knows: the decision comes from the file
-        before = _C._one_product_calls()
+        observe.tuner_clear_memory()  # a new process, as far as the tuner knows: the decision comes from the file
+        before = observe.one_product_calls()
         for i in range(2):
             checked_auto_call(rank, world, seed + 1 + i, M, K, N)
-        return tuning.decisions(), _C._one_product_calls() - before
+        return tuning.decisions(), observe.one_product_calls() - before
 
 
 def test_a_decided_family_comes_back_from_the_tune_cache(hooked_ranks, tmp_path):
@@ -160,7 +161,7 @@ def switch_differs(rank, world, option):
         return str(e)
     finally:
         _C._set_engine_option(option, previous)
-        _C._tuner_clear_memory()
+        observe.tuner_clear_memory()
 
 
 @pytest.mark.parametrize("option", ["tune_tile_family", "wide_row_panels", "one_product"])
@@ -191,7 +192,7 @@ def test_a_variant_replaces_fused_only_when_its_own_median_is_lower_too():
     """The race's leader by the median relative to each round's fastest run, except that a fused variant must also
     have the lower median of its own runs (a variant that led its rounds while its own runs were slower than fused's
     then runs slower than fused; docs/journal/performance-journal.md)."""
-    decide = _C._tuner_decide_from_samples
+    decide = observe.tuner_decide_from_samples
     # Two slow rounds where the variant is a little faster, then fast rounds where fused is as fast or faster.
     slow_spell = [[2.0, 2.0, 1.0, 1.0], [1.9, 1.9, 1.2, 0.99]]
     assert decide(["fused", "fused/tiles"], slow_spell, trust_medians=False) == "fused/tiles"  # the rule alone

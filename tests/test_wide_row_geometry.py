@@ -14,6 +14,7 @@ from inputs import assert_matches, bias_vector, digest, reference, shard, weight
 from scoped_env import scoped_env
 from test_sequence_parallel_fused import reduce_scatter_case
 from torch_gemm_ar import _C
+from engine_observation_build import observe
 
 # (op, M, K, N): M >= 2 x world x 256 rows, K x N over 16K elements (B's panels are packed), N over 512.
 LONG_CALLS = {
@@ -25,25 +26,25 @@ ONE_CORE = dict(TORCH_GEMM_AR_COMPUTE_THREADS="1", TORCH_GEMM_AR_COMM_THREADS="0
 
 
 def tile_cols(m, n, world):
-    return _C._wide_row_geometry(m, n, world)[1]
+    return observe.wide_row_geometry(m, n, world)[1]
 
 
 def test_the_rule(one_core_env):
-    assert _C._wide_row_geometry(1031, 613, 2) == (256, 624, 64)  # one panel, rounded up to 16 columns
-    assert _C._wide_row_geometry(1100, 2100, 2) == (256, 1056, 64)  # over 2048: two equal panels
-    assert _C._wide_row_geometry(4096, 5000, 2) == (256, 1680, 64)  # three
-    assert _C._wide_row_geometry(1543, 517, 3) == (256, 528, 64)
+    assert observe.wide_row_geometry(1031, 613, 2) == (256, 624, 64)  # one panel, rounded up to 16 columns
+    assert observe.wide_row_geometry(1100, 2100, 2) == (256, 1056, 64)  # over 2048: two equal panels
+    assert observe.wide_row_geometry(4096, 5000, 2) == (256, 1680, 64)  # three
+    assert observe.wide_row_geometry(1543, 517, 3) == (256, 528, 64)
     # Too short for every rank to own two tile rows, or already one tile wide: the default tiles.
-    assert _C._wide_row_geometry(1023, 613, 2) == (256, 512, 64)
-    assert _C._wide_row_geometry(1535, 613, 3) == (256, 512, 64)
-    assert _C._wide_row_geometry(4096, 512, 2) == (256, 512, 64)
+    assert observe.wide_row_geometry(1023, 613, 2) == (256, 512, 64)
+    assert observe.wide_row_geometry(1535, 613, 3) == (256, 512, 64)
+    assert observe.wide_row_geometry(4096, 512, 2) == (256, 512, 64)
     # A comm thread overlaps the GEMM at the default tiles' finer grain.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "1")
-    assert _C._wide_row_geometry(4096, 2048, 2) == (256, 512, 64)
+    assert observe.wide_row_geometry(4096, 2048, 2) == (256, 512, 64)
     # A tile from the environment is kept for every call.
     one_core_env.setenv("TORCH_GEMM_AR_COMM_THREADS", "0")
     one_core_env.setenv("TORCH_GEMM_AR_CPU_TILE", "128,256,32")
-    assert _C._wide_row_geometry(4096, 2048, 2) == (128, 256, 32)
+    assert observe.wide_row_geometry(4096, 2048, 2) == (128, 256, 32)
 
 
 def one_call(rank, world, seed, op, m, k, n, dtype):
@@ -57,7 +58,7 @@ def one_call(rank, world, seed, op, m, k, n, dtype):
 
 
 def both_geometries(rank, world, seed, dtype, owner_last):
-    packs_in_fp32 = _C._packed_b_available() and (
+    packs_in_fp32 = observe.packed_b_available() and (
         dtype == torch.float32 or _C._computes_in_fp32(torch.empty(0, dtype=dtype)))
     digests = []
     with scoped_env(**ONE_CORE):
@@ -71,9 +72,9 @@ def both_geometries(rank, world, seed, dtype, owner_last):
                 assert cols > 512, what + f": the wide geometry does not apply ({cols} columns)"
                 for wide in (True, False):
                     _C._set_engine_option("wide_row_panels", wide)
-                    before = _C._packed_b_panels()
+                    before = observe.packed_b_panels()
                     out, want = one_call(rank, world, seed + case, op, m, k, n, dtype)
-                    panels = _C._packed_b_panels() - before
+                    panels = observe.packed_b_panels() - before
                     label = f"{what} {'wide' if wide else 'default'} tiles"
                     assert_matches(out, want, dtype, k, world, label)
                     if packs_in_fp32:  # one packed panel of B per tile column
