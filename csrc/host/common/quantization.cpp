@@ -177,12 +177,11 @@ void dequantized_product(const CallArgs& call, int64_t row0, int64_t rows, bool 
     out.mul_(q.a_scale_kind == ScaleKind::kPerRow ? q.a_scale.narrow(0, row0, rows).unsqueeze(1) : q.a_scale);
     out.mul_(q.b_scale);
   } else {
-    // The int8 kernel in fp32 only: fp32 partials before the reduction, and its half-precision kernels are not
-    // used at odd shapes (docs/decisions/0020-quantized-ops.md).
-    at::Tensor a_rows = plain_strides(call.a2d.narrow(0, row0, rows).to(at::kFloat).contiguous());
-    at::Tensor b_rows_by_n = plain_strides(call.b.t().contiguous());  // [N, K]: a view for b = w.t() of a [N, K] weight
-    at::Tensor scales = q.b_scale.expand({call.n}).contiguous();
-    out.copy_(at::_weight_int8pack_mm(a_rows, b_rows_by_n, scales));
+    // fp32 BLAS on b converted exactly (int8 values are exact in fp32), then b_scale per column: aten's W8A16 kernel
+    // (_weight_int8pack_mm) is far slower in fp32 and rounds the partial in its half-precision variants
+    // (docs/decisions/0020-quantized-ops.md). b keeps its strides: w.t() stays a transposed view for BLAS.
+    at::mm_out(out, plain_strides(call.a2d.narrow(0, row0, rows).to(at::kFloat)), plain_strides(call.b.to(at::kFloat)));
+    out.mul_(q.b_scale);
   }
   if (add_bias && call.bias.has_value()) out.add_(call.bias->to(at::kFloat));
 }

@@ -35,7 +35,7 @@ std::string numeric_format_name(int64_t format);
 
 // out (fp32 [rows, N], unit column stride) = the dequantized product of a's rows [row0, row0 + rows) and b, plus
 // the bias (in fp32) when `add_bias`: int8 x int8 into int32 (torch._int_mm) scaled by a_scale and b_scale for W8A8;
-// a in fp32 times int8 b with b_scale per column (aten::_weight_int8pack_mm) for W8A16.
+// a times b, both converted to fp32, then b_scale per column for W8A16.
 void dequantized_product(const CallArgs& call, int64_t row0, int64_t rows, bool add_bias, at::Tensor out);
 
 // How many dequantized products this process has computed (tests: the quantized path really ran).
