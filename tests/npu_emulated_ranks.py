@@ -4,6 +4,7 @@ the groups whose "npu" backend is the emulated HCCL."""
 import importlib.util
 import os
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,19 @@ def _load_as(name, path):
     return module
 
 
+def _device_module(emu):
+    """torch.npu as torch's Python side asks a PrivateUse1 backend for it (device moves initialise it lazily)."""
+    module = types.ModuleType("torch.npu")
+    module.is_available = lambda: True
+    module.is_initialized = lambda: True
+    module._lazy_init = lambda: None
+    module.device_count = lambda: 1
+    module.current_device = lambda: 0
+    module.set_device = lambda device: None
+    module.synchronize = lambda device=None: emu.synchronize()
+    return module
+
+
 def load(library):
     """The emulated runtime in this process (once): "npu" is PrivateUse1, torch_gemm_ar._C_npu is the product's host
     code on it, and the emulated HCCL is a c10d backend for "npu" tensors. Returns the gemm_ar_emu controls."""
@@ -35,6 +49,7 @@ def load(library):
     torch_gemm_ar._C_npu = npu
     register_error_checker(npu.check_errors)
     emu = _load_as("gemm_ar_emu", library)
+    torch._register_device_module("npu", _device_module(emu))
 
     def create(store, rank, size, timeout):
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
