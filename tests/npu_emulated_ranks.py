@@ -70,3 +70,10 @@ def group(library, topology="mesh", key=""):
     # Read by the emulated HCCL when the group's communicator is set up (its first fused call).
     os.environ["GEMM_AR_EMU_TOPOLOGY"] = topology
     return _groups[(topology, key)]
+
+
+def forget(destroyed):
+    """Drops a destroyed group from this process's groups."""
+    for key, g in list(_groups.items()):
+        if g is destroyed:
+            del _groups[key]

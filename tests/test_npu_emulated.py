@@ -132,6 +132,7 @@ def _sequence_parallel(rank, world, library, topology, seed, m, k, n, transposed
     _bound_check(got, ref, 3 * u * magnitude + 1e-6, f"allgather_gemm {what}")
     torch_gemm_ar.check_errors()
     _model_clean(emu, what)
+    assert emu.contexts_built()[topology] >= 1, f"{what}: the emulated HCCL never built a {topology} context"
     return inputs.digest(got)
 
 
@@ -176,6 +177,7 @@ def _add_rmsnorm(rank, world, library, topology, seed, m, k, n, in_place):
     _bound_check(normed, want, u * want.abs() + 1e-5 * want.abs() + 1e-6, f"normed {what}")
     torch_gemm_ar.check_errors()
     _model_clean(emu, what)
+    assert emu.contexts_built()[topology] >= 1, f"{what}: the emulated HCCL never built a {topology} context"
     return inputs.digest(out) + inputs.digest(normed)
 
 
@@ -290,3 +292,127 @@ def test_negative_control_window_shifted_by_a_cache_line(emulated_npu):
     library, pools = emulated_npu
     failures = pools(2).run(_gemm_allreduce_shifted_window, library, SEED + 29)
     assert any(failures), "a window a cache line off went unnoticed: the correctness test cannot see offsets"
+
+
+def _kernel_failure_on_one_rank(rank, world, library, seed):
+    """Rank 1's kernels of one call never run (dropped by the emulated runtime, as a killed kernel): its peers' kernels
+    give up on it within the bound, their output is NaN and the failure is raised by the next call on every peer and
+    by check_errors(); the call after it is correct on every rank (the epochs stayed aligned)."""
+    import os
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="failure")
+    dtype = torch.float16
+    m, k, n = 40, 36, 50
+    shards, b, _, b_npu = _operands(rank, world, seed, m, k, n, dtype, False, False)
+    a_npu = shards[rank].to("npu")
+    check = lambda out, what: _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(),  # noqa: E731
+                                            f"rank {rank} {what}")
+    check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "first call")
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+    try:
+        if rank == 1:
+            emu.drop_next_launches(2)  # the call's compute and comm kernels
+        failed = torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()
+        raised_next = ""
+        try:
+            torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()
+        except RuntimeError as error:
+            raised_next = str(error).splitlines()[0]
+        try:
+            torch_gemm_ar.check_errors()
+            raised_check = ""
+        except RuntimeError as error:
+            raised_check = str(error).splitlines()[0]
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+        emu.drop_next_launches(0)
+    check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "call after the failure")
+    torch_gemm_ar.check_errors()
+    return bool(torch.isnan(failed).all()), raised_next, raised_check
+
+
+def test_kernel_failure_on_one_rank(emulated_npu):
+    library, pools = emulated_npu
+    results = pools(3).run(_kernel_failure_on_one_rank, library, SEED + 31)
+    for rank in (0, 2):
+        nan_everywhere, raised_next, raised_check = results[rank]
+        assert nan_everywhere, f"rank {rank}: the failed call's output is not all NaN"
+        assert raised_next or raised_check, f"rank {rank}: the failure was never raised"
+        assert "rank 1" in raised_next + raised_check, f"rank {rank}: the error does not name rank 1: {results[rank]}"
+
+
+def _two_threads_two_streams(rank, world, library, seed, calls):
+    """Two threads, each on a stream of its own, call one group at once: the group orders their calls (the second
+    waits for the first on the device), so every result is right. Both threads use the same inputs: the ranks may
+    order the two threads' calls differently, which only the same operands make harmless."""
+    import threading
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="threads")
+    dtype = torch.float16
+    m, k, n = 72, 50, 66
+    shards, b, _, b_npu = _operands(rank, world, seed, m, k, n, dtype, True, False)
+    a_npu = shards[rank].to("npu")
+    torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()  # the agreed first call
+    streams = [emu.new_stream(), emu.new_stream()]
+    outs, errors = [[], []], []
+
+    def work(t):
+        try:
+            emu.set_stream(streams[t])
+            for _ in range(calls):
+                outs[t].append(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"))
+        except BaseException as error:  # noqa: BLE001  (re-raised below, on the rank's main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), f"rank {rank}: a calling thread hung"
+    if errors:
+        raise errors[0]
+    emu.synchronize()
+    for t in range(2):
+        for c, out in enumerate(outs[t]):
+            _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(), f"rank {rank} thread {t} call {c}")
+    torch_gemm_ar.check_errors()
+    _model_clean(emu, f"rank {rank} two threads")
+    return True
+
+
+def test_two_threads_two_streams_one_group(emulated_npu):
+    library, pools = emulated_npu
+    assert pools(2).run(_two_threads_two_streams, library, SEED + 37, 3) == [True, True]
+
+
+def _destroyed_and_recreated_group(rank, world, library, seed):
+    """A group's fused calls, the group destroyed, a new one over the same ranks: its own communicator, windows and
+    epochs, correct results."""
+    import torch.distributed as dist
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    dtype = torch.float16
+    shards, b, _, b_npu = _operands(rank, world, seed, 31, 29, 45, dtype, False, False)
+    a_npu = shards[rank].to("npu")
+    for round_ in range(2):
+        group = npu_emulated_ranks.group(library, "mesh", key=f"recreated-{seed}-{round_}")
+        out = torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused")
+        _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(), f"rank {rank} group {round_}")
+        torch_gemm_ar.check_errors()
+        dist.destroy_process_group(group)
+        npu_emulated_ranks.forget(group)
+    return True
+
+
+def test_destroyed_and_recreated_group(emulated_npu):
+    library, pools = emulated_npu
+    assert pools(2).run(_destroyed_and_recreated_group, library, SEED + 41) == [True, True]

@@ -84,8 +84,8 @@ bool tiling_is_batch_write(const void* tiling, const std::string& comm_name) {
   const std::string alg(t.cc.algConfig, strnlen(t.cc.algConfig, sizeof(t.cc.algConfig)));
   return t.init.version == layout::kInitTilingVersion && t.init.mc2HcommCnt == 1 &&
          t.init.offset[0] == offsetof(layout::Mc2TilingV2, cc) && t.init.commBlockNum > 0 &&
-         t.cc.opType == layout::kOpTypeBatchWrite && t.cc.commEngine == layout::kCommEngineAiv &&
-         group == comm_name && alg == layout::kAlgConfigFullMesh;
+         t.cc.opType == layout::kOpTypeBatchWrite && t.cc.commEngine == layout::kCommEngineAiv && group == comm_name &&
+         alg == layout::kAlgConfigFullMesh;
 }
 
 // Negative control (tests only): GEMM_AR_EMU_FAULT_WINDOW_SHIFT=B makes the context this rank gets name the next
@@ -99,8 +99,7 @@ uint64_t fault_window_shift() {
 
 EmulatedHccl::EmulatedHccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            c10::intrusive_ptr<c10d::Backend> gloo)
-    : c10d::Backend(rank, size),
-      store_(c10::make_intrusive<c10d::PrefixStore>("emulated_hccl", store)),
+    : c10d::Backend(rank, size), store_(c10::make_intrusive<c10d::PrefixStore>("emulated_hccl", store)),
       gloo_(std::move(gloo)) {}
 
 // The windows stay mapped: kernels queued before the group was destroyed may still write into them, as HCCL keeps
@@ -203,8 +202,7 @@ int32_t EmulatedHccl::map_windows(std::string* error) {
   return status;
 }
 
-int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const void* tiling, bool mesh,
-                                          void** context) {
+int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const void* tiling, bool mesh, void** context) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!tiling_is_batch_write(tiling, comm_name)) return kHcclBadParameter;
   if (context_ != nullptr) {
@@ -263,6 +261,7 @@ int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const vo
     }
     context_ = block;
   }
+  count_context(mesh);
   *context = context_;
   return kHcclSuccess;
 }

@@ -22,8 +22,8 @@ constexpr size_t kAlignment = 512;  // the device allocator's alignment on Ascen
 struct Block {
   void* ptr = nullptr;
   size_t bytes = 0;
-  int64_t stream = 0;           // the allocation stream
-  std::mutex mutex;             // guards `recorded`
+  int64_t stream = 0;          // the allocation stream
+  std::mutex mutex;            // guards `recorded`
   std::set<int64_t> recorded;  // keep_alive's streams
 };
 

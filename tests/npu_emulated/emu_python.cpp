@@ -12,8 +12,8 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(gemm_ar_emu, m) {
   py::module_::import("torch.distributed");  // registers c10d's Backend and Store with pybind11
-  py::class_<gemm_ar::emu::EmulatedHccl, c10d::Backend, c10::intrusive_ptr<gemm_ar::emu::EmulatedHccl>>(
-      m, "EmulatedHccl");
+  py::class_<gemm_ar::emu::EmulatedHccl, c10d::Backend, c10::intrusive_ptr<gemm_ar::emu::EmulatedHccl>>(m,
+                                                                                                        "EmulatedHccl");
   m.def(
       "make_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -34,6 +34,18 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
   m.def(
       "host_synchronisations", [] { return gemm_ar::emu::host_synchronisations(); },
       "How many host synchronisations the host code asked for so far (DeviceControl's waits, c10d collectives).");
+  m.def(
+      "drop_next_launches", [](int64_t count) { gemm_ar::emu::drop_next_launches(count); },
+      "Negative control: the next `count` kernel launches of this process never run.");
+  m.def(
+      "contexts_built",
+      [] {
+        py::dict d;
+        d["mesh"] = gemm_ar::emu::contexts_built(true);
+        d["ring"] = gemm_ar::emu::contexts_built(false);
+        return d;
+      },
+      "How many MESH contexts and RING op-resource blocks the emulated HCCL built in this process.");
   m.def(
       "model_counters",
       [] {

@@ -52,8 +52,8 @@ class CorePool {
   std::vector<emu::sim::Core*> acquire(uint32_t blocks) {
     TORCH_CHECK(blocks <= total_, "a launch of ", blocks, " blocks on a device with ", total_, " such cores");
     std::unique_lock<std::mutex> lock(mutex_);
-    TORCH_CHECK(freed_.wait_for(lock, emu::wait_bound(), [&] { return free_.size() >= blocks; }),
-                "a launch of ", blocks, " blocks found no free cores within the bound");
+    TORCH_CHECK(freed_.wait_for(lock, emu::wait_bound(), [&] { return free_.size() >= blocks; }), "a launch of ",
+                blocks, " blocks found no free cores within the bound");
     std::vector<emu::sim::Core*> cores(free_.end() - blocks, free_.end());
     free_.resize(free_.size() - blocks);
     return cores;
@@ -130,6 +130,7 @@ class EmulatedQueue final : public DeviceQueue {
   void launch(const c10::Stream& stream, Kernel kernel, uint32_t blocks, void* args_device) override {
     const int id = static_cast<int>(kernel);
     TORCH_CHECK(id >= 0 && id < emu::sim::kKernelCount, "unknown kernel ", id);
+    if (emu::take_dropped_launch()) return;
     worker_of(stream).enqueue([id, blocks, args_device] {
       CorePool& pool = cores_for(id);
       const std::vector<emu::sim::Core*> cores = pool.acquire(blocks);

@@ -155,6 +155,22 @@ namespace {
 std::atomic<uint64_t> synchronisations{0};
 }  // namespace
 
+// Relaxed as well: set by the test between calls, read by the same thread's next launches.
+std::atomic<int64_t> launches_to_drop{0};
+std::atomic<int64_t> mesh_contexts{0}, ring_contexts{0};
+
+void drop_next_launches(int64_t count) { launches_to_drop.store(count, std::memory_order_relaxed); }
+bool take_dropped_launch() {
+  int64_t left = launches_to_drop.load(std::memory_order_relaxed);
+  while (left > 0) {
+    if (launches_to_drop.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) return true;
+  }
+  return false;
+}
+
+void count_context(bool mesh) { (mesh ? mesh_contexts : ring_contexts).fetch_add(1, std::memory_order_relaxed); }
+int64_t contexts_built(bool mesh) { return (mesh ? mesh_contexts : ring_contexts).load(std::memory_order_relaxed); }
+
 void count_host_synchronisation() { synchronisations.fetch_add(1, std::memory_order_relaxed); }
 uint64_t host_synchronisations() { return synchronisations.load(std::memory_order_relaxed); }
 

@@ -75,6 +75,15 @@ void report_device_error();
 void count_host_synchronisation();
 uint64_t host_synchronisations();
 
+// Negative control (tests only): the next `count` kernel launches of this process are dropped, as kernels the
+// runtime never ran or killed at once.
+void drop_next_launches(int64_t count);
+bool take_dropped_launch();
+
+// Which contexts the emulated HCCL built in this process (MESH, RING).
+void count_context(bool mesh);
+int64_t contexts_built(bool mesh);
+
 // Waits for every task queued so far on `worker` / on every stream (bounded), then reports a device error.
 void synchronize(Worker& worker);
 void synchronize_all();
