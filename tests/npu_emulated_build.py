@@ -74,6 +74,12 @@ def _kernel_objects(directory, defines):
                for src in KERNEL_SOURCES + SIM_SOURCES])
 
 
+def _kernel_dir_name():
+    from cached_build import inputs_hash
+
+    return f"emulated-kernels-{inputs_hash(KERNEL_INPUTS)}"
+
+
 def _object_name(src):
     return "sim_" + os.path.basename(src) + ".o"
 
@@ -90,11 +96,40 @@ def _build(directory, defines, kernel_dir):
         jobs.append([cxx, *host, "-c", src, "-o", obj])
         objects.append(obj)
     _run_jobs(jobs)
+    _link(cxx, objects, os.path.join(directory, LIBRARY), sim_extra)
+
+
+def _link(cxx, objects, output, extra):
     torch_lib = os.path.join(os.path.dirname(__import__("torch").__file__), "lib")
-    link = [cxx, "-shared", *objects, "-o", os.path.join(directory, LIBRARY), f"-L{torch_lib}",
-            f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lrt", "-pthread",
-            *sim_extra]
-    _run_jobs([link])
+    _run_jobs([[cxx, "-shared", *objects, "-o", output, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10",
+                "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lrt", "-pthread", *extra]])
+
+
+# Negative controls of the host code (csrc/host/npu/fused_call_sequence.h's test-build switches, the ones
+# tests/test_npu_call_sequence.py uses): only fused_npu.cpp instantiates queue_fused_call, so a control rebuilds that
+# unit with its switch and links it with the product build's other objects.
+CONTROLS = {"no_group_order": "GEMM_AR_TEST_CONTROL_NO_GROUP_ORDER",
+            "raise_before_launch": "GEMM_AR_TEST_CONTROL_RAISE_BEFORE_LAUNCH"}
+CONTROLLED_SOURCE = "csrc/host/npu/fused_npu.cpp"
+
+
+def _build_control(directory, define, base_dir):
+    cxx, _, sim_extra = kernel_sim_build._compile_flags(directory)
+    obj = os.path.join(directory, "host_" + os.path.basename(CONTROLLED_SOURCE) + ".o")
+    _run_jobs([[cxx, *_host_flags([define]), "-c", os.path.join(ROOT, CONTROLLED_SOURCE), "-o", obj]])
+    replaced = os.path.join(base_dir, os.path.basename(obj))
+    objects = [o for o in glob.glob(os.path.join(base_dir, "*.o")) if o != replaced] + [obj]
+    kernel_dir = os.path.join(os.path.dirname(base_dir), _kernel_dir_name())
+    objects += [os.path.join(kernel_dir, _object_name(src)) for src in KERNEL_SOURCES + SIM_SOURCES]
+    _link(cxx, objects, os.path.join(directory, LIBRARY), sim_extra)
+
+
+def emulated_control_path(control):
+    """The shared object of negative control `control` (a key of CONTROLS): the product build with fused_npu.cpp
+    compiled with the control's switch (about a minute once the product build exists)."""
+    base = os.path.dirname(emulated_library_path())
+    return os.path.join(cached_build(f"emulated-control-{control}", INPUTS,
+                                     lambda d: _build_control(d, CONTROLS[control], base)), LIBRARY)
 
 
 def emulated_library_path():
@@ -103,5 +138,6 @@ def emulated_library_path():
     if not os.environ.get("PTO_ISA_ROOT"):
         raise RuntimeError("PTO_ISA_ROOT is not set: the emulated runtime runs pto-isa's simulator kernels")
     kernel_dir = cached_build("emulated-kernels", KERNEL_INPUTS, lambda d: _kernel_objects(d, []))
+    assert os.path.basename(kernel_dir) == _kernel_dir_name()
     directory = cached_build("npu-emulated", INPUTS, lambda d: _build(d, [], kernel_dir))
     return os.path.join(directory, LIBRARY)

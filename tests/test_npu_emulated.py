@@ -75,10 +75,10 @@ def _skip_unrepresented(dtype_name, bf16_native):
                     "cannot be checked against a bf16 reference")
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_gemm_allreduce_fused_fp16(emulated_npu, world):
+@pytest.mark.parametrize("world,topology", [(2, "mesh"), (3, "mesh"), (4, "mesh"), (4, "ring")])
+def test_gemm_allreduce_fused_fp16(emulated_npu, world, topology):
     library, pools = emulated_npu
-    digests = pools(world).run(_gemm_allreduce, library, "mesh", SEED + world, 129, 300, 77, "float16", False, False)
+    digests = pools(world).run(_gemm_allreduce, library, topology, SEED + world, 129, 300, 77, "float16", False, False)
     assert len(set(digests)) == 1, "ranks returned different results"
 
 
@@ -298,9 +298,11 @@ def test_negative_control_window_shifted_by_a_cache_line(emulated_npu):
     library, pools = emulated_npu
     failures = pools(2).run(_gemm_allreduce_shifted_window, library, SEED + 29)
     assert any(failures), "a window a cache line off went unnoticed: the correctness test cannot see offsets"
+    assert all(f == "" or "non-finite" in f or "over the bound" in f or "gemm_allreduce (fused, NPU)" in f
+               for f in failures), f"failed for another reason: {failures}"
 
 
-def _kernel_failure_on_one_rank(rank, world, library, seed):
+def _kernel_failure_on_one_rank(rank, world, library, seed, timeout_s="30"):
     """Rank 1's kernels of one call never run (dropped by the emulated runtime, as a killed kernel): its peers' kernels
     give up on it within the bound, their output is NaN and the failure is raised by the next call on every peer and
     by check_errors(); the call after it is correct on every rank (the epochs stayed aligned)."""
@@ -333,10 +335,13 @@ def _kernel_failure_on_one_rank(rank, world, library, seed):
         except RuntimeError as error:
             raised_check = str(error).splitlines()[0]
     finally:
-        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = timeout_s
         emu.drop_next_launches(0)
-    check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "call after the failure")
-    torch_gemm_ar.check_errors()
+    try:
+        check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "call after the failure")
+        torch_gemm_ar.check_errors()
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
     return bool(torch.isnan(failed).all()), raised_next, raised_check
 
 
@@ -350,10 +355,11 @@ def test_kernel_failure_on_one_rank(emulated_npu):
         assert "rank 1" in raised_next + raised_check, f"rank {rank}: the error does not name rank 1: {results[rank]}"
 
 
-def _two_threads_two_streams(rank, world, library, seed, calls):
+def _two_threads_two_streams(rank, world, library, seed, calls, timeout_s="30"):
     """Two threads, each on a stream of its own, call one group at once: the group orders their calls (the second
     waits for the first on the device), so every result is right. Both threads use the same inputs: the ranks may
     order the two threads' calls differently, which only the same operands make harmless."""
+    import os
     import threading
 
     import torch_gemm_ar
@@ -365,6 +371,7 @@ def _two_threads_two_streams(rank, world, library, seed, calls):
     shards, b, _, b_npu = _operands(rank, world, seed, m, k, n, dtype, True, False)
     a_npu = shards[rank].to("npu")
     torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()  # the agreed first call
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = timeout_s
     streams = [emu.new_stream(), emu.new_stream()]
     outs, errors = [[], []], []
 
@@ -381,6 +388,7 @@ def _two_threads_two_streams(rank, world, library, seed, calls):
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
     assert not any(thread.is_alive() for thread in threads), f"rank {rank}: a calling thread hung"
     if errors:
         raise errors[0]
@@ -422,3 +430,36 @@ def _destroyed_and_recreated_group(rank, world, library, seed):
 def test_destroyed_and_recreated_group(emulated_npu):
     library, pools = emulated_npu
     assert pools(2).run(_destroyed_and_recreated_group, library, SEED + 41) == [True, True]
+
+
+def _run_control(control, fn, *args):
+    """fn on 2 ranks loading the negative control's build (tests/npu_emulated_build.py CONTROLS) in a pool of their
+    own; the failure it must produce, as text ("" if it passed)."""
+    from npu_emulated_build import emulated_control_path
+    from rank_pool import RankFailure, RankPool
+
+    path = emulated_control_path(control)
+    pool = RankPool(2 if fn is _two_threads_two_streams else 3)
+    try:
+        pool.run(fn, path, *args, timeout_s=180)
+        return ""
+    except RankFailure as failure:
+        return str(failure)
+    finally:
+        pool.close(force=True)
+
+
+def test_negative_control_no_group_order(emulated_npu):
+    """Without the per-group order, two threads' calls of one group run at once on the device: the test fails."""
+    failure = _run_control("no_group_order", _two_threads_two_streams, SEED + 37, 3, "5")
+    assert failure, "two streams' calls of one group ran unordered and the two-thread test did not notice"
+    assert "thread" in failure or "gemm_allreduce (fused, NPU)" in failure, f"failed for another reason: {failure}"
+
+
+def test_negative_control_raise_before_launch(emulated_npu):
+    """With the failure raised before the launch (the old order), the ranks that saw it skip the call, the group's
+    epochs drift apart and the call after the failure fails."""
+    failure = _run_control("raise_before_launch", _kernel_failure_on_one_rank, SEED + 31, "5")
+    assert failure, "a failure that shifts epochs went unnoticed by the kernel-failure test"
+    assert "call after the failure" in failure or "gemm_allreduce (fused, NPU)" in failure, (
+        f"failed for another reason: {failure}")
