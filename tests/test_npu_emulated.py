@@ -463,3 +463,55 @@ def test_negative_control_raise_before_launch(emulated_npu):
     assert failure, "a failure that shifts epochs went unnoticed by the kernel-failure test"
     assert "call after the failure" in failure or "gemm_allreduce (fused, NPU)" in failure, (
         f"failed for another reason: {failure}")
+
+
+def _dead_peer(rank, world, library, seed):
+    """Rank 2 dies after the group's first call; the others' next call ends within the kernels' bound, its output
+    NaN, and the failure names rank 2."""
+    import os
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="dead-peer")
+    dtype = torch.float16
+    shards, b, _, b_npu = _operands(rank, world, seed, 24, 20, 36, dtype, False, False)
+    a_npu = shards[rank].to("npu")
+    _assert_close(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu(), shards, b, None, dtype,
+                  emu.bf16_native(), f"rank {rank} first call")
+    torch_gemm_ar.check_errors()
+    group.barrier()  # every rank saw the first call through before rank 2 goes
+    if rank == 2:
+        os._exit(0)
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+    try:
+        out = torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()
+        try:
+            torch_gemm_ar.check_errors()
+            raised = ""
+        except RuntimeError as error:
+            raised = str(error).splitlines()[0]
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+    return bool(torch.isnan(out).all()), raised
+
+
+def test_dead_peer_named_within_the_bound(emulated_npu):
+    import time
+
+    from rank_pool import RankPool
+
+    library, _ = emulated_npu
+    pool = RankPool(3)
+    try:
+        start = time.monotonic()
+        results = pool.run(_dead_peer, library, SEED + 43, tolerate_deaths=True, timeout_s=120)
+        took = time.monotonic() - start
+    finally:
+        pool.close(force=True)
+    assert results[2] is None, "rank 2 was meant to die"
+    for rank in (0, 1):
+        nan_everywhere, raised = results[rank]
+        assert nan_everywhere, f"rank {rank}: the call without rank 2 did not leave NaN"
+        assert "rank 2" in raised, f"rank {rank}: the failure does not name the dead rank: {raised!r}"
+    assert took < 60, f"the survivors took {took:.0f} s, far beyond the 3 s bound"
