@@ -37,7 +37,7 @@ c10::intrusive_ptr<c10d::Work> finished(const c10::intrusive_ptr<c10d::Work>& wo
 }
 
 // Every collective of the group is a host synchronisation (counted), in order with the current stream.
-void drain_current_stream() {
+void begin_collective() {
   count_host_synchronisation();
   synchronize(stream(current_stream_id()));
 }
@@ -45,7 +45,7 @@ void drain_current_stream() {
 // HCCL_BUFFSIZE (MB) as HCCL reads it; the emulation's default is small, since every byte is host memory.
 uint64_t window_bytes_from_env() {
   const char* text = std::getenv("HCCL_BUFFSIZE");
-  const long mb = text != nullptr ? std::atol(text) : 16;
+  const long mb = text != nullptr ? std::atol(text) : 8;
   return static_cast<uint64_t>(std::max(1L, mb)) << 20;
 }
 
@@ -108,14 +108,14 @@ EmulatedHccl::~EmulatedHccl() = default;
 
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   auto cpu = aliases(tensors);
   return finished(gloo_->broadcast(cpu, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::allreduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::AllreduceOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   auto cpu = aliases(tensors);
   return finished(gloo_->allreduce(cpu, opts));
 }
@@ -123,7 +123,7 @@ c10::intrusive_ptr<c10d::Work> EmulatedHccl::allreduce(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   std::vector<std::vector<at::Tensor>> out;
   for (const auto& list : outputs) out.push_back(aliases(list));
   auto in = aliases(inputs);
@@ -132,7 +132,7 @@ c10::intrusive_ptr<c10d::Work> EmulatedHccl::allgather(std::vector<std::vector<a
 
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                              const c10d::AllgatherOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   at::Tensor out = cpu_alias(output), in = cpu_alias(input);
   return finished(gloo_->_allgather_base(out, in, opts));
 }
@@ -140,7 +140,7 @@ c10::intrusive_ptr<c10d::Work> EmulatedHccl::_allgather_base(at::Tensor& output,
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                             std::vector<std::vector<at::Tensor>>& inputs,
                                                             const c10d::ReduceScatterOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   auto out = aliases(outputs);
   std::vector<std::vector<at::Tensor>> in;
   for (const auto& list : inputs) in.push_back(aliases(list));
@@ -149,13 +149,13 @@ c10::intrusive_ptr<c10d::Work> EmulatedHccl::reduce_scatter(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                   const c10d::ReduceScatterOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   at::Tensor out = cpu_alias(output), in = cpu_alias(input);
   return finished(gloo_->_reduce_scatter_base(out, in, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EmulatedHccl::barrier(const c10d::BarrierOptions& opts) {
-  drain_current_stream();
+  begin_collective();
   return finished(gloo_->barrier(opts));
 }
 
