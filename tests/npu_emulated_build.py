@@ -78,11 +78,66 @@ def _finish(job):
         raise RuntimeError(f"compiling for the emulated NPU runtime failed:\n{' '.join(cmd)}\n{output[-8000:]}")
 
 
+# pto-isa's simulator makes a global-memory atomic add atomic with a process-local mutex (pto/cpu/atomic.hpp), which
+# serialises the ranks of one simulator process but not rank processes adding into a shared-memory window at once:
+# their adds would be lost now and then. The emulated build's copies of the headers that add make each add one
+# compare-and-swap on the aligned word holding the element instead, atomic across processes.
+CROSS_PROCESS_ADD = """
+namespace pto::cpu {
+// Emulated NPU runtime (tests/npu_emulated_build.py): an add into memory other processes add into as well. The
+// element is updated inside the aligned 4- or 8-byte word that holds it, with one compare-and-swap, acquire-release
+// as the mutex it replaces; the word is raw device memory, read and written only through these builtins here.
+template <typename T>
+inline void CrossProcessAdd(T* element, const T& summand)
+{
+    static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "unsupported element size");
+    using Word = std::conditional_t<sizeof(T) <= 4, uint32_t, uint64_t>;
+    const uintptr_t address = reinterpret_cast<uintptr_t>(element);
+    Word* word = reinterpret_cast<Word*>(address & ~static_cast<uintptr_t>(sizeof(Word) - 1));
+    const size_t at = address - reinterpret_cast<uintptr_t>(word);
+    Word seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+    for (;;) {
+        T value;
+        std::memcpy(&value, reinterpret_cast<const unsigned char*>(&seen) + at, sizeof(T));
+        value = static_cast<T>(value + summand);
+        Word next = seen;
+        std::memcpy(reinterpret_cast<unsigned char*>(&next) + at, &value, sizeof(T));
+        if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
+    }
+}
+} // namespace pto::cpu
+"""
+ATOMIC_ADD_PATCHES = {
+    "pto/cpu/atomic.hpp": [("} // namespace pto::cpu\n", "} // namespace pto::cpu\n" + CROSS_PROCESS_ADD),
+                           ("#include <mutex>\n", "#include <mutex>\n#include <cstdint>\n#include <cstring>\n"
+                                                  "#include <type_traits>\n")],
+    "pto/common/pto_tile.hpp": [("data()[offset] += summand;", "cpu::CrossProcessAdd(&data()[offset], summand);")],
+    "pto/cpu/common.hpp": [("dst[dstIdx] += converted;", "cpu::CrossProcessAdd(&dst[dstIdx], converted);")],
+}
+
+
+def _cross_process_add_includes(directory):
+    """Copies of pto-isa's headers with ATOMIC_ADD_PATCHES applied (each must apply), never written into pto-isa."""
+    out = os.path.join(directory, "pto_cross_process_add")
+    for header, replacements in ATOMIC_ADD_PATCHES.items():
+        with open(os.path.join(kernel_sim_build.PTO_ISA_ROOT, "include", header)) as f:
+            text = f.read()
+        for old, new in replacements:
+            if old not in text:
+                raise RuntimeError(f"{header} of pto-isa changed: {old!r} not found (tests/npu_emulated_build.py)")
+            text = text.replace(old, new)
+        os.makedirs(os.path.dirname(os.path.join(out, header)), exist_ok=True)
+        with open(os.path.join(out, header), "w") as f:
+            f.write(text)
+    return out
+
+
 def _kernel_objects(directory, defines):
     """The kernels and the launch bridge, with the simulator's flags (the slowest units, cached on their own so that
-    an edit of the host or the emulator does not rebuild them)."""
+    an edit of the host or the emulator does not rebuild them) and cross-process atomic adds."""
     cxx, sim_flags, _ = kernel_sim_build._compile_flags(directory)
-    sim_flags = sim_flags + ["-fPIC", f"-I{os.path.join(ROOT, EMULATED_DIR)}", *[f"-D{d}" for d in defines]]
+    sim_flags = (["-isystem", _cross_process_add_includes(directory)] + sim_flags +
+                 ["-fPIC", f"-I{os.path.join(ROOT, EMULATED_DIR)}", *[f"-D{d}" for d in defines]])
     _run_jobs([[cxx, *sim_flags, "-c", os.path.join(ROOT, src), "-o", os.path.join(directory, _object_name(src))]
                for src in KERNEL_SOURCES + SIM_SOURCES])
 

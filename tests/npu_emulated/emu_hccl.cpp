@@ -166,10 +166,14 @@ int32_t EmulatedHccl::map_windows(std::string* error) {
   const std::string own = "/gemm_ar_emu_" + std::to_string(getpid()) + "_" + random_token();
   void* mine = map_shared(own, window_bytes_, /*create=*/true, error);
   if (mine == nullptr) return kHcclInternal;
-  // Whatever an earlier user of the memory left: HCCL's windows are never zeroed for us.
-  std::mt19937_64 rng(std::random_device{}());
-  auto* words = static_cast<uint64_t*>(mine);
-  for (uint64_t i = 0; i < window_bytes_ / sizeof(uint64_t); ++i) words[i] = rng();
+  // Whatever an earlier user of the memory left: HCCL's windows are never zeroed for us. GEMM_AR_EMU_WINDOW_FILL=zero
+  // leaves them zeroed instead (to tell stale bytes from other causes).
+  const char* fill = std::getenv("GEMM_AR_EMU_WINDOW_FILL");
+  if (fill == nullptr || std::string(fill) != "zero") {
+    std::mt19937_64 rng(std::random_device{}());
+    auto* words = static_cast<uint64_t*>(mine);
+    for (uint64_t i = 0; i < window_bytes_ / sizeof(uint64_t); ++i) words[i] = rng();
+  }
   windows_.assign(world, nullptr);
   windows_[rank] = mine;
   int32_t status = kHcclSuccess;
