@@ -650,7 +650,9 @@ class _Rewriter:
         mm, view = min(products, key=lambda p: position[p[0]])
         b = mm.args[1]
         first_use = min(full.users, key=position.get)
-        if position.get(b, -1) >= position[first_use]:
+        move = position.get(b, -1) >= position[first_use]
+        if move and not (_is(b, aten.t.default, aten.permute.default, aten.transpose.int, *_RESHAPES)
+                         and all(position.get(i, -1) < position[first_use] for i in b.all_input_nodes)):
             raise _Skip("the GEMM's right operand is computed after the gathered rows are first used")
         _check_operands(x, b, a_any_dim=True)
         _static_last(x)
@@ -662,6 +664,8 @@ class _Rewriter:
         buffers = [step.args[0] for step in between if _is(step, aten.copy.default)]
         if not self._claim(ag, f"allgather_gemm(gather_dim={dim})", group_name, mm, x, b):
             return
+        if move:  # a view of a weight (backward's transposed weight): computed earlier, where the fused op goes
+            first_use.prepend(b)
         with self.graph.inserting_before(first_use):
             fused = self._call(torch.ops.pto.allgather_gemm.default, (x, b, group_name),
                                {"gather_dim": dim, "return_gathered": True})
