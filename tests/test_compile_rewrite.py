@@ -286,7 +286,7 @@ def _sequence_model(case, group_name, world):
             return gathered @ w, gathered @ w3
         if case == "gather-seq-transposed":  # the sequence dim gathered at the front and moved back
             gathered = funcol.all_gather_tensor(x.transpose(0, 1).contiguous(), 0, group_name).transpose(0, 1)
-            return torch.relu(gathered @ w)
+            return torch.relu(gathered.reshape(-1, gathered.shape[-1]) @ w)  # (3-D @ would be a bmm)
         if case == "gather-reversed":  # the gathered chunks cat in reverse rank order
             gathered = funcol.all_gather_tensor(x, 0, group_name)
             return torch.cat(list(reversed(gathered.chunk(world, 0))), 1) @ w
@@ -306,7 +306,7 @@ def sequence_graph(rank, world, seed, case, dtype_name):
     dtype = getattr(torch, dtype_name)
     fn = _sequence_model(case, dist.group.WORLD.group_name, world)
     g = torch.Generator().manual_seed(seed + rank)  # each rank's own shard
-    batch = 2 * world  # the batch is split in "scatter-other-dim"
+    batch = world * world  # the batch is split in "scatter-other-dim", and the split cat along dim 0 again
     x = torch.randn(batch, 5 if case.startswith("gather") else 5 * world, 7, generator=g)
     w, w3 = torch.randn(7, 9, generator=g), torch.randn(7, 3, generator=g)
     graphs = []

@@ -64,6 +64,10 @@ class _Skip(Exception):
     """A site that does not match exactly; its message is the counted reason."""
 
 
+class _NoProduct(_Skip):
+    """A value holding the gathered rows that no mm reads: the search goes on to the next one."""
+
+
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
@@ -590,40 +594,62 @@ class _Rewriter:
         return mm, gathered
 
     def _all_gather_moved(self, ag: fx.Node, wait: fx.Node, size: int, group_name: str, plain: _Skip) -> None:
-        """all_gather -> wait -> row moves (split, cat, view, copy into a buffer) -> G -> mm(G or G's rows, b) and
-        any other users of G, as DTensor and spmd_types gather a sequence dim and the layers after it (q/k/v, w1/w3)
-        read it: rewritten when, on row numbers, G is the concatenation of the ranks' inputs along one row dim,
-        which is allgather_gemm(gather_dim=that dim). The first mm becomes allgather_gemm; G becomes the gathered
-        input that it returns, so the other users (more GEMMs, values saved for backward) read that: one collective."""
-        x = ag.args[0]
+        """[row moves ->] all_gather -> wait -> row moves (split, cat, view, copy into a buffer) -> G -> mm(G or G's
+        rows, b) and any other users of G, as DTensor and spmd_types gather a sequence dim and the layers after it
+        (q/k/v, w1/w3) read it: rewritten when, on row numbers, G is the concatenation of the ranks' inputs along
+        one row dim, which is allgather_gemm(gather_dim=that dim). The first mm becomes allgather_gemm; G becomes
+        the gathered input that it returns, so the other users (more GEMMs, values saved for backward) read that:
+        one collective. The input may be a moved source (spmd_types moves the sequence dim to the front first)."""
         position = {node: i for i, node in enumerate(self.graph.nodes)}
-        try:
-            shape = rows.static_shape(x)
-            lead = shape[:-1]
-            if not lead:
-                raise rows.NotRows("a 1-D input")
-            local = rows.numbers([size, *lead])  # rank r sends the rows numbered local[r]
-            gathered = [torch.cat(list(local), dim) for dim in range(len(lead))]  # per gather dim
-            rows_of = {wait: local.reshape([size * lead[0], *lead[1:]])}
-        except rows.NotRows as why:
-            raise _Skip(f"{plain}; nor rows gathered ({why})") from None
-        for node in sorted({u for u in wait.users} | self._reachable(wait), key=position.get):
-            if rows.is_move(node) and all(i in rows_of for i in rows.inputs(node)):
-                try:
-                    rows_of[node] = rows.evaluate(node, rows_of)
-                except rows.NotRows:
-                    continue
         reasons = []
-        for node in sorted(rows_of, key=position.get):
-            dim = next((d for d, g in enumerate(gathered) if rows.equal(rows_of[node], g)), None)
-            if dim is None or _val(node).shape[-1] != shape[-1]:
-                continue
+        for source, before in self._sources(ag.args[0]):
             try:
-                return self._fuse_all_gather(ag, wait, node, dim, position, group_name)
-            except _Skip as why:
-                reasons.append(str(why))
+                shape = rows.static_shape(source)
+                lead = shape[:-1]
+                if not lead:
+                    raise rows.NotRows("a 1-D input")
+                local = rows.numbers([size, *lead])  # rank r's source rows are numbered local[r]
+                gathered = [torch.cat(list(local), dim) for dim in range(len(lead))]  # per gather dim
+                sent = []
+                for r in range(size):
+                    on_rank = {source: local[r]}
+                    for node in before:
+                        on_rank[node] = rows.evaluate(node, on_rank)
+                    sent.append(on_rank[ag.args[0]])
+                rows_of = {wait: torch.cat(sent, 0)}
+            except rows.NotRows as why:
+                reasons.append(f"{plain}; nor rows gathered ({why})")
+                continue
+            for node in sorted(self._reachable(wait), key=position.get):
+                if all(i in rows_of for i in rows.inputs(node)):
+                    try:
+                        rows_of[node] = rows.evaluate(node, rows_of)
+                    except rows.NotRows:
+                        continue
+            for node in sorted(rows_of, key=position.get):
+                dim = next((d for d, g in enumerate(gathered) if rows.equal(rows_of[node], g)), None)
+                if dim is None or _val(node).shape[-1] != shape[-1]:
+                    continue
+                try:
+                    return self._fuse_all_gather(ag, wait, source, before, node, dim, position, group_name)
+                except _NoProduct:
+                    continue
+                except _Skip as why:
+                    reasons.append(str(why))
         raise _Skip(reasons[-1] if reasons else f"{plain}; nor are the gathered rows, moved, the left operand of an mm "
                     "in the order of a gather along one dim (a split along another dim, a cat in another order)")
+
+    @staticmethod
+    def _sources(x: fx.Node):
+        """(source, the row moves from it to `x`): `x` itself, then each value it was moved from by a chain of views,
+        transposes, permutes and clones that nothing else reads."""
+        found, before, node = [(x, [])], [], x
+        while (rows.is_move(node) and not _is(node, aten.copy.default, aten.cat.default, operator.getitem)
+               and isinstance(node.args[0], fx.Node) and (node is x or len(node.users) == 1)):
+            before = [node] + before
+            node = node.args[0]
+            found.append((node, list(before)))
+        return found
 
     @staticmethod
     def _reachable(start: fx.Node):
@@ -636,9 +662,9 @@ class _Rewriter:
                     stack.append(user)
         return seen
 
-    def _fuse_all_gather(self, ag, wait, full, dim, position, group_name) -> None:
-        """`full` (the gathered rows along `dim`) feeds an mm, directly or as [rows, K]: fuse the first one."""
-        x = ag.args[0]
+    def _fuse_all_gather(self, ag, wait, x, before, full, dim, position, group_name) -> None:
+        """`full` (the gathered rows of `x` along `dim`) feeds an mm, directly or as [rows, K]: fuse the first one.
+        `before`: the row moves from `x` to the all-gather's input, erased with the gather."""
         products = []
         for user in full.users:
             if _is(user, aten.mm.default) and user.args[0] is full:
@@ -646,7 +672,7 @@ class _Rewriter:
             elif _is(user, *_RESHAPES) and _rows_reshape(user, full) and _val(user).dim() == 2:
                 products += [(mm, user) for mm in user.users if _is(mm, aten.mm.default) and mm.args[0] is user]
         if not products:
-            raise _Skip("the gathered rows do not feed an mm as its left operand")
+            raise _NoProduct("the gathered rows do not feed an mm as its left operand")
         mm, view = min(products, key=lambda p: position[p[0]])
         b = mm.args[1]
         first_use = min(full.users, key=position.get)
@@ -675,7 +701,7 @@ class _Rewriter:
         mm.replace_all_uses_with(product)
         self._erase(mm, view)
         full.replace_all_uses_with(gathered)
-        self._erase(full, *sorted(between, key=position.get, reverse=True), *buffers, wait, ag)
+        self._erase(full, *sorted(between, key=position.get, reverse=True), *buffers, wait, ag, *reversed(before))
         self.report.rewritten["allgather_gemm"] += 1
 
     @staticmethod
