@@ -300,9 +300,22 @@ SEQUENCE_EXPECTED = {"scatter-seq": "gemm_reduce_scatter", "scatter-seq-movedim"
                      "gather-seq-transposed": "allgather_gemm", "gather-reversed": None}
 
 
-def sequence_graph(rank, world, seed, case, dtype_name):
-    """The case compiled (its rewritten graphs recorded) against the same function in float64."""
+def sequence_graph(rank, world, seed, case, dtype_name, any_order=False):
+    """The case compiled (its rewritten graphs recorded) against the same function in float64. any_order: negative
+    control, the row-map proof accepts any order (a wrong rewrite must fail the value check)."""
     torch._dynamo.reset()
+    if any_order:
+        from torch_gemm_ar.compile import rows
+
+        original, rows.equal = rows.equal, lambda a, b: getattr(a, "shape", None) == b.shape
+    try:
+        return _sequence_graph(rank, world, seed, case, dtype_name)
+    finally:
+        if any_order:
+            rows.equal = original
+
+
+def _sequence_graph(rank, world, seed, case, dtype_name):
     dtype = getattr(torch, dtype_name)
     fn = _sequence_model(case, dist.group.WORLD.group_name, world)
     g = torch.Generator().manual_seed(seed + rank)  # each rank's own shard
@@ -347,6 +360,14 @@ def test_sequence_dim_collectives_on_3d_activations(ranks, world, dtype, case):
         assert f"pto.{expected}" in code and "_c10d_functional" not in code, code
         option = "scatter_dim = 1" if expected == "gemm_reduce_scatter" else "gather_dim = 1"
         assert option in code, code
+
+
+@pytest.mark.parametrize("case", ["scatter-reversed", "gather-reversed"])
+def test_negative_control_a_rewrite_in_the_wrong_order_fails(ranks, case):
+    from rank_pool import RankFailure
+
+    with pytest.raises(RankFailure, match="max error"):
+        ranks(2).run(sequence_graph, random.randrange(1 << 30), case, "float32", any_order=True)
 
 
 class FeedForward(nn.Module):

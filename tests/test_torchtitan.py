@@ -196,3 +196,61 @@ def test_readme_example_command_runs():
     assert "replace_torchtitan: replaced 5 module(s)" in done.stdout and "CPU:" in done.stdout, done.stdout
     assert re.search(r"from torchtitan's TP: \S+ \(tolerance \S+\); .*: ok", done.stdout), done.stdout
     assert re.search(r"ms/forward +\d", done.stdout) and re.search(r"ms/train step +\d", done.stdout), done.stdout
+
+
+def titan_compiled_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv):
+    """torchtitan's model as it comes (no conversion) compiled with the rewrite (AOT graphs run as they are):
+    logits, every gradient and the logits after one SGD step against torchtitan's eager TP, and the report."""
+    import torch_gemm_ar
+
+    torch._dynamo.reset()
+    with backend(spmd_backend):
+        reference, context = build(spmd_backend, sequence_parallel, world, seed=7, fuse_qkv=fuse_qkv)
+        model, _ = build(spmd_backend, sequence_parallel, world, seed=7, fuse_qkv=fuse_qkv)
+        torch_gemm_ar.compile.reset()
+        compiled = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"))
+        seq = 5 * world
+        ids = torch.randint(0, sizes(world)["vocab"], (2, seq), generator=torch.Generator().manual_seed(13))
+        target = torch.randn(2, seq, sizes(world)["vocab"] // world,
+                             generator=torch.Generator().manual_seed(200 + rank))
+        want = _step(reference, context, ids, target)
+        got = _step(compiled, context, ids, target)
+    for what, a, b in (("logits", got[0], want[0]), ("logits after the SGD step", got[2], want[2])):
+        _close(a, b, f"rank {rank} compiled: {what}")
+    grads = {name.removeprefix("_orig_mod."): g for name, g in got[1].items()}
+    assert grads.keys() == want[1].keys(), (sorted(grads), sorted(want[1]))
+    for name, g in grads.items():
+        assert (g is None) == (want[1][name] is None), name
+        if g is not None:
+            _close(g, want[1][name], f"rank {rank} compiled: grad of {name}")
+    report = torch_gemm_ar.compile.report()
+    return dict(report.rewritten), dict(report.skipped)
+
+
+COMPILED = [(2, True, "spmd_types", True), (2, True, "partial_dtensor", False), (2, False, "spmd_types", True),
+            (3, True, "spmd_types", False)]
+
+
+@pytest.mark.parametrize("world,sequence_parallel,spmd_backend,fuse_qkv", COMPILED,
+                         ids=[f"{b}-{'sp' if sp else 'no_sp'}-{'wqkv' if f else 'wq_wk_wv'}-{w}"
+                              for w, sp, b, f in COMPILED])
+def test_compiled_llama3_is_rewritten_and_matches_torchtitan_tp(ranks, world, sequence_parallel, spmd_backend,
+                                                                fuse_qkv):
+    results = ranks(world).run(titan_compiled_vs_tp, spmd_backend, sequence_parallel, fuse_qkv, timeout_s=600)
+    rewritten, skipped = results[0]
+    assert all(r == results[0] for r in results), "ranks disagree on the report"
+    text = f"rewritten {rewritten}; left alone {skipped}"
+    if sequence_parallel:
+        # Each forward (training, and inference after the step), 2 layers: wo and w2 reduce-scattered (DTensor's
+        # split/cat or spmd_types' movedim forms): 4; the attention's and the feed-forward's gathers each one
+        # allgather_gemm for all their projections, and lm_head's gather: 5. Backward: the gathered output
+        # gradients of wo, w2 (x2) into their input gradients: 4 more allgather_gemm; the input gradients'
+        # reduce-scatters of one GEMM (lm_head; wqkv): at least 1 more.
+        assert rewritten.get("gemm_reduce_scatter", 0) >= 2 * 4 + 1, text
+        assert rewritten.get("allgather_gemm", 0) == 2 * 5 + 4, text
+    else:
+        # spmd_types: mm, clone, all_reduce (the clone followed): wo and w2 in both forwards (with the residual add
+        # and the next RMSNorm at inference), and in backward the input gradient all-reduces of one GEMM.
+        assert rewritten.get("gemm_allreduce_add_rmsnorm", 0) == 4 and rewritten.get("gemm_allreduce", 0) >= 4, text
+    # What is left alone is counted with its reason: the embedding's collective is not after a GEMM.
+    assert any("not a GEMM" in reason for reason in skipped), text
