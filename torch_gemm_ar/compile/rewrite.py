@@ -676,9 +676,8 @@ class _Rewriter:
         mm, view = min(products, key=lambda p: position[p[0]])
         b = mm.args[1]
         first_use = min(full.users, key=position.get)
-        move = position.get(b, -1) >= position[first_use]
-        if move and not (_is(b, aten.t.default, aten.permute.default, aten.transpose.int, *_RESHAPES)
-                         and all(position.get(i, -1) < position[first_use] for i in b.all_input_nodes)):
+        move = self._hoistable(b, position[first_use], position)
+        if move is None:
             raise _Skip("the GEMM's right operand is computed after the gathered rows are first used")
         _check_operands(x, b, a_any_dim=True)
         _static_last(x)
@@ -690,8 +689,8 @@ class _Rewriter:
         buffers = [step.args[0] for step in between if _is(step, aten.copy.default)]
         if not self._claim(ag, f"allgather_gemm(gather_dim={dim})", group_name, mm, x, b):
             return
-        if move:  # a view of a weight (backward's transposed weight): computed earlier, where the fused op goes
-            first_use.prepend(b)
+        for node in move:  # views of a weight (backward's transposed weight): computed earlier, where the op goes
+            first_use.prepend(node)
         with self.graph.inserting_before(first_use):
             fused = self._call(torch.ops.pto.allgather_gemm.default, (x, b, group_name),
                                {"gather_dim": dim, "return_gathered": True})
@@ -703,6 +702,22 @@ class _Rewriter:
         full.replace_all_uses_with(gathered)
         self._erase(full, *sorted(between, key=position.get, reverse=True), *buffers, wait, ag, *reversed(before))
         self.report.rewritten["allgather_gemm"] += 1
+
+    @staticmethod
+    def _hoistable(node: fx.Node, limit: int, position):
+        """The nodes to move in front of position `limit` so that `node` is computed there, in graph order: none if
+        it already is; views (t, permute, transpose, reshape) of values computed before it; else None."""
+        if position.get(node, -1) < limit:
+            return []
+        if not _is(node, aten.t.default, aten.permute.default, aten.transpose.int, *_RESHAPES):
+            return None
+        moved = []
+        for source in node.all_input_nodes:
+            more = _Rewriter._hoistable(source, limit, position)
+            if more is None:
+                return None
+            moved += [n for n in more if n not in moved]
+        return moved + [node]
 
     @staticmethod
     def _between(wait: fx.Node, full: fx.Node):
