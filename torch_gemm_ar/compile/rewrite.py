@@ -2,11 +2,17 @@
 
 Patterns, on aten-level graphs (AOT / Inductor post-grad), every `[reshape]` optional and only a reshape that keeps
 the last dim (rows stay rows):
-- gemm_allreduce:             mm(a, b) | addmm(bias / world, a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor
+- gemm_allreduce:             mm(a, b) | addmm(bias / world, a, b) -> [reshape] [clone] -> all_reduce(sum) -> wait
 - gemm_allreduce_add_rmsnorm: the above -> add(residual) -> RMSNorm written out (pow 2, mean over the last dim,
                               add eps, rsqrt, mul, mul weight; fp32 upcasts around it allowed)
 - gemm_reduce_scatter:        mm(a, b) -> [reshape] -> reduce_scatter_tensor(sum) -> wait_tensor
 - allgather_gemm:             all_gather_into_tensor(x) -> wait_tensor -> [reshape] -> mm(., b)
+- the same two on 3-D activations, with row moves (view, permute, transpose, split, cat, clone, the write-back copy
+  into a fresh buffer) around the collective, as DTensor's Shard(1) and spmd_types scatter and gather the sequence
+  dim: rewritten with scatter_dim / gather_dim = d when the rows, evaluated as numbers (rows.py), land on every
+  rank exactly where the op puts them along d. The gathered value G (several GEMMs may read it: q/k/v, w1/w3) is
+  replaced by the gathered input allgather_gemm returns, so its first mm is fused and the others read that: one
+  collective.
 A site is rewritten only when every check holds: reduce op "sum", a group that resolves, with more than one rank,
 and the collective's size matching it; a and b of one floating dtype the op supports (and b 2-D); every intermediate
 value (the product, the reshape, the collective, the waited tensor of a fused add, the norm's steps) used by the next
