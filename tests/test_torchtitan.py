@@ -258,3 +258,26 @@ def test_compiled_llama3_is_rewritten_and_matches_torchtitan_tp(ranks, world, se
         assert rewritten.get("gemm_allreduce_add_rmsnorm", 0) == 4 and rewritten.get("gemm_allreduce", 0) >= 4, text
     # What is left alone is counted with its reason: the embedding's collective is not after a GEMM.
     assert any("not a GEMM" in reason for reason in skipped), text
+
+
+@pytest.mark.multirank  # torchrun starts the ranks
+def test_compile_example_command_runs():
+    """docs/adoption.md's `--compile` line of examples/titan_llama_tp.py as typed (its second form, `--compile
+    eager`, to keep it short), made tiny: the rewrite's report, the check against the model compiled without it,
+    both timings."""
+    with open(os.path.join(REPO, "docs", "adoption.md")) as f:
+        text = f.read()
+    lines = [m.group(1) for m in re.finditer(r"(torchrun [^`\n]*examples/titan_llama_tp\.py --compile \w+)", text)]
+    assert lines, "docs/adoption.md shows no --compile command line for examples/titan_llama_tp.py"
+    tiny = ["--compile", "eager", "--layers", "1", "--dim", "48", "--hidden", "88", "--heads", "4", "--kv-heads", "2",
+            "--vocab", "62", "--batch", "2", "--seq", "10", "--iters", "2", "--warmup", "1",
+            "--seed", str(random.randrange(1 << 30))]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
+    done = subprocess.run([torchrun, *shlex.split(lines[0])[1:], *tiny], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env=env)
+    assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    assert re.search(r"torch_gemm_ar.compile \(eager\): rewrote allgather_gemm x\d+, gemm_reduce_scatter x\d+",
+                     done.stdout), done.stdout
+    assert re.search(r"from the model compiled without the rewrite: \S+ \(tolerance \S+\); .*: ok", done.stdout)
+    assert re.search(r"ms/forward +\d", done.stdout) and re.search(r"ms/train step +\d", done.stdout), done.stdout

@@ -80,6 +80,13 @@ def is_move(node: fx.Node) -> bool:
 
 def evaluate(node: fx.Node, env: Dict[fx.Node, object]):
     """The row numbers of `node`'s result from those of its inputs in `env` (a list for a split)."""
+    try:
+        return _evaluate(node, env)
+    except (RuntimeError, IndexError, TypeError, ValueError) as error:  # arguments this module does not read
+        raise NotRows(f"{node.name}: {type(error).__name__}") from None
+
+
+def _evaluate(node: fx.Node, env: Dict[fx.Node, object]):
     target, args = node.target, node.args
     if target is operator.getitem:
         return env[args[0]][args[1]]
