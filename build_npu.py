@@ -170,15 +170,37 @@ def build_kernel_libraries(root):
     return out_dir
 
 
+# The host sources that call torch_npu, ACL or HCCL: the runtime behind the seam
+# (docs/decisions/0018-npu-device-runtime-seam.md). The emulated runtime (tests/npu_emulated_build.py) builds every
+# other host source with its own runtime instead of these.
+RUNTIME_SOURCES = (
+    "csrc/host/npu/device_control_npu.cpp",
+    "csrc/host/npu/device_queue_npu.cpp",
+    "csrc/host/npu/hccl_symbols.cpp",
+)
+
+
+def host_sources(root):
+    """Every C++ source of torch_gemm_ar._C_npu (paths relative to `root`): the host logic and RUNTIME_SOURCES."""
+    found = sorted(os.path.relpath(p, root) for pattern in ("csrc/host/npu/*.cpp", "csrc/host/common/*.cpp")
+                   for p in glob.glob(os.path.join(root, pattern)))
+    missing = [s for s in RUNTIME_SOURCES if s not in found]
+    if missing:
+        raise RuntimeError(f"torch-gemm-ar: build_npu.RUNTIME_SOURCES names files that do not exist: {missing}")
+    return found
+
+
+def host_logic_sources(root):
+    """host_sources without the runtime: what any runtime behind the seam is linked with."""
+    return [s for s in host_sources(root) if s not in RUNTIME_SOURCES]
+
+
 def host_extension(root, kernel_dir):
     """torch_gemm_ar._C_npu: the PrivateUse1 kernel of the op, with its own copy of the shared op flow."""
     from torch.utils.cpp_extension import CppExtension, include_paths
 
     torch_npu_dir = _torch_npu_dir()
     npu_include = os.path.join(torch_npu_dir, "include")
-
-    def rel(pattern):
-        return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
 
     # torch_npu's headers as system headers: their warnings are not ours.
     system_includes = [
@@ -189,7 +211,7 @@ def host_extension(root, kernel_dir):
     ]
     return CppExtension(
         "torch_gemm_ar._C_npu",
-        sources=rel("csrc/host/npu/*.cpp") + rel("csrc/host/common/*.cpp"),
+        sources=host_sources(root),
         include_dirs=[os.path.join(root, "csrc", d) for d in ("include", "host", "kernels")],
         library_dirs=[kernel_dir, os.path.join(torch_npu_dir, "lib"),
                       os.path.join(os.environ["ASCEND_HOME_PATH"], "lib64")],

@@ -11,6 +11,12 @@ parallelized by `Module.parallelize` over gloo, with the `spmd_types` SPMD backe
 examples/titan_llama.py. The script prints what was converted (and why the rest was not), the largest logit
 difference from the unconverted TP model, and the median time per forward and per train step (forward, backward,
 SGD) of both, interleaved, with the speedup; it exits non-zero when a difference is beyond the tolerance.
+
+    torchrun --nproc-per-node 2 examples/titan_llama_tp.py --compile inductor
+
+compares instead torchtitan's model as it comes, compiled twice: without the project's rewrite, and with it
+(`torch_gemm_ar.compile.backend(inner=...)`; `--compile eager` runs AOT autograd's graphs without Inductor). It
+prints what the rewrite fused and left alone (`torch_gemm_ar.compile.report()`), and the same differences and times.
 Needs `pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0
 typeguard==4.6.1` (.ci/run installs the same).
 """
@@ -47,6 +53,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per variant (median reported)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--compile", choices=["none", "inductor", "eager"], default="none",
+                        help="compare torchtitan's model compiled without and with the rewrite (no conversion)")
     return parser.parse_args(argv)
 
 
@@ -74,7 +82,15 @@ def main(argv=None) -> int:
         models, contexts = zip(*(build(args.backend, sp, world, args.seed, args.layers, fuse_qkv=args.qkv == "fused",
                                        shape=shape) for _ in "ab"))
         context = contexts[0]
-        report = torch_gemm_ar.nn.replace_torchtitan(models[1], algorithm=args.algorithm)
+        if args.compile == "none":
+            report = torch_gemm_ar.nn.replace_torchtitan(models[1], algorithm=args.algorithm)
+            names = ("torchtitan TP", "converted")
+        else:
+            torch_gemm_ar.compile.reset()
+            plain = "inductor" if args.compile == "inductor" else "aot_eager"
+            models = (torch.compile(models[0], backend=plain),
+                      torch.compile(models[1], backend=torch_gemm_ar.compile.backend(inner=args.compile)))
+            names = ("compiled", "+ rewrite")
         # Built after the conversion is as good as before it: the converted modules keep their Parameter objects.
         optimizers = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in models]
         with context():
@@ -99,6 +115,8 @@ def main(argv=None) -> int:
                                        args.warmup, args.iters, None)
             with torch.no_grad():
                 after = [local(m(ids)) for m in models]
+    if args.compile != "none":
+        report = f"torch_gemm_ar.compile ({args.compile}): {torch_gemm_ar.compile.report()}"
     diff = (logits[1] - logits[0]).abs().max().item()
     after_diff = (after[1] - after[0]).abs().max().item()
     scale = max(1.0, logits[0].abs().max().item())
@@ -112,14 +130,15 @@ def main(argv=None) -> int:
               f"{args.backend}, {sp_text}")
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
         print(report)
-        print(f"max |logit difference| from torchtitan's TP: {diff:.3g} (tolerance {tolerance:.3g}); after "
+        reference = "torchtitan's TP" if args.compile == "none" else "the model compiled without the rewrite"
+        print(f"max |logit difference| from {reference}: {diff:.3g} (tolerance {tolerance:.3g}); after "
               f"the same train steps: {after_diff:.3g} (tolerance "
               f"{after_tolerance:.3g}): {'ok' if ok else 'BEYOND TOLERANCE'}")
-        print(f"\n{'':<14}{'torchtitan TP':>14}{'converted':>12}  speedup (95% interval)")
+        print(f"\n{'':<14}{names[0]:>14}{names[1]:>12}  speedup (95% interval)")
         for name, times in (("ms/forward", forward_s), ("ms/train step", step_s)):
             print(f"{name:<14}{statistics.median(times[0]) * 1e3:>14.2f}{statistics.median(times[1]) * 1e3:>12.2f}"
                   f"  {speedup_text(times[0], times[1])}")
-        print(f"(median of {args.iters} iterations per variant, interleaved; speedup = torchtitan TP / converted per "
+        print(f"(median of {args.iters} iterations per variant, interleaved; speedup = {names[0]} / {names[1]} per "
               "iteration)")
     dist.destroy_process_group()
     return 0 if ok else 1

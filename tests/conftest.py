@@ -88,6 +88,21 @@ def hooked_ranks():
     pools.close()
 
 
+@pytest.fixture(scope="session")
+def emulated_npu():
+    """(path, pools): the NPU host code on the emulated Ascend runtime (tests/npu_emulated_build.py), built once per
+    change of its sources (several minutes on 2 cores, cached under build/), and rank pools of their own, whose
+    processes load it (tests/npu_emulated_ranks.py). Skips without PTO_ISA_ROOT (the kernels are the simulator's)."""
+    if not os.environ.get("PTO_ISA_ROOT"):
+        pytest.skip("PTO_ISA_ROOT is not set: the emulated NPU runtime runs pto-isa's simulator kernels")
+    from npu_emulated_build import emulated_library_path
+
+    path = emulated_library_path()
+    pools = _Pools()
+    yield path, pools
+    pools.close()
+
+
 @pytest.fixture
 def one_core_env(monkeypatch):
     """This process's engine settings as on a one-core rank (one compute thread, comm between tiles), no tile from
@@ -113,7 +128,7 @@ MODULE_LANES = {
     "test_npu_device.py": "multirank",  # one rank process per NPU (torch.multiprocessing)
 }
 FIXTURE_LANES = {"simulator": "simulator", "npu_objects": "npu_compile", "ranks": "multirank",
-                 "hooked_ranks": "multirank"}
+                 "hooked_ranks": "multirank", "emulated_npu": "multirank"}
 
 
 def lane_of(item) -> str:

@@ -262,3 +262,206 @@ def dtensor_block_training(rank, world, seed):
 def test_training_graphs_keep_their_gradients(ranks):
     rewritten = ranks(2).run(dtensor_block_training, random.randrange(1 << 30), timeout_s=300)
     assert rewritten[0] == rewritten[1] and rewritten[0] >= 1, rewritten
+
+
+def _sequence_model(case, group_name, world):
+    """3-D [B, S, D] activations scattered and gathered along the sequence dim, as DTensor's Shard(1) and
+    spmd_types write them (funcol's scatter_dim / gather_dim 1 is DTensor's split + cat), and broken variants."""
+    import torch.distributed._functional_collectives as funcol
+
+    def forward(x, w, w3):
+        if case == "scatter-seq":  # DTensor: mm, view, split dim 1, cat dim 0, reduce_scatter
+            return funcol.reduce_scatter_tensor(x @ w, "sum", 1, group_name)
+        if case == "scatter-seq-movedim":  # spmd_types: the sequence dim moved to the front, scattered, moved back
+            y = (x @ w).movedim(1, 0).contiguous()
+            return funcol.reduce_scatter_tensor(y, "sum", 0, group_name).movedim(0, 1)
+        if case == "scatter-reversed":  # the chunks cat in another order: rank r would get chunk world-1-r
+            y = x @ w
+            return funcol.reduce_scatter_tensor(torch.cat(list(reversed(y.chunk(world, 1)))), "sum", 0, group_name)
+        if case == "scatter-other-dim":  # split along the batch dim, cat along the sequence: no one dim's chunks
+            y = x @ w
+            return funcol.reduce_scatter_tensor(torch.cat(y.chunk(world, 0), 1), "sum", 0, group_name)
+        if case == "gather-seq-two-gemms":  # DTensor: all_gather, split dim 0, cat dim 1; w1 and w3 on it
+            gathered = funcol.all_gather_tensor(x, 1, group_name)
+            return gathered @ w, gathered @ w3
+        if case == "gather-seq-transposed":  # the sequence dim gathered at the front and moved back
+            gathered = funcol.all_gather_tensor(x.transpose(0, 1).contiguous(), 0, group_name).transpose(0, 1)
+            return torch.relu(gathered.reshape(-1, gathered.shape[-1]) @ w)  # (3-D @ would be a bmm)
+        if case == "gather-reversed":  # the gathered chunks cat in reverse rank order
+            gathered = funcol.all_gather_tensor(x, 0, group_name)
+            return torch.cat(list(reversed(gathered.chunk(world, 0))), 1) @ w
+        raise ValueError(case)
+
+    return forward
+
+
+SEQUENCE_EXPECTED = {"scatter-seq": "gemm_reduce_scatter", "scatter-seq-movedim": "gemm_reduce_scatter",
+                     "scatter-reversed": None, "scatter-other-dim": None, "gather-seq-two-gemms": "allgather_gemm",
+                     "gather-seq-transposed": "allgather_gemm", "gather-reversed": None}
+
+
+def sequence_graph(rank, world, seed, case, dtype_name, any_order=False):
+    """The case compiled (its rewritten graphs recorded) against the same function in float64. any_order: negative
+    control, the row-map proof accepts any order (a wrong rewrite must fail the value check)."""
+    torch._dynamo.reset()
+    if any_order:
+        from torch_gemm_ar.compile import rows
+
+        original, rows.equal = rows.equal, lambda a, b: getattr(a, "shape", None) == b.shape
+    try:
+        return _sequence_graph(rank, world, seed, case, dtype_name)
+    finally:
+        if any_order:
+            rows.equal = original
+
+
+def _sequence_graph(rank, world, seed, case, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    fn = _sequence_model(case, dist.group.WORLD.group_name, world)
+    g = torch.Generator().manual_seed(seed + rank)  # each rank's own shard
+    batch = world * world  # the batch is split in "scatter-other-dim", and the split cat along dim 0 again
+    x = torch.randn(batch, 5 if case.startswith("gather") else 5 * world, 7, generator=g)
+    w, w3 = torch.randn(7, 9, generator=g), torch.randn(7, 3, generator=g)
+    graphs = []
+
+    def recording_inner(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch_gemm_ar.compile.reset()
+    compiled = torch.compile(fn, backend=torch_gemm_ar.compile.backend(inner=recording_inner), fullgraph=True)
+    got, exact = compiled(x.to(dtype), w.to(dtype), w3.to(dtype)), fn(x.double(), w.double(), w3.double())
+    for out, want in zip(got if isinstance(got, tuple) else [got], exact if isinstance(exact, tuple) else [exact]):
+        assert out.shape == want.shape and out.dtype == dtype, (out.shape, want.shape, out.dtype)
+        scale = want.abs().max().item() + 1.0
+        err = (out.double() - want).abs().max().item()
+        assert err <= TOL[dtype] * scale, f"rank {rank} {case} {dtype_name}: max error {err:.3g} (scale {scale:.3g})"
+    report = torch_gemm_ar.compile.report()
+    return dict(report.rewritten), dict(report.skipped), graphs
+
+
+# Every case on 2 and 3 ranks in fp32; the rewritten ones in bf16 as well (the dtype does not change what matches).
+SEQUENCE_SETUPS = [(w, "float32", c) for w in (2, 3) for c in SEQUENCE_EXPECTED] + [
+    (2, "bfloat16", c) for c, expected in SEQUENCE_EXPECTED.items() if expected]
+
+
+@pytest.mark.parametrize("world,dtype,case", SEQUENCE_SETUPS)
+def test_sequence_dim_collectives_on_3d_activations(ranks, world, dtype, case):
+    rewritten, skipped, graphs = ranks(world).run(sequence_graph, random.randrange(1 << 30), case, dtype)[0]
+    expected = SEQUENCE_EXPECTED[case]
+    code = "\n".join(graphs)
+    if expected is None:
+        assert rewritten == {}, rewritten
+        assert "pto." not in code and "_c10d_functional" in code, code
+        assert any("another order" in reason for reason in skipped), skipped
+    else:
+        # One fused op, no collective left: the second GEMM of "gather-seq-two-gemms" reads the op's gathered input.
+        assert rewritten == {expected: 1}, (rewritten, skipped)
+        assert f"pto.{expected}" in code and "_c10d_functional" not in code, code
+        option = "scatter_dim = 1" if expected == "gemm_reduce_scatter" else "gather_dim = 1"
+        assert option in code, code
+
+
+@pytest.mark.parametrize("case", ["scatter-reversed", "gather-reversed"])
+def test_negative_control_a_rewrite_in_the_wrong_order_fails(ranks, case):
+    from rank_pool import RankFailure
+
+    with pytest.raises(RankFailure, match="max error"):
+        ranks(2).run(sequence_graph, random.randrange(1 << 30), case, "float32", any_order=True)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class SequenceParallelBlock(nn.Module):
+    """RMSNorm -> SwiGLU feed-forward -> residual add, twice: the sequence-parallel layout of a Llama block."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.RMSNorm(dim, eps=1e-5) for _ in range(2)])
+        self.ffns = nn.ModuleList([FeedForward(dim, hidden) for _ in range(2)])
+
+    def forward(self, x):
+        for norm, ffn in zip(self.norms, self.ffns):
+            x = x + ffn(norm(x))
+        return x
+
+
+def _sequence_parallel(block, world):
+    """torchtitan's former DTensor plan: the norm sequence-parallel, one gather of its output at the feed-forward's
+    input (PrepareModuleInput) for w1 and w3, w2 reduce-scattered back to sequence shards."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {}
+    for i in range(2):
+        plan.update({f"norms.{i}": SequenceParallel(),
+                     f"ffns.{i}": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     f"ffns.{i}.w1": ColwiseParallel(), f"ffns.{i}.w3": ColwiseParallel(),
+                     f"ffns.{i}.w2": RowwiseParallel(output_layouts=Shard(1))})
+    return parallelize_module(copy.deepcopy(block), mesh, plan)
+
+
+def dtensor_sequence_parallel_training(rank, world, seed):
+    """The DTensor sequence-parallel block compiled with the rewrite: outputs against float64 and the uncompiled
+    model, then the input's and every weight's gradient equal to the uncompiled model's."""
+    torch._dynamo.reset()
+    dim, hidden, shard = 24, 10 * world, 5
+    torch.manual_seed(seed)
+    full = SequenceParallelBlock(dim, hidden)
+    with torch.no_grad():
+        for norm in full.norms:
+            norm.weight.uniform_(0.5, 1.5)
+    exact_model = copy_to(full, torch.float64)
+    model, reference = _sequence_parallel(full, world), _sequence_parallel(full, world)
+    torch_gemm_ar.compile.reset()
+    compiled = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner="eager"))
+    g = torch.Generator().manual_seed(seed + 1)
+    x_full = torch.randn(2, shard * world, dim, generator=g)
+    upstream = torch.randn(2, shard * world, dim, generator=g)[:, rank * shard:(rank + 1) * shard]
+    x = x_full[:, rank * shard:(rank + 1) * shard]
+    exact = exact_model(x_full.double())[:, rank * shard:(rank + 1) * shard]
+    xc, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    outs = []
+    for net, xi in ((compiled, xc), (reference, xr)):
+        out = net(xi)
+        (out * upstream).sum().backward()
+        outs.append(out.detach())
+    _check(outs[0], outs[1], exact, torch.float32, f"rank {rank} world {world} sequence-parallel block")
+    torch.testing.assert_close(xc.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        got, want = p.grad, params[name].grad
+        got, want = (got.to_local(), want.to_local()) if hasattr(got, "to_local") else (got, want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} grad {name}: {m}")
+    report = torch_gemm_ar.compile.report()
+    return dict(report.rewritten), dict(report.skipped)
+
+
+def copy_to(module, dtype):
+    import copy
+
+    return copy.deepcopy(module).to(dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dtensor_sequence_parallel_block_trains_rewritten(ranks, world):
+    results = ranks(world).run(dtensor_sequence_parallel_training, random.randrange(1 << 30), timeout_s=300)
+    rewritten, skipped = results[0]
+    assert all(r == results[0] for r in results), results
+    # Forward, per block: w1 and w3 on one gather (one allgather_gemm), w2's reduce-scatter.
+    assert rewritten.get("allgather_gemm", 0) >= 2 and rewritten.get("gemm_reduce_scatter", 0) >= 2, (rewritten,
+                                                                                                     skipped)

@@ -105,3 +105,17 @@ def test_negative_control_torch_npu_include_does_not_preprocess(gxx, tmp_path):
         broken.write_text(INJECTIONS["torch_npu_include"] + f.read())
     result = preprocess_without_npu_headers([str(broken)], tmp_path)
     assert result.returncode != 0 and "torch_npu/csrc/core/npu/NPUStream.h" in result.stderr, result.stderr[-2000:]
+
+
+def test_build_runtime_sources_are_the_seam_implementation():
+    """build_npu.RUNTIME_SOURCES (what the emulated build leaves out, tests/npu_emulated_build.py) are exactly the
+    implementation's sources: a new runtime file missing there would be linked into the emulated build."""
+    import sys
+
+    sys.path.insert(0, ROOT)
+    import build_npu
+
+    runtime = {os.path.basename(s) for s in build_npu.RUNTIME_SOURCES}
+    assert runtime == {f for f in RUNTIME_IMPLEMENTATION if f.endswith(".cpp")}
+    assert set(build_npu.host_logic_sources(ROOT)).isdisjoint(build_npu.RUNTIME_SOURCES)
+    assert sorted(build_npu.host_logic_sources(ROOT) + list(build_npu.RUNTIME_SOURCES)) == build_npu.host_sources(ROOT)

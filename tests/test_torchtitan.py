@@ -196,3 +196,88 @@ def test_readme_example_command_runs():
     assert "replace_torchtitan: replaced 5 module(s)" in done.stdout and "CPU:" in done.stdout, done.stdout
     assert re.search(r"from torchtitan's TP: \S+ \(tolerance \S+\); .*: ok", done.stdout), done.stdout
     assert re.search(r"ms/forward +\d", done.stdout) and re.search(r"ms/train step +\d", done.stdout), done.stdout
+
+
+def titan_compiled_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv, inner):
+    """torchtitan's model as it comes (no conversion) compiled with the rewrite (inner "eager": AOT's graphs run as
+    they are; "inductor": Inductor's, whose backward is compiled at the first backward call): logits, every
+    gradient and the logits after one SGD step against torchtitan's eager TP, and the report."""
+    import torch_gemm_ar
+
+    torch._dynamo.reset()
+    with backend(spmd_backend):
+        reference, context = build(spmd_backend, sequence_parallel, world, seed=7, fuse_qkv=fuse_qkv)
+        model, _ = build(spmd_backend, sequence_parallel, world, seed=7, fuse_qkv=fuse_qkv)
+        torch_gemm_ar.compile.reset()
+        compiled = torch.compile(model, backend=torch_gemm_ar.compile.backend(inner=inner))
+        seq = 5 * world
+        ids = torch.randint(0, sizes(world)["vocab"], (2, seq), generator=torch.Generator().manual_seed(13))
+        target = torch.randn(2, seq, sizes(world)["vocab"] // world,
+                             generator=torch.Generator().manual_seed(200 + rank))
+        want = _step(reference, context, ids, target)
+        got = _step(compiled, context, ids, target)
+    for what, a, b in (("logits", got[0], want[0]), ("logits after the SGD step", got[2], want[2])):
+        _close(a, b, f"rank {rank} compiled: {what}")
+    grads = {name.removeprefix("_orig_mod."): g for name, g in got[1].items()}
+    assert grads.keys() == want[1].keys(), (sorted(grads), sorted(want[1]))
+    for name, g in grads.items():
+        assert (g is None) == (want[1][name] is None), name
+        if g is not None:
+            _close(g, want[1][name], f"rank {rank} compiled: grad of {name}")
+    report = torch_gemm_ar.compile.report()
+    return dict(report.rewritten), dict(report.skipped)
+
+
+# Inductor once (its code generation is slow on a 2-core machine), AOT's graphs as they are for the rest.
+COMPILED = [(2, True, "spmd_types", True, "eager"), (2, True, "partial_dtensor", False, "eager"),
+            (2, False, "spmd_types", True, "eager"), (3, True, "spmd_types", False, "eager"),
+            (2, True, "spmd_types", True, "inductor")]
+
+
+@pytest.mark.parametrize("world,sequence_parallel,spmd_backend,fuse_qkv,inner", COMPILED,
+                         ids=[f"{b}-{'sp' if sp else 'no_sp'}-{'wqkv' if f else 'wq_wk_wv'}-{w}-{i}"
+                              for w, sp, b, f, i in COMPILED])
+def test_compiled_llama3_is_rewritten_and_matches_torchtitan_tp(ranks, world, sequence_parallel, spmd_backend,
+                                                                fuse_qkv, inner):
+    results = ranks(world).run(titan_compiled_vs_tp, spmd_backend, sequence_parallel, fuse_qkv, inner,
+                               timeout_s=900)
+    rewritten, skipped = results[0]
+    assert all(r == results[0] for r in results), "ranks disagree on the report"
+    text = f"rewritten {rewritten}; left alone {skipped}"
+    if sequence_parallel:
+        # Each forward (training, and inference after the step), 2 layers: wo and w2 reduce-scattered (DTensor's
+        # split/cat or spmd_types' movedim forms): 4; the attention's and the feed-forward's gathers each one
+        # allgather_gemm for all their projections, and lm_head's gather: 5. Backward: the gathered output
+        # gradients of wo, w2 (x2) into their input gradients: 4 more allgather_gemm; the input gradients'
+        # reduce-scatters of one GEMM (lm_head; wqkv): at least 1 more.
+        assert rewritten.get("gemm_reduce_scatter", 0) >= 2 * 4 + 1, text
+        assert rewritten.get("allgather_gemm", 0) == 2 * 5 + 4, text
+    else:
+        # spmd_types: mm, clone, all_reduce (the clone followed): wo and w2 in both forwards (with the residual add
+        # and the next RMSNorm at inference), and in backward the input gradient all-reduces of one GEMM.
+        assert rewritten.get("gemm_allreduce_add_rmsnorm", 0) == 4 and rewritten.get("gemm_allreduce", 0) >= 4, text
+    # What is left alone is counted with its reason: the embedding's collective is not after a GEMM.
+    assert any("not a GEMM" in reason for reason in skipped), text
+
+
+@pytest.mark.multirank  # torchrun starts the ranks
+def test_compile_example_command_runs():
+    """docs/adoption.md's `--compile` line of examples/titan_llama_tp.py as typed (its second form, `--compile
+    eager`, to keep it short), made tiny: the rewrite's report, the check against the model compiled without it,
+    both timings."""
+    with open(os.path.join(REPO, "docs", "adoption.md")) as f:
+        text = f.read()
+    lines = [m.group(1) for m in re.finditer(r"(torchrun [^`\n]*examples/titan_llama_tp\.py --compile \w+)", text)]
+    assert lines, "docs/adoption.md shows no --compile command line for examples/titan_llama_tp.py"
+    tiny = ["--compile", "eager", "--layers", "1", "--dim", "48", "--hidden", "88", "--heads", "4", "--kv-heads", "2",
+            "--vocab", "62", "--batch", "2", "--seq", "10", "--iters", "2", "--warmup", "1",
+            "--seed", str(random.randrange(1 << 30))]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, PET_MASTER_PORT=str(free_port()), PET_MASTER_ADDR="127.0.0.1")
+    done = subprocess.run([torchrun, *shlex.split(lines[0])[1:], *tiny], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env=env)
+    assert done.returncode == 0, f"{lines[0]} failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    assert re.search(r"torch_gemm_ar.compile \(eager\): rewrote allgather_gemm x\d+, gemm_reduce_scatter x\d+",
+                     done.stdout), done.stdout
+    assert re.search(r"from the model compiled without the rewrite: \S+ \(tolerance \S+\); .*: ok", done.stdout)
+    assert re.search(r"ms/forward +\d", done.stdout) and re.search(r"ms/train step +\d", done.stdout), done.stdout

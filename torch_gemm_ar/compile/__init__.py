@@ -143,8 +143,9 @@ def backend(inner: Union[str, Callable] = "inductor"):
 
             current = inductor_config.post_grad_custom_post_pass
             chained = current if isinstance(current, GemmCollectivePass) else GemmCollectivePass(current)
-            with inductor_config.patch(post_grad_custom_post_pass=chained):
-                return compile_fx(gm, example_inputs)
+            # config_patches, not a patch around the call: AOT autograd compiles the backward graph later, at the
+            # first backward, and compile_fx applies these patches there too.
+            return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": chained})
 
         return inductor_with_rewrite
     if inner == "eager":

@@ -2,11 +2,17 @@
 
 Patterns, on aten-level graphs (AOT / Inductor post-grad), every `[reshape]` optional and only a reshape that keeps
 the last dim (rows stay rows):
-- gemm_allreduce:             mm(a, b) | addmm(bias / world, a, b) -> [reshape] -> all_reduce(sum) -> wait_tensor
+- gemm_allreduce:             mm(a, b) | addmm(bias / world, a, b) -> [reshape] [clone] -> all_reduce(sum) -> wait
 - gemm_allreduce_add_rmsnorm: the above -> add(residual) -> RMSNorm written out (pow 2, mean over the last dim,
                               add eps, rsqrt, mul, mul weight; fp32 upcasts around it allowed)
 - gemm_reduce_scatter:        mm(a, b) -> [reshape] -> reduce_scatter_tensor(sum) -> wait_tensor
 - allgather_gemm:             all_gather_into_tensor(x) -> wait_tensor -> [reshape] -> mm(., b)
+- the same two on 3-D activations, with row moves (view, permute, transpose, split, cat, clone, the write-back copy
+  into a fresh buffer) around the collective, as DTensor's Shard(1) and spmd_types scatter and gather the sequence
+  dim: rewritten with scatter_dim / gather_dim = d when the rows, evaluated as numbers (rows.py), land on every
+  rank exactly where the op puts them along d. The gathered value G (several GEMMs may read it: q/k/v, w1/w3) is
+  replaced by the gathered input allgather_gemm returns, so its first mm is fused and the others read that: one
+  collective.
 A site is rewritten only when every check holds: reduce op "sum", a group that resolves, with more than one rank,
 and the collective's size matching it; a and b of one floating dtype the op supports (and b 2-D); every intermediate
 value (the product, the reshape, the collective, the waited tensor of a fused add, the norm's steps) used by the next
@@ -19,6 +25,7 @@ A graph is walked twice: the first walk lists the sites that pass the checks, th
 the agreed sites.
 """
 import logging
+import math
 import operator
 import os
 import re
@@ -29,7 +36,7 @@ from typing import Dict, Optional
 import torch
 from torch import fx
 
-from . import agreement
+from . import agreement, rows
 
 logger = logging.getLogger("torch_gemm_ar.compile")
 
@@ -61,6 +68,10 @@ class RewriteReport:
 
 class _Skip(Exception):
     """A site that does not match exactly; its message is the counted reason."""
+
+
+class _NoProduct(_Skip):
+    """A value holding the gathered rows that no mm reads: the search goes on to the next one."""
 
 
 def _val(node):
@@ -260,23 +271,28 @@ class _Rewriter:
         return False
 
     def _producer(self, collective: fx.Node, what: str, write_back: Optional[fx.Node] = None):
-        """The GEMM feeding `collective`, through an optional rows-reshape: (gemm, reshape_or_None). The collective's
-        input may have one more user: `write_back`, the functional form of an in-place collective."""
+        """The GEMM feeding `collective` through reshapes that keep rows as rows and clones (which copy values
+        unchanged): (gemm, those steps, the collective's side first). The collective's input may have one more
+        user: `write_back`, the functional form of an in-place collective."""
         x = collective.args[0]
-        if _is(x, *_RESHAPES):
-            reshape, gemm = x, x.args[0]
-            if not isinstance(gemm, fx.Node) or not _rows_reshape(reshape, gemm):
+        steps, node = [], x
+        while _is(node, *_RESHAPES, aten.clone.default) and isinstance(node.args[0], fx.Node):
+            if _is(node, aten.clone.default) and node.kwargs.get("memory_format", torch.contiguous_format) not in (
+                    torch.contiguous_format, torch.preserve_format):
+                break
+            if _is(node, *_RESHAPES) and not _rows_reshape(node, node.args[0]):
                 raise _Skip(f"its input is not a GEMM ({what})")
-        else:
-            reshape, gemm = None, x
+            steps.append(node)
+            node = node.args[0]
+        gemm = node
         if not _is(gemm, aten.mm.default, aten.addmm.default):
             raise _Skip(f"its input is not a GEMM ({what})")
         others = [u for u in x.users if u is not collective and u is not write_back]
         if others:
             raise _Skip(f"the GEMM output has {len(others)} other user(s) (the fused op would hide it from them)")
-        if reshape is not None:
-            _only_user(gemm, "the GEMM output")
-        return gemm, reshape
+        for step in steps[1:] + ([gemm] if steps else []):
+            _only_user(step, "the GEMM output")
+        return gemm, steps
 
     def _wait_of(self, collective: fx.Node) -> fx.Node:
         wait = _only_user(collective, "the collective")
@@ -315,7 +331,7 @@ class _Rewriter:
         result, passed = self._result_of(wait, ar)
         write_back = passed[1] if len(passed) > 1 and _is(passed[1], aten.copy.default) else (
             result if _is(result, aten.copy.default) else None)
-        gemm, reshape = self._producer(ar, "mm/addmm", write_back)
+        gemm, steps = self._producer(ar, "mm/addmm", write_back)
         a, b, bias, divisor = _gemm(gemm)
         if bias is not None and divisor != world:
             raise _Skip(f"addmm bias divided by {divisor}, not by the group's size {world}")
@@ -323,7 +339,7 @@ class _Rewriter:
         if bias is not None and (_val(bias).dtype != _val(a).dtype or tuple(_val(bias).shape) != (_val(b).shape[1],)):
             raise _Skip("a bias of another dtype or shape than the product's row")
         shape = _shape_arg(result)
-        replaced = (result, *reversed(passed), ar, reshape, gemm, None if bias is None else gemm.args[0])
+        replaced = (result, *reversed(passed), ar, *steps, gemm, None if bias is None else gemm.args[0])
         wait = result  # from here on, the value the rest of the graph reads
         norm = self._add_rmsnorm(wait)
         if norm is not None and not self._before(norm["weight"], norm["add"]):
@@ -439,12 +455,15 @@ class _Rewriter:
         if str(op).lower() != "sum":
             raise _Skip(f"reduce op {op!r}, not sum")
         _check_group(group_name, size)
-        gemm, _ = self._producer(rs, "mm")
+        wait = self._wait_of(rs)
+        try:
+            gemm, steps = self._producer(rs, "mm")
+        except _Skip as plain:
+            return self._reduce_scatter_moved(rs, wait, size, group_name, plain)
         if not _is(gemm, aten.mm.default):
             raise _Skip("a reduce-scatter after addmm")
         a, b = gemm.args[:2]
         _check_operands(a, b)
-        wait = self._wait_of(rs)
         if _val(gemm).shape[0] % size:
             raise _Skip("rows not divisible by the group size")
         shape = _shape_arg(wait)
@@ -453,13 +472,121 @@ class _Rewriter:
         with self.graph.inserting_before(wait):
             out = self._call(torch.ops.pto.gemm_reduce_scatter.default, (a, b, group_name), {"scatter_dim": 0})
             wait.replace_all_uses_with(self._reshape(out, wait, shape))
-        self._erase(wait, rs, *([rs.args[0]] if rs.args[0] is not gemm else []), gemm)
+        self._erase(wait, rs, *steps, gemm)
         self.report.rewritten["gemm_reduce_scatter"] += 1
+
+    def _reduce_scatter_moved(self, rs: fx.Node, wait: fx.Node, size: int, group_name: str, plain: _Skip) -> None:
+        """mm -> row moves (view, permute, split, cat, clone) -> reduce_scatter_tensor -> wait -> row moves, as
+        DTensor and spmd_types scatter a sequence dim: rewritten when, on row numbers, what rank r ends up with is
+        chunk r of the product along one row dim, which is gemm_reduce_scatter(scatter_dim=that dim)."""
+        position = {node: i for i, node in enumerate(self.graph.nodes)}
+        gemm, moves = self._moves_from_gemm(rs, position, plain)
+        after = self._moves_after(wait)
+        if not _is(gemm, aten.mm.default):
+            raise _Skip(f"{plain}: the row moves start at addmm, not mm")
+        buffers = [step.args[0] for step in after if _is(step, aten.copy.default)]
+        for node in (gemm, *moves):
+            others = [u for u in node.users if u not in moves and u is not rs and u not in buffers]
+            if others:
+                raise _Skip(f"{node.name} on the way to the reduce-scatter has {len(others)} other user(s) (the "
+                            "fused op would hide it from them)")
+        a, b = gemm.args[:2]
+        _check_operands(a, b)
+        try:
+            rows_of = {gemm: rows.numbers(rows.static_shape(gemm)[:1])}
+            for node in moves:
+                rows_of[node] = rows.evaluate(node, rows_of)
+            sent = rows_of[rs.args[0]]
+            if sent.dim() == 0 or sent.shape[0] % size:
+                raise _Skip("the reduce-scatter's dim 0 is not divisible by the group size")
+            received = []  # per rank: the row numbers of every step after the wait
+            for chunk in sent.chunk(size, 0):
+                on_rank = {wait: chunk}
+                for node in after:
+                    on_rank[node] = rows.evaluate(node, on_rank)
+                received.append(on_rank)
+        except rows.NotRows as why:
+            raise _Skip(f"{plain}; nor rows of one moved ({why})") from None
+        count = rows.static_shape(gemm)[0]
+        for end in reversed([wait, *after]):  # the furthest step that still holds the scattered product
+            lead = list(received[0][end].shape)
+            for dim in range(len(lead)):
+                full = lead[:dim] + [lead[dim] * size] + lead[dim + 1:]
+                if math.prod(full) != count:
+                    continue
+                product = rows.numbers(full).chunk(size, dim)
+                if all(rows.equal(product[r], received[r][end]) for r in range(size)):
+                    return self._fuse_reduce_scatter(rs, wait, gemm, moves, after[:after.index(end) + 1]
+                                                     if end is not wait else [], buffers, full, dim, group_name)
+        raise _Skip("the rows reach the ranks in another order than a reduce-scatter of the product along one of "
+                    "its dims (a split along another dim, a cat in another order)")
+
+    def _fuse_reduce_scatter(self, rs, wait, gemm, moves, after, buffers, full, dim, group_name) -> None:
+        a, b = gemm.args[:2]
+        if not self._claim(rs, f"gemm_reduce_scatter(scatter_dim={dim})", group_name, gemm, a, b):
+            return
+        end = after[-1] if after else wait
+        with self.graph.inserting_before(rs):
+            a_rows = self._call(aten.reshape.default, (a, [*full, _static_last(a)]))
+            out = self._call(torch.ops.pto.gemm_reduce_scatter.default, (a_rows, b, group_name), {"scatter_dim": dim})
+        end.replace_all_uses_with(out)
+        self._erase(*reversed(after), wait, rs, *buffers, *reversed(moves), gemm)
+        self.report.rewritten["gemm_reduce_scatter"] += 1
+
+    def _moves_from_gemm(self, collective: fx.Node, position, plain: _Skip):
+        """The one mm whose product reaches `collective`'s input through row moves only, and those moves in graph
+        order."""
+        moves, gemms, stack = set(), set(), [collective.args[0]]
+        while stack:
+            node = stack.pop()
+            if node in moves or node in gemms:
+                continue
+            if _is(node, aten.mm.default, aten.addmm.default):
+                gemms.add(node)
+            elif rows.is_move(node):
+                moves.add(node)
+                stack.extend(rows.inputs(node))
+            else:
+                raise _Skip(str(plain))
+        if len(gemms) != 1:
+            raise _Skip(f"{plain}: the row moves join {len(gemms)} GEMMs")
+        return gemms.pop(), sorted(moves, key=position.get)
+
+    @staticmethod
+    def _moves_after(wait: fx.Node):
+        """The row moves that follow `wait`, each the only user of the one before."""
+        chain, node = [], wait
+        while len(node.users) == 1:
+            user = next(iter(node.users))
+            if not rows.is_move(user) or _is(user, *rows.SPLITS) or rows.inputs(user) != [node]:
+                break
+            chain.append(user)
+            node = user
+        return chain
 
     def _all_gather(self, ag: fx.Node) -> None:
         x, size, group_name = ag.args[:3]
         _check_group(group_name, size)
         wait = self._wait_of(ag)
+        try:
+            mm, gathered = self._gathered_mm(wait)
+        except _Skip as plain:
+            return self._all_gather_moved(ag, wait, size, group_name, plain)
+        b = mm.args[1]
+        _check_operands(x, b, a_any_dim=True)
+        _static_last(x)
+        if not self._claim(ag, "allgather_gemm", group_name, mm, x, b):
+            return
+        with self.graph.inserting_before(mm):
+            x_rows = self._rows(x)
+            fused = self._call(torch.ops.pto.allgather_gemm.default, (x_rows, b, group_name), {"gather_dim": 0})
+            mm.replace_all_uses_with(self._getitem(fused, 0))
+        self._erase(mm, gathered, wait, ag)
+        self.report.rewritten["allgather_gemm"] += 1
+
+    @staticmethod
+    def _gathered_mm(wait: fx.Node):
+        """all_gather -> wait -> [rows reshape] -> mm as the only use: (mm, its left operand)."""
         user = _only_user(wait, "the gathered tensor")
         if _is(user, *_RESHAPES):
             if _val(user).dim() != 2 or _val(user).shape[-1] != _val(wait).shape[-1]:
@@ -470,27 +597,160 @@ class _Rewriter:
             mm, gathered = user, wait
         if not _is(mm, aten.mm.default) or mm.args[0] is not gathered:
             raise _Skip("the gathered tensor does not feed an mm as its left operand")
+        return mm, gathered
+
+    def _all_gather_moved(self, ag: fx.Node, wait: fx.Node, size: int, group_name: str, plain: _Skip) -> None:
+        """[row moves ->] all_gather -> wait -> row moves (split, cat, view, copy into a buffer) -> G -> mm(G or G's
+        rows, b) and any other users of G, as DTensor and spmd_types gather a sequence dim and the layers after it
+        (q/k/v, w1/w3) read it: rewritten when, on row numbers, G is the concatenation of the ranks' inputs along
+        one row dim, which is allgather_gemm(gather_dim=that dim). The first mm becomes allgather_gemm; G becomes
+        the gathered input that it returns, so the other users (more GEMMs, values saved for backward) read that:
+        one collective. The input may be a moved source (spmd_types moves the sequence dim to the front first)."""
+        position = {node: i for i, node in enumerate(self.graph.nodes)}
+        reasons = []
+        for source, before in self._sources(ag.args[0]):
+            try:
+                shape = rows.static_shape(source)
+                lead = shape[:-1]
+                if not lead:
+                    raise rows.NotRows("a 1-D input")
+                local = rows.numbers([size, *lead])  # rank r's source rows are numbered local[r]
+                gathered = [torch.cat(list(local), dim) for dim in range(len(lead))]  # per gather dim
+                sent = []
+                for r in range(size):
+                    on_rank = {source: local[r]}
+                    for node in before:
+                        on_rank[node] = rows.evaluate(node, on_rank)
+                    sent.append(on_rank[ag.args[0]])
+                rows_of = {wait: torch.cat(sent, 0)}
+            except rows.NotRows as why:
+                reasons.append(f"{plain}; nor rows gathered ({why})")
+                continue
+            for node in sorted(self._reachable(wait), key=position.get):
+                if all(i in rows_of for i in rows.inputs(node)):
+                    try:
+                        rows_of[node] = rows.evaluate(node, rows_of)
+                    except rows.NotRows:
+                        continue
+            for node in sorted(rows_of, key=position.get):
+                dim = next((d for d, g in enumerate(gathered) if rows.equal(rows_of[node], g)), None)
+                if dim is None or _val(node).shape[-1] != shape[-1]:
+                    continue
+                try:
+                    return self._fuse_all_gather(ag, wait, source, before, node, dim, position, group_name)
+                except _NoProduct:
+                    continue
+                except _Skip as why:
+                    reasons.append(str(why))
+        raise _Skip(reasons[-1] if reasons else f"{plain}; nor are the gathered rows, moved, the left operand of an mm "
+                    "in the order of a gather along one dim (a split along another dim, a cat in another order)")
+
+    @staticmethod
+    def _sources(x: fx.Node):
+        """(source, the row moves from it to `x`): `x` itself, then each value it was moved from by a chain of views,
+        transposes, permutes and clones that nothing else reads."""
+        found, before, node = [(x, [])], [], x
+        while (rows.is_move(node) and not _is(node, aten.copy.default, aten.cat.default, operator.getitem)
+               and isinstance(node.args[0], fx.Node) and (node is x or len(node.users) == 1)):
+            before = [node] + before
+            node = node.args[0]
+            found.append((node, list(before)))
+        return found
+
+    @staticmethod
+    def _reachable(start: fx.Node):
+        """Nodes reached from `start` through row moves."""
+        seen, stack = set(), [start]
+        while stack:
+            for user in stack.pop().users:
+                if user not in seen and rows.is_move(user):
+                    seen.add(user)
+                    stack.append(user)
+        return seen
+
+    def _fuse_all_gather(self, ag, wait, x, before, full, dim, position, group_name) -> None:
+        """`full` (the gathered rows of `x` along `dim`) feeds an mm, directly or as [rows, K]: fuse the first one.
+        `before`: the row moves from `x` to the all-gather's input, erased with the gather."""
+        products = []
+        for user in full.users:
+            if _is(user, aten.mm.default) and user.args[0] is full:
+                products.append((user, None))
+            elif _is(user, *_RESHAPES) and _rows_reshape(user, full) and _val(user).dim() == 2:
+                products += [(mm, user) for mm in user.users if _is(mm, aten.mm.default) and mm.args[0] is user]
+        if not products:
+            raise _NoProduct("the gathered rows do not feed an mm as its left operand")
+        mm, view = min(products, key=lambda p: position[p[0]])
         b = mm.args[1]
+        first_use = min(full.users, key=position.get)
+        move = self._hoistable(b, position[first_use], position)
+        if move is None:
+            raise _Skip("the GEMM's right operand is computed after the gathered rows are first used")
         _check_operands(x, b, a_any_dim=True)
         _static_last(x)
-        if not self._claim(ag, "allgather_gemm", group_name, mm, x, b):
+        between = self._between(wait, full)
+        inside = set(between) | {full}
+        for node in [wait, *between]:
+            if any(u not in inside and u not in between for u in node.users):
+                raise _Skip(f"{node.name}, a step of the gather, has users outside it (the fused op would hide it)")
+        buffers = [step.args[0] for step in between if _is(step, aten.copy.default)]
+        if not self._claim(ag, f"allgather_gemm(gather_dim={dim})", group_name, mm, x, b):
             return
-        with self.graph.inserting_before(mm):
-            rows = self._rows(x)
-            fused = self._call(torch.ops.pto.allgather_gemm.default, (rows, b, group_name), {"gather_dim": 0})
-            mm.replace_all_uses_with(self._getitem(fused, 0))
-        self._erase(mm, gathered, wait, ag)
+        for node in move:  # views of a weight (backward's transposed weight): computed earlier, where the op goes
+            first_use.prepend(node)
+        with self.graph.inserting_before(first_use):
+            fused = self._call(torch.ops.pto.allgather_gemm.default, (x, b, group_name),
+                               {"gather_dim": dim, "return_gathered": True})
+            out = self._getitem(fused, 0)
+            gathered = self._getitem(fused, 1)
+            product = self._call(aten.reshape.default, (out, _shape_arg(mm)))
+        mm.replace_all_uses_with(product)
+        self._erase(mm, view)
+        full.replace_all_uses_with(gathered)
+        self._erase(full, *sorted(between, key=position.get, reverse=True), *buffers, wait, ag, *reversed(before))
         self.report.rewritten["allgather_gemm"] += 1
+
+    @staticmethod
+    def _hoistable(node: fx.Node, limit: int, position):
+        """The nodes to move in front of position `limit` so that `node` is computed there, in graph order: none if
+        it already is; views (t, permute, transpose, reshape) of values computed before it; else None."""
+        if position.get(node, -1) < limit:
+            return []
+        if not _is(node, aten.t.default, aten.permute.default, aten.transpose.int, *_RESHAPES):
+            return None
+        moved = []
+        for source in node.all_input_nodes:
+            more = _Rewriter._hoistable(source, limit, position)
+            if more is None:
+                return None
+            moved += [n for n in more if n not in moved]
+        return moved + [node]
+
+    @staticmethod
+    def _between(wait: fx.Node, full: fx.Node):
+        """The row moves from `wait` (excluded) to `full` (excluded), users after what they read."""
+        seen, order, stack = set(), [], [full]
+        while stack:
+            node = stack.pop()
+            for source in rows.inputs(node) if node is not wait else []:
+                if source is not wait and source not in seen:
+                    seen.add(source)
+                    order.append(source)
+                    stack.append(source)
+        return order
 
 
 def rewrite_graph(graph: fx.Graph) -> RewriteReport:
     """Rewrite `graph` in place; returns what was rewritten and what was left alone (and why). Sites are rewritten
     only where every rank of their group agreed (agreement.py); this waits for the group's other ranks."""
-    listing = _Rewriter(graph)
-    listing.run()
-    sites = listing.candidates
-    reasons = agreement.agree([(group_name, description) for _, group_name, description in sites])
-    report = _Rewriter(graph, {node: reason for (node, _, _), reason in zip(sites, reasons)}).run()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # The rewrite computes on real row numbers (rows.py); a compiler may call it with a fake mode active.
+    with unset_fake_temporarily():
+        listing = _Rewriter(graph)
+        listing.run()
+        sites = listing.candidates
+        reasons = agreement.agree([(group_name, description) for _, group_name, description in sites])
+        report = _Rewriter(graph, {node: reason for (node, _, _), reason in zip(sites, reasons)}).run()
     if report.rewritten or report.skipped:
         logger.info("torch_gemm_ar.compile: %s", report)
     return report

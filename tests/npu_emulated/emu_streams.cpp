@@ -1,0 +1,193 @@
+#include "emu_streams.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace gemm_ar::emu {
+
+std::chrono::milliseconds wait_bound() {
+  static const std::chrono::milliseconds bound = [] {
+    const char* text = std::getenv("GEMM_AR_EMU_WAIT_S");
+    const long seconds = text != nullptr ? std::atol(text) : 120;
+    return std::chrono::milliseconds(std::max(1L, seconds) * 1000);
+  }();
+  return bound;
+}
+
+void Event::complete() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    done = true;
+    when = std::chrono::steady_clock::now();
+  }
+  done_cv.notify_all();
+}
+
+bool Event::query() {
+  std::lock_guard<std::mutex> lock(mutex);
+  return done;
+}
+
+bool Event::wait_for(std::chrono::milliseconds bound) {
+  std::unique_lock<std::mutex> lock(mutex);
+  return done_cv.wait_for(lock, bound, [this] { return done; });
+}
+
+Worker::Worker(int64_t id) : id_(id), thread_([this] { run(); }) {
+  // Never joined: streams live as long as the process (their threads idle on ready_ at exit).
+  thread_.detach();
+}
+
+void Worker::enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+  }
+  ready_.notify_one();
+}
+
+std::shared_ptr<Event> Worker::record() {
+  auto event = std::make_shared<Event>();
+  enqueue([event] { event->complete(); });
+  return event;
+}
+
+bool Worker::idle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return tasks_.empty() && running_ == 0;
+}
+
+void Worker::run() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      ready_.wait(lock, [this] { return !tasks_.empty(); });
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      running_ = 1;
+    }
+    try {
+      task();
+    } catch (const std::exception& e) {
+      set_device_error("a task on emulated stream " + std::to_string(id_) + " failed: " + e.what());
+    }
+    // Destroyed outside the lock: a task's captured tensors may queue their release on this very stream.
+    task = nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = 0;
+  }
+}
+
+namespace {
+
+struct Streams {
+  std::mutex mutex;
+  std::vector<Worker*> workers;  // never destroyed
+};
+
+Streams& streams() {
+  static auto* all = [] {
+    auto* s = new Streams();
+    s->workers.push_back(new Worker(0));
+    return s;
+  }();
+  return *all;
+}
+
+thread_local int64_t current_id = 0;
+
+std::mutex& error_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+std::string& device_error() {
+  static auto* error = new std::string();
+  return *error;
+}
+
+}  // namespace
+
+Worker& stream(int64_t id) {
+  Streams& s = streams();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(s.workers.size()), "no emulated NPU stream with id ", id);
+  return *s.workers[static_cast<size_t>(id)];
+}
+
+Worker& new_stream() {
+  Streams& s = streams();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.workers.push_back(new Worker(static_cast<int64_t>(s.workers.size())));
+  return *s.workers.back();
+}
+
+std::vector<Worker*> all_streams() {
+  Streams& s = streams();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.workers;
+}
+
+int64_t current_stream_id() { return current_id; }
+void set_current_stream_id(int64_t id) {
+  stream(id);  // checks it exists
+  current_id = id;
+}
+
+void set_device_error(const std::string& message) {
+  std::lock_guard<std::mutex> lock(error_mutex());
+  if (device_error().empty()) device_error() = message;
+}
+
+void report_device_error() {
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(error_mutex());
+    message.swap(device_error());
+  }
+  TORCH_CHECK(message.empty(), "emulated NPU: ", message);
+}
+
+namespace {
+// Relaxed: a count the tests read between calls of the same thread, ordering nothing.
+std::atomic<uint64_t> synchronisations{0};
+}  // namespace
+
+// Relaxed as well: set by the test between calls, read by the same thread's next launches.
+std::atomic<int64_t> launches_to_drop{0};
+std::atomic<int64_t> mesh_contexts{0}, ring_contexts{0};
+
+void drop_next_launches(int64_t count) { launches_to_drop.store(count, std::memory_order_relaxed); }
+bool take_dropped_launch() {
+  int64_t left = launches_to_drop.load(std::memory_order_relaxed);
+  while (left > 0) {
+    if (launches_to_drop.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) return true;
+  }
+  return false;
+}
+
+void count_context(bool mesh) { (mesh ? mesh_contexts : ring_contexts).fetch_add(1, std::memory_order_relaxed); }
+int64_t contexts_built(bool mesh) { return (mesh ? mesh_contexts : ring_contexts).load(std::memory_order_relaxed); }
+
+void count_host_synchronisation() { synchronisations.fetch_add(1, std::memory_order_relaxed); }
+uint64_t host_synchronisations() { return synchronisations.load(std::memory_order_relaxed); }
+
+void synchronize(Worker& worker) {
+  const std::shared_ptr<Event> done = worker.record();
+  TORCH_CHECK(done->wait_for(wait_bound()), "emulated NPU: stream ", worker.id(), " did not drain within ",
+              wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
+  report_device_error();
+}
+
+void synchronize_all() {
+  for (Worker* worker : all_streams()) {
+    const std::shared_ptr<Event> done = worker->record();
+    TORCH_CHECK(done->wait_for(wait_bound()), "emulated NPU: stream ", worker->id(), " did not drain within ",
+                wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
+  }
+  report_device_error();
+}
+
+}  // namespace gemm_ar::emu

@@ -1,0 +1,91 @@
+// Streams and events of the emulated Ascend runtime (docs/decisions/0019-emulated-npu-runtime.md): every stream is a
+// worker thread running a FIFO of tasks; an event completes when its stream's worker reaches it; a cross-stream wait
+// blocks only the waiting stream's worker, for a bounded time. A task that fails (an exception, a wait that timed
+// out) leaves a sticky device error, raised by the next synchronisation, as the runtime's sticky errors are.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace gemm_ar::emu {
+
+// How long a stream or the host waits for an event before it gives up (GEMM_AR_EMU_WAIT_S, default 120 s): longer
+// than the kernels' own bound, so that a kernel's timeout is what a test sees first.
+std::chrono::milliseconds wait_bound();
+
+struct Event {
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+  std::chrono::steady_clock::time_point when;  // when the stream reached it
+
+  void complete();
+  bool query();
+  // False when the bound passed first.
+  bool wait_for(std::chrono::milliseconds bound);
+};
+
+class Worker {
+ public:
+  explicit Worker(int64_t id);
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  int64_t id() const { return id_; }
+  void enqueue(std::function<void()> task);
+  // An event completed when every task queued so far has run.
+  std::shared_ptr<Event> record();
+  // Whether every task queued so far has run.
+  bool idle();
+
+ private:
+  void run();
+
+  const int64_t id_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> tasks_;
+  size_t running_ = 0;  // 1 while a task runs
+  std::thread thread_;
+};
+
+// Streams of the one emulated device: id 0 is the default stream; new ones are never destroyed (their ids are
+// c10::Stream ids and NativeStream handles).
+Worker& stream(int64_t id);
+Worker& new_stream();
+std::vector<Worker*> all_streams();
+
+// The current stream of the calling thread (as torch_npu's, per thread).
+int64_t current_stream_id();
+void set_current_stream_id(int64_t id);
+
+// The first failure of a task since the last report; report_device_error throws it (and clears it).
+void set_device_error(const std::string& message);
+void report_device_error();
+
+// Host synchronisations the host code asked for (DeviceControl's waits and blocking copies, the process group's
+// collectives), counted so that the tests can check that a call asked for none.
+void count_host_synchronisation();
+uint64_t host_synchronisations();
+
+// Negative control (tests only): the next `count` kernel launches of this process are dropped, as kernels the
+// runtime never ran or killed at once.
+void drop_next_launches(int64_t count);
+bool take_dropped_launch();
+
+// Which contexts the emulated HCCL built in this process (MESH, RING).
+void count_context(bool mesh);
+int64_t contexts_built(bool mesh);
+
+// Waits for every task queued so far on `worker` / on every stream (bounded), then reports a device error.
+void synchronize(Worker& worker);
+void synchronize_all();
+
+}  // namespace gemm_ar::emu

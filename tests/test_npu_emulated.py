@@ -1,0 +1,517 @@
+"""The NPU host code (csrc/host/npu, unchanged) run end to end on the emulated Ascend runtime
+(docs/decisions/0019-emulated-npu-runtime.md): rank processes call the public API on "npu" tensors, the host code sets
+up the emulated HCCL's windows, plans, uploads and launches the strict simulator's kernels on emulated streams, and
+the results are compared with float64 references. Skips without PTO_ISA_ROOT (the kernels are pto-isa's simulator's)."""
+import glob
+
+import pytest
+import torch
+
+import inputs
+import npu_emulated_ranks
+
+SEED = 35
+
+
+def _unit(dtype, bf16_native):
+    return 2.0 ** -11 if (dtype == torch.float16 or not bf16_native) else 2.0 ** -8
+
+
+def _assert_close(out, shards, b, bias, dtype, bf16_native, what):
+    """Within the rounding of each rank's partial, the world - 1 additions and the result (as the simulator test
+    bounds it), on the magnitudes involved; finite everywhere."""
+    world = len(shards)
+    ref = inputs.reference(shards, b, bias)
+    assert out.dtype == dtype and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
+    magnitude = sum((a.double().abs().reshape(-1, a.shape[-1]) @ b.double().abs()) for a in shards)
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    bound = (world + 2) * _unit(dtype, bf16_native) * magnitude.reshape(ref.shape) + 1e-6
+    got = out.double()
+    assert bool(torch.isfinite(got).all()), f"{what}: non-finite outputs (unwritten or failed)"
+    err = (got - ref).abs()
+    worst = int(torch.argmax(err - bound))
+    assert bool((err <= bound).all()), (f"{what}: {int((err > bound).sum())} elements over the bound; worst at flat "
+                                        f"index {worst}: {float(err.flatten()[worst]):.4g} > "
+                                        f"{float(bound.flatten()[worst]):.4g}")
+
+
+def _model_clean(emu, what):
+    counters = emu.model_counters()
+    assert all(v == 0 for v in counters.values()), f"{what}: the simulator's cache model counted {counters}"
+
+
+def _operands(rank, world, seed, m, k, n, dtype, transposed, with_bias):
+    shards = [inputs.shard(seed, r, m, k, dtype) for r in range(world)]
+    b = inputs.weight(seed, k, n, dtype, transposed)
+    bias = inputs.bias_vector(seed, n, dtype) if with_bias else None
+    # b.t() of an [N, K] weight on the device, not copied: the kernels read it transposed.
+    b_npu = b.t().contiguous().to("npu").t() if transposed else b.to("npu")
+    return shards, b, bias, b_npu
+
+
+def _gemm_allreduce(rank, world, library, topology, seed, m, k, n, dtype_name, transposed, with_bias, key=""):
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, topology, key)
+    dtype = getattr(torch, dtype_name)
+    shards, b, bias, b_npu = _operands(rank, world, seed, m, k, n, dtype, transposed, with_bias)
+    out = torch_gemm_ar.gemm_allreduce(shards[rank].to("npu"), b_npu, group,
+                                       bias=None if bias is None else bias.to("npu"), algorithm="fused")
+    assert out.device.type == "npu", out.device
+    got = out.cpu()
+    what = f"rank {rank}/{world} {topology} {dtype_name} {m}x{k}x{n} transposed={transposed} bias={with_bias}"
+    _assert_close(got, shards, b, bias, dtype, emu.bf16_native(), what)
+    torch_gemm_ar.check_errors()
+    _model_clean(emu, what)
+    assert not glob.glob("/dev/shm/gemm_ar_emu_*"), "a window's shared memory was left in /dev/shm"
+    return inputs.digest(got)
+
+
+def _skip_unrepresented(dtype_name, bf16_native):
+    if dtype_name == "bfloat16" and not bf16_native:
+        pytest.skip("the simulator stores bfloat16 as a 16-bit IEEE half with this compiler (g++ < 13): bf16 kernels "
+                    "cannot be checked against a bf16 reference")
+
+
+@pytest.mark.parametrize("world,topology", [(2, "mesh"), (3, "mesh"), (4, "mesh"), (4, "ring")])
+def test_gemm_allreduce_fused_fp16(emulated_npu, world, topology):
+    library, pools = emulated_npu
+    digests = pools(world).run(_gemm_allreduce, library, topology, SEED + world, 129, 300, 77, "float16", False, False)
+    assert len(set(digests)) == 1, "ranks returned different results"
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_allreduce_layouts_and_bias(emulated_npu, transposed, with_bias):
+    library, pools = emulated_npu
+    digests = pools(2).run(_gemm_allreduce, library, "mesh", SEED + 7, 67, 45, 130, "float16", transposed, with_bias)
+    assert len(set(digests)) == 1, "ranks returned different results"
+
+
+def _bound_check(got, ref, tol, what):
+    assert bool(torch.isfinite(got).all()), f"{what}: non-finite outputs (unwritten or failed)"
+    err = (got.double() - ref).abs()
+    worst = int(torch.argmax(err - tol))
+    assert bool((err <= tol).all()), (f"{what}: {int((err > tol).sum())} elements over the bound; worst at flat index "
+                                      f"{worst}: {float(err.flatten()[worst]):.4g} > {float(tol.flatten()[worst]):.4g}")
+
+
+def _sequence_parallel(rank, world, library, topology, seed, m, k, n, transposed, with_bias):
+    """gemm_reduce_scatter (a row-parallel product, this rank's rows of the sum) and allgather_gemm (the gathered
+    shards times b, and the gathered a itself) on one group."""
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, topology)
+    dtype = torch.float16
+    u = _unit(dtype, emu.bf16_native())
+    what = f"rank {rank}/{world} {topology} {m}x{k}x{n} transposed={transposed} bias={with_bias}"
+    shards, b, bias, b_npu = _operands(rank, world, seed, m, k, n, dtype, transposed, with_bias)
+    bias_npu = None if bias is None else bias.to("npu")
+
+    out = torch_gemm_ar.gemm_reduce_scatter(shards[rank].to("npu"), b_npu, group, bias=bias_npu, algorithm="fused")
+    rows = slice(rank * m // world, (rank + 1) * m // world)
+    ref = inputs.reference(shards, b, bias)[rows]
+    magnitude = sum(a.double().abs() @ b.double().abs() for a in shards)[rows]
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    _bound_check(out.cpu(), ref, (world + 2) * u * magnitude + 1e-6, f"gemm_reduce_scatter {what}")
+
+    local = shards[rank][: m // world]  # allgather_gemm's shard: m / world rows per rank
+    gathered_ref = torch.cat([s[: m // world] for s in shards])
+    out, gathered = torch_gemm_ar.allgather_gemm(local.to("npu"), b_npu, group, bias=bias_npu, return_gathered=True,
+                                                 algorithm="fused")
+    assert torch.equal(gathered.cpu(), gathered_ref), f"allgather_gemm {what}: the gathered a differs"
+    ref = inputs.reference([gathered_ref], b, bias)
+    magnitude = gathered_ref.double().abs() @ b.double().abs()
+    if bias is not None:
+        magnitude = magnitude + bias.double().abs()
+    got = out.cpu()
+    _bound_check(got, ref, 3 * u * magnitude + 1e-6, f"allgather_gemm {what}")
+    torch_gemm_ar.check_errors()
+    _model_clean(emu, what)
+    assert emu.contexts_built()[topology] >= 1, f"{what}: the emulated HCCL never built a {topology} context"
+    return inputs.digest(got)
+
+
+@pytest.mark.parametrize("topology", ["mesh", "ring"])
+def test_sequence_parallel_fused(emulated_npu, topology):
+    library, pools = emulated_npu
+    world = 2 if topology == "mesh" else 3
+    digests = pools(world).run(_sequence_parallel, library, topology, SEED + 11, 12 * world, 70, 93, True, True)
+    assert len(set(digests)) == 1, "allgather_gemm returned different results on different ranks"
+
+
+def _add_rmsnorm(rank, world, library, topology, seed, m, k, n, in_place):
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, topology)
+    dtype, eps = torch.float16, 1e-5
+    u = _unit(dtype, emu.bf16_native())
+    what = f"rank {rank}/{world} {topology} {m}x{k}x{n} in_place={in_place}"
+    shards, b, bias, b_npu = _operands(rank, world, seed, m, k, n, dtype, False, True)
+    g = torch.Generator().manual_seed(seed * 31 + 5)
+    residual = torch.randn(m, n, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    residual_npu = residual.to("npu")
+    if in_place:
+        normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm_(shards[rank].to("npu"), b_npu, residual_npu,
+                                                          weight.to("npu"), group, eps=eps, bias=bias.to("npu"),
+                                                          algorithm="fused")
+        out = residual_npu
+    else:
+        out, normed = torch_gemm_ar.gemm_allreduce_add_rmsnorm(shards[rank].to("npu"), b_npu, residual_npu,
+                                                               weight.to("npu"), group, eps=eps, bias=bias.to("npu"),
+                                                               algorithm="fused")
+        assert torch.equal(residual_npu.cpu(), residual), f"{what}: the out-of-place op changed residual"
+    out, normed = out.cpu(), normed.cpu()
+    out_ref = inputs.reference(shards, b, bias) + residual.double()
+    magnitude = sum(a.double().abs() @ b.double().abs() for a in shards) + bias.double().abs()
+    _bound_check(out, out_ref, (world + 2) * u * magnitude + u * out_ref.abs() + 1e-6, f"out {what}")
+    # normed from the kernel's own out: only fp32 statistics and the final rounding between them.
+    o = out.double()
+    want = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    _bound_check(normed, want, u * want.abs() + 1e-5 * want.abs() + 1e-6, f"normed {what}")
+    torch_gemm_ar.check_errors()
+    _model_clean(emu, what)
+    assert emu.contexts_built()[topology] >= 1, f"{what}: the emulated HCCL never built a {topology} context"
+    return inputs.digest(out) + inputs.digest(normed)
+
+
+@pytest.mark.parametrize("topology", ["mesh", "ring"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_add_rmsnorm_fused(emulated_npu, topology, in_place):
+    library, pools = emulated_npu
+    digests = pools(2).run(_add_rmsnorm, library, topology, SEED + 13, 70, 64, 96, in_place)
+    assert len(set(digests)) == 1, "ranks returned different results"
+
+
+def _agreement_then_no_sync(rank, world, library, calls, seed):
+    """The group's first fused call agrees over the process group; the calls after it agree in the kernels and ask
+    the host for no synchronisation at all (counted by the emulated runtime)."""
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="no-sync")
+    dtype = torch.float16
+    m, k, n = 65, 40, 72
+    operands = []
+    for c in range(calls):
+        shards, b, _, b_npu = _operands(rank, world, seed + c, m, k, n, dtype, c % 2 == 1, False)
+        operands.append((shards, b, shards[rank].to("npu"), b_npu))
+    first = torch_gemm_ar.gemm_allreduce(operands[0][2], operands[0][3], group, algorithm="fused")
+    before = emu.host_synchronisations()
+    outs = [torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused") for _, _, a_npu, b_npu in operands[1:]]
+    asked = emu.host_synchronisations() - before
+    assert asked == 0, f"rank {rank}: {asked} host synchronisations in {calls - 1} fused calls after the first"
+    for c, out in enumerate([first] + outs):
+        shards, b = operands[c][0], operands[c][1]
+        _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(), f"rank {rank} call {c}")
+    torch_gemm_ar.check_errors()
+    return True
+
+
+def test_agreement_then_calls_without_host_sync(emulated_npu):
+    library, pools = emulated_npu
+    assert pools(2).run(_agreement_then_no_sync, library, 6, SEED + 17) == [True, True]
+
+
+def _signature_mismatch(rank, world, library, seed):
+    """After the first (agreed) call, rank 1 calls with another K: the kernels compare the signatures, every rank's
+    output is NaN and every rank raises; the group keeps working afterwards."""
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="mismatch")
+    dtype = torch.float16
+    m, k, n = 33, 48, 40
+    shards, b, _, b_npu = _operands(rank, world, seed, m, k, n, dtype, False, False)
+    _assert_close(torch_gemm_ar.gemm_allreduce(shards[rank].to("npu"), b_npu, group, algorithm="fused").cpu(),
+                  shards, b, None, dtype, emu.bf16_native(), f"rank {rank} agreed call")
+    bad_k = k + 16 if rank == 1 else k
+    a_bad = inputs.shard(seed + 1, rank, m, bad_k, dtype)
+    b_bad = inputs.weight(seed + 1, bad_k, n, dtype, False)
+    out = torch_gemm_ar.gemm_allreduce(a_bad.to("npu"), b_bad.to("npu"), group, algorithm="fused").cpu()
+    nan_everywhere = bool(torch.isnan(out).all())
+    try:
+        torch_gemm_ar.check_errors()
+        raised = ""
+    except RuntimeError as error:
+        raised = str(error)
+    # The group still works, every rank's epochs aligned.
+    _assert_close(torch_gemm_ar.gemm_allreduce(shards[rank].to("npu"), b_npu, group, algorithm="fused").cpu(),
+                  shards, b, None, dtype, emu.bf16_native(), f"rank {rank} call after the mismatch")
+    torch_gemm_ar.check_errors()
+    return nan_everywhere, raised
+
+
+def test_signature_mismatch_raises_on_every_rank(emulated_npu):
+    library, pools = emulated_npu
+    results = pools(2).run(_signature_mismatch, library, SEED + 19)
+    for rank, (nan_everywhere, raised) in enumerate(results):
+        assert nan_everywhere, f"rank {rank}: the mismatched call's output is not all NaN"
+        assert raised, f"rank {rank}: check_errors() did not raise after a signature mismatch"
+        assert "K" in raised or "signature" in raised.lower(), f"rank {rank}: the error does not name K: {raised}"
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16"])
+def test_gemm_allreduce_bf16(emulated_npu, dtype_name):
+    library, pools = emulated_npu
+    bf16_native = pools(2).run(_bf16_native, library)[0]
+    _skip_unrepresented(dtype_name, bf16_native)
+    digests = pools(2).run(_gemm_allreduce, library, "ring", SEED + 23, 129, 300, 77, dtype_name, True, True)
+    assert len(set(digests)) == 1, "ranks returned different results"
+
+
+def _bf16_native(rank, world, library):
+    return npu_emulated_ranks.load(library).bf16_native()
+
+
+def _gemm_allreduce_shifted_window(rank, world, library, seed):
+    """The correctness check of test_gemm_allreduce_fused_fp16 on a group whose context names one peer's window a
+    cache line too far (the emulator's GEMM_AR_EMU_FAULT_WINDOW_SHIFT): returns what made it fail, or "" if it
+    passed."""
+    import os
+
+    os.environ["GEMM_AR_EMU_FAULT_WINDOW_SHIFT"] = "64"
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "5"  # the kernels give up on the flags that land in the wrong place
+    try:
+        _gemm_allreduce(rank, world, library, "mesh", seed, 129, 300, 77, "float16", False, False, key="shifted")
+        return ""
+    except (AssertionError, RuntimeError) as error:
+        try:  # the failure recorded for the group is reported here, not by a later test's check_errors()
+            import torch_gemm_ar
+
+            torch_gemm_ar.check_errors()
+        except RuntimeError:
+            pass
+        return f"{type(error).__name__}: {error}"
+    finally:
+        del os.environ["GEMM_AR_EMU_FAULT_WINDOW_SHIFT"]
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+
+
+def test_negative_control_window_shifted_by_a_cache_line(emulated_npu):
+    library, pools = emulated_npu
+    failures = pools(2).run(_gemm_allreduce_shifted_window, library, SEED + 29)
+    assert any(failures), "a window a cache line off went unnoticed: the correctness test cannot see offsets"
+    assert all(f == "" or "non-finite" in f or "over the bound" in f or "gemm_allreduce (fused, NPU)" in f
+               for f in failures), f"failed for another reason: {failures}"
+
+
+def _kernel_failure_on_one_rank(rank, world, library, seed, timeout_s="30"):
+    """Rank 1's kernels of one call never run (dropped by the emulated runtime, as a killed kernel): its peers' kernels
+    give up on it within the bound, their output is NaN and the failure is raised by the next call on every peer and
+    by check_errors(); the call after it is correct on every rank (the epochs stayed aligned)."""
+    import os
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="failure")
+    dtype = torch.float16
+    m, k, n = 40, 36, 50
+    shards, b, _, b_npu = _operands(rank, world, seed, m, k, n, dtype, False, False)
+    a_npu = shards[rank].to("npu")
+    check = lambda out, what: _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(),  # noqa: E731
+                                            f"rank {rank} {what}")
+    check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "first call")
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+    try:
+        if rank == 1:
+            emu.drop_next_launches(2)  # the call's compute and comm kernels
+        failed = torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()
+        raised_next = ""
+        try:
+            torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()
+        except RuntimeError as error:
+            raised_next = str(error).splitlines()[0]
+        try:
+            torch_gemm_ar.check_errors()
+            raised_check = ""
+        except RuntimeError as error:
+            raised_check = str(error).splitlines()[0]
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = timeout_s
+        emu.drop_next_launches(0)
+    try:
+        check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "call after the failure")
+        torch_gemm_ar.check_errors()
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+    return bool(torch.isnan(failed).all()), raised_next, raised_check
+
+
+def test_kernel_failure_on_one_rank(emulated_npu):
+    library, pools = emulated_npu
+    results = pools(3).run(_kernel_failure_on_one_rank, library, SEED + 31)
+    for rank in (0, 2):
+        nan_everywhere, raised_next, raised_check = results[rank]
+        assert nan_everywhere, f"rank {rank}: the failed call's output is not all NaN"
+        assert raised_next or raised_check, f"rank {rank}: the failure was never raised"
+        assert "rank 1" in raised_next + raised_check, f"rank {rank}: the error does not name rank 1: {results[rank]}"
+
+
+def _two_threads_two_streams(rank, world, library, seed, calls, timeout_s="30"):
+    """Two threads, each on a stream of its own, call one group at once: the group orders their calls (the second
+    waits for the first on the device), so every result is right. Both threads use the same inputs: the ranks may
+    order the two threads' calls differently, which only the same operands make harmless."""
+    import os
+    import threading
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="threads")
+    dtype = torch.float16
+    m, k, n = 72, 50, 66
+    shards, b, _, b_npu = _operands(rank, world, seed, m, k, n, dtype, True, False)
+    a_npu = shards[rank].to("npu")
+    torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()  # the agreed first call
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = timeout_s
+    streams = [emu.new_stream(), emu.new_stream()]
+    outs, errors = [[], []], []
+
+    def work(t):
+        try:
+            emu.set_stream(streams[t])
+            for _ in range(calls):
+                outs[t].append(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"))
+        except BaseException as error:  # noqa: BLE001  (re-raised below, on the rank's main thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+    assert not any(thread.is_alive() for thread in threads), f"rank {rank}: a calling thread hung"
+    if errors:
+        raise errors[0]
+    emu.synchronize()
+    for t in range(2):
+        for c, out in enumerate(outs[t]):
+            _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(), f"rank {rank} thread {t} call {c}")
+    torch_gemm_ar.check_errors()
+    _model_clean(emu, f"rank {rank} two threads")
+    return True
+
+
+def test_two_threads_two_streams_one_group(emulated_npu):
+    library, pools = emulated_npu
+    assert pools(2).run(_two_threads_two_streams, library, SEED + 37, 3) == [True, True]
+
+
+def _destroyed_and_recreated_group(rank, world, library, seed):
+    """A group's fused calls, the group destroyed, a new one over the same ranks: its own communicator, windows and
+    epochs, correct results."""
+    import torch.distributed as dist
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    dtype = torch.float16
+    shards, b, _, b_npu = _operands(rank, world, seed, 31, 29, 45, dtype, False, False)
+    a_npu = shards[rank].to("npu")
+    for round_ in range(2):
+        group = npu_emulated_ranks.group(library, "mesh", key=f"recreated-{seed}-{round_}")
+        out = torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused")
+        _assert_close(out.cpu(), shards, b, None, dtype, emu.bf16_native(), f"rank {rank} group {round_}")
+        torch_gemm_ar.check_errors()
+        dist.destroy_process_group(group)
+        npu_emulated_ranks.forget(group)
+    return True
+
+
+def test_destroyed_and_recreated_group(emulated_npu):
+    library, pools = emulated_npu
+    assert pools(2).run(_destroyed_and_recreated_group, library, SEED + 41) == [True, True]
+
+
+def _run_control(control, fn, *args):
+    """fn on 2 ranks loading the negative control's build (tests/npu_emulated_build.py CONTROLS) in a pool of their
+    own; the failure it must produce, as text ("" if it passed)."""
+    from npu_emulated_build import emulated_control_path
+    from rank_pool import RankFailure, RankPool
+
+    path = emulated_control_path(control)
+    pool = RankPool(2 if fn is _two_threads_two_streams else 3)
+    try:
+        pool.run(fn, path, *args, timeout_s=180)
+        return ""
+    except RankFailure as failure:
+        return str(failure)
+    finally:
+        pool.close(force=True)
+
+
+def test_negative_control_no_group_order(emulated_npu):
+    """Without the per-group order, two threads' calls of one group run at once on the device: the test fails."""
+    failure = _run_control("no_group_order", _two_threads_two_streams, SEED + 37, 3, "5")
+    assert failure, "two streams' calls of one group ran unordered and the two-thread test did not notice"
+    assert "thread" in failure or "gemm_allreduce (fused, NPU)" in failure, f"failed for another reason: {failure}"
+
+
+def test_negative_control_raise_before_launch(emulated_npu):
+    """With the failure raised before the launch (the old order), the ranks that saw it skip the call, the group's
+    epochs drift apart and the call after the failure fails."""
+    failure = _run_control("raise_before_launch", _kernel_failure_on_one_rank, SEED + 31, "5")
+    assert failure, "a failure that shifts epochs went unnoticed by the kernel-failure test"
+    assert "call after the failure" in failure or "gemm_allreduce (fused, NPU)" in failure, (
+        f"failed for another reason: {failure}")
+
+
+def _dead_peer(rank, world, library, seed):
+    """Rank 2 dies after the group's first call; the others' next call ends within the kernels' bound, its output
+    NaN, and the failure names rank 2."""
+    import os
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="dead-peer")
+    dtype = torch.float16
+    shards, b, _, b_npu = _operands(rank, world, seed, 24, 20, 36, dtype, False, False)
+    a_npu = shards[rank].to("npu")
+    _assert_close(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu(), shards, b, None, dtype,
+                  emu.bf16_native(), f"rank {rank} first call")
+    torch_gemm_ar.check_errors()
+    group.barrier()  # every rank saw the first call through before rank 2 goes
+    if rank == 2:
+        os._exit(0)
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+    try:
+        out = torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()
+        try:
+            torch_gemm_ar.check_errors()
+            raised = ""
+        except RuntimeError as error:
+            raised = str(error).splitlines()[0]
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+    return bool(torch.isnan(out).all()), raised
+
+
+def test_dead_peer_named_within_the_bound(emulated_npu):
+    import time
+
+    from rank_pool import RankPool
+
+    library, _ = emulated_npu
+    pool = RankPool(3)
+    try:
+        start = time.monotonic()
+        results = pool.run(_dead_peer, library, SEED + 43, tolerate_deaths=True, timeout_s=120)
+        took = time.monotonic() - start
+    finally:
+        pool.close(force=True)
+    assert results[2] is None, "rank 2 was meant to die"
+    for rank in (0, 1):
+        nan_everywhere, raised = results[rank]
+        assert nan_everywhere, f"rank {rank}: the call without rank 2 did not leave NaN"
+        assert "rank 2" in raised, f"rank {rank}: the failure does not name the dead rank: {raised!r}"
+    assert took < 60, f"the survivors took {took:.0f} s, far beyond the 3 s bound"
