@@ -401,3 +401,46 @@ def add_rmsnorm_w8a16_gradient(rank, world, seed):
 
 def test_add_rmsnorm_w8a16_gradient(ranks):
     ranks(2).run(add_rmsnorm_w8a16_gradient, random.randrange(1 << 30))
+
+
+def npu_refuses_quantized(rank, world, library):
+    """On the NPU host code (the emulated Ascend runtime), quantized arguments raise NotImplementedError on every rank,
+    whether every rank or one rank alone passes them; the group keeps working."""
+    import npu_emulated_ranks
+
+    npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="quantized")
+    a = torch.ones(6, 16, dtype=torch.float16)
+    b8 = torch.ones(16, 8, dtype=torch.int8)
+
+    def plain():
+        out = torch_gemm_ar.gemm_allreduce(a.to("npu"), torch.ones(16, 8, dtype=torch.float16).to("npu"), group,
+                                           algorithm="sequential").cpu()
+        torch.testing.assert_close(out, torch.full((6, 8), 16.0 * world, dtype=torch.float16))
+
+    plain()
+    messages = []
+    with pytest.raises(NotImplementedError) as info:  # every rank quantized
+        torch_gemm_ar.gemm_allreduce(a.to("npu"), b8.to("npu"), group, b_scale=torch.ones(8).to("npu"))
+    messages.append(str(info.value))
+    plain()
+    with pytest.raises(NotImplementedError) as info:  # rank 1 alone quantized
+        if rank == 1:
+            torch_gemm_ar.gemm_allreduce(a.to("npu"), b8.to("npu"), group, b_scale=torch.ones(8).to("npu"),
+                                         algorithm="sequential")
+        else:
+            plain()
+    messages.append(str(info.value))
+    plain()
+    return messages
+
+
+def test_npu_refuses_quantized_arguments_on_every_rank(emulated_npu):
+    library, pools = emulated_npu
+    results = pools(2).run(npu_refuses_quantized, library)
+    for rank, (every_rank, one_rank) in enumerate(results):
+        assert "not implemented on npu" in every_rank, every_rank
+        if rank == 1:
+            assert "not implemented on npu" in one_rank, one_rank
+        else:
+            assert "rank 1" in one_rank and "not implemented" in one_rank, one_rank
