@@ -515,3 +515,102 @@ def test_dead_peer_named_within_the_bound(emulated_npu):
         assert nan_everywhere, f"rank {rank}: the call without rank 2 did not leave NaN"
         assert "rank 2" in raised, f"rank {rank}: the failure does not name the dead rank: {raised!r}"
     assert took < 60, f"the survivors took {took:.0f} s, far beyond the 3 s bound"
+
+
+def _captured_replays(rank, world, library, seed, replays):
+    """A captured sequence of fused calls (two gemm_allreduce shapes, one with bias, and a gemm_reduce_scatter)
+    replayed `replays` times with new inputs written in place before each replay: every replay is correct on every
+    rank, which needs a fresh epoch each time (the replays repeat the KernelArgs bytes; the kernels take the epoch from
+    the device counter the replay increments). Then rank 1's kernels of one replay are dropped: the peer's output of
+    that call is NaN and check_errors() names rank 1; the replay after it is correct again."""
+    import os
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="graph")
+    dtype = torch.float16
+    u = _unit(dtype, emu.bf16_native())
+    shapes = [(37, 45, 70, False, False), (50, 30, 33, True, True)]  # m, k, n, transposed, bias
+    rs_m, rs_k, rs_n = 6 * world, 40, 36
+    ops = []
+    for i, (m, k, n, transposed, with_bias) in enumerate(shapes):
+        shards, b, bias, b_npu = _operands(rank, world, seed + i, m, k, n, dtype, transposed, with_bias)
+        ops.append((shards[rank].to("npu"), b, b_npu, bias, None if bias is None else bias.to("npu")))
+    rs_shards, rs_b, _, rs_b_npu = _operands(rank, world, seed + 9, rs_m, rs_k, rs_n, dtype, False, False)
+    rs_a = rs_shards[rank].to("npu")
+
+    def queue_calls():
+        outs = [torch_gemm_ar.gemm_allreduce(a, b_npu, group, bias=bias_npu, algorithm="fused")
+                for a, _, b_npu, _, bias_npu in ops]
+        return outs + [torch_gemm_ar.gemm_reduce_scatter(rs_a, rs_b_npu, group, algorithm="fused")]
+
+    def check(outs, replay, what):
+        for i, (m, k, n, _, _) in enumerate(shapes):
+            shards = [inputs.shard(seed + 100 * replay + i, r, m, k, dtype) for r in range(world)]
+            _assert_close(outs[i].cpu(), shards, ops[i][1], ops[i][3], dtype, emu.bf16_native(),
+                          f"rank {rank} {what} call {i}")
+        shards = [inputs.shard(seed + 100 * replay + 9, r, rs_m, rs_k, dtype) for r in range(world)]
+        rows = slice(rank * rs_m // world, (rank + 1) * rs_m // world)
+        magnitude = sum(a.double().abs() @ rs_b.double().abs() for a in shards)[rows]
+        _bound_check(outs[2].cpu(), inputs.reference(shards, rs_b)[rows], (world + 2) * u * magnitude + 1e-6,
+                     f"rank {rank} {what} gemm_reduce_scatter")
+
+    def new_inputs(replay):
+        for i, (m, k, _, _, _) in enumerate(shapes):
+            ops[i][0].copy_(inputs.shard(seed + 100 * replay + i, rank, m, k, dtype))
+        rs_a.copy_(inputs.shard(seed + 100 * replay + 9, rank, rs_m, rs_k, dtype))
+
+    # The kernels' wait bound is in the captured KernelArgs: short, for the failing replay below.
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+    try:
+        new_inputs(0)
+        check(queue_calls(), 0, "warm-up")  # the group's first call agrees over the process group: not capturable
+        stream = emu.new_stream()
+        emu.set_stream(stream)
+        assert not emu.capturing()
+        emu.begin_capture()
+        assert emu.capturing() and torch_gemm_ar.check_errors is not None
+        outs = queue_calls()
+        graph = emu.end_capture()
+        assert not emu.capturing()
+        assert graph.launches() == 6, f"rank {rank}: the graph holds {graph.launches()} launches, not 6"
+        for replay in range(1, replays + 1):
+            new_inputs(replay)
+            graph.replay()
+            check(outs, replay, f"replay {replay}")
+        torch_gemm_ar.check_errors()
+        _model_clean(emu, f"rank {rank} replays")
+
+        failing = replays + 1
+        new_inputs(failing)
+        if rank == 1:
+            emu.drop_next_launches(2)  # the first call's compute and comm kernels of this replay
+        graph.replay()
+        failed = outs[0].cpu()
+        try:
+            torch_gemm_ar.check_errors()
+            raised = ""
+        except RuntimeError as error:
+            raised = str(error).splitlines()[0]
+        emu.drop_next_launches(0)
+        # The failed call's timeout delays the calls after it in that replay, by a different time on each rank: the
+        # ranks meet (on CPU, outside the stream) once their devices finished it, so that the next replay does not
+        # start within one timeout of a peer still busy with the failed one.
+        torch.distributed.all_reduce(torch.zeros(1), group=group)
+        new_inputs(failing + 1)
+        graph.replay()
+        check(outs, failing + 1, "replay after the failed one")
+        torch_gemm_ar.check_errors()
+        emu.set_stream(0)
+    finally:
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+    return bool(torch.isnan(failed).all()), raised
+
+
+def test_captured_sequence_replayed_with_fresh_epochs(emulated_npu):
+    library, pools = emulated_npu
+    results = pools(2).run(_captured_replays, library, SEED + 53, 100)
+    nan_everywhere, raised = results[0]
+    assert nan_everywhere, "rank 0: the output of the call whose peer kernels were dropped in a replay is not all NaN"
+    assert "rank 1" in raised, f"rank 0: check_errors() after the failed replay did not name rank 1: {raised!r}"
