@@ -614,3 +614,64 @@ def test_captured_sequence_replayed_with_fresh_epochs(emulated_npu):
     nan_everywhere, raised = results[0]
     assert nan_everywhere, "rank 0: the output of the call whose peer kernels were dropped in a replay is not all NaN"
     assert "rank 1" in raised, f"rank 0: check_errors() after the failed replay did not name rank 1: {raised!r}"
+
+
+# One rank process of test_failure_reported_at_interpreter_exit: a fused call, then (with `fail`) one whose kernels
+# rank 1 drops, and the process ends without another call or check_errors().
+_EXIT_RANK = """
+import os, sys
+import torch
+import torch.distributed as dist
+import inputs, npu_emulated_ranks
+rank, world, library, store, fail = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+import torch_gemm_ar
+emu = npu_emulated_ranks.load(library)
+group = npu_emulated_ranks.group(library, "mesh")
+a = inputs.shard(7, rank, 33, 40, torch.float16).to("npu")
+b = inputs.weight(7, 40, 24, torch.float16, False).to("npu")
+torch_gemm_ar.gemm_allreduce(a, b, group, algorithm="fused").cpu()
+if fail and rank == 1:
+    emu.drop_next_launches(2)
+out = torch_gemm_ar.gemm_allreduce(a, b, group, algorithm="fused")
+print("queued", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_failure_reported_at_interpreter_exit(emulated_npu, tmp_path, fail):
+    """A rank process that ends after a failed call it never asked about reports the failure at exit (the host's
+    exit-time check, torch_gemm_ar/errors.py): the message on stderr naming the peer, exit status 1. Without the
+    failure, the same processes exit with 0 and say nothing."""
+    import os
+    import subprocess
+    import sys
+
+    library, _ = emulated_npu
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "exit_rank.py"
+    script.write_text(_EXIT_RANK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.path.dirname(tests_dir),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), library, str(tmp_path / "store"),
+                               "1" if fail else "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in range(2)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        results.append((proc.returncode, out, err))
+    for rank, (code, out, err) in enumerate(results):
+        assert "queued" in out, f"rank {rank} did not get to queue its calls (exit {code}):\n{err[-3000:]}"
+    assert not glob.glob("/dev/shm/gemm_ar_emu_*"), "a window's shared memory was left in /dev/shm"
+    code, _, err = results[0]
+    if not fail:
+        for rank, (code, _, err) in enumerate(results):
+            assert code == 0 and "never reported" not in err, f"rank {rank} exit {code} without a failure:\n{err}"
+        return
+    assert code == 1, f"rank 0 exited with {code} after a failure it never asked about:\n{err[-3000:]}"
+    reported = [line for line in err.splitlines() if "a failed call was never reported before exit" in line]
+    assert reported and "rank 1" in reported[0], f"rank 0's exit did not report rank 1's failure:\n{err[-3000:]}"
