@@ -111,10 +111,14 @@ def _build(directory, defines, kernel_objects):
     _link(cxx, objects, os.path.join(directory, LIBRARY), sim_extra)
 
 
-def _link(cxx, objects, output, extra):
+def _link_flags(extra):
     torch_lib = os.path.join(os.path.dirname(__import__("torch").__file__), "lib")
-    _run_jobs([[cxx, "-shared", *objects, "-o", output, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10",
-                "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lrt", "-pthread", *extra]])
+    return [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lrt",
+            "-pthread", *extra]
+
+
+def _link(cxx, objects, output, extra):
+    _run_jobs([[cxx, "-shared", *objects, "-o", output, *_link_flags(extra)]])
 
 
 # Negative controls of the host code (csrc/host/npu/fused_call_sequence.h's test-build switches, the ones
@@ -125,23 +129,30 @@ CONTROLS = {"no_group_order": "GEMM_AR_TEST_CONTROL_NO_GROUP_ORDER",
 CONTROLLED_SOURCE = "csrc/host/npu/fused_npu.cpp"
 
 
-def _build_control(directory, define, base_dir):
+def _build_controls(directory, base_dir):
+    """Every control at once, each in a subdirectory named after it: the controlled unit's compilations run in
+    parallel (the first control a session asks for builds the others too)."""
     cxx, _, sim_extra = kernel_sim_build._compile_flags(directory)
-    obj = os.path.join(directory, "host_" + os.path.basename(CONTROLLED_SOURCE) + ".o")
-    _run_jobs([[cxx, *_host_flags([define]), "-c", os.path.join(ROOT, CONTROLLED_SOURCE), "-o", obj]])
-    replaced = os.path.join(base_dir, os.path.basename(obj))
-    objects = [o for o in glob.glob(os.path.join(base_dir, "*.o")) if o != replaced] + [obj]
-    objects += _kernel_objects()
-    _link(cxx, objects, os.path.join(directory, LIBRARY), sim_extra)
+    name = "host_" + os.path.basename(CONTROLLED_SOURCE) + ".o"
+    jobs = []
+    for control, define in CONTROLS.items():
+        os.makedirs(os.path.join(directory, control))
+        jobs.append([cxx, *_host_flags([define]), "-c", os.path.join(ROOT, CONTROLLED_SOURCE), "-o",
+                     os.path.join(directory, control, name)])
+    _run_jobs(jobs)
+    shared = [o for o in glob.glob(os.path.join(base_dir, "*.o")) if os.path.basename(o) != name] + _kernel_objects()
+    _run_jobs([[cxx, "-shared", *shared, os.path.join(directory, control, name), "-o",
+                os.path.join(directory, control, LIBRARY), *_link_flags(sim_extra)] for control in CONTROLS])
 
 
 def emulated_control_path(control):
     """The shared object of negative control `control` (a key of CONTROLS): the product build with fused_npu.cpp
-    compiled with the control's switch (about a minute once the product build exists)."""
+    compiled with the control's switch (about a minute for all of them once the product build exists)."""
+    assert control in CONTROLS, control
     base = os.path.dirname(emulated_library_path())
-    return os.path.join(cached_build(f"emulated-control-{control}", INPUTS,
-                                     lambda d: _build_control(d, CONTROLS[control], base),
-                                     flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", "")), LIBRARY)
+    directory = cached_build("emulated-controls", INPUTS, lambda d: _build_controls(d, base),
+                             flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+    return os.path.join(directory, control, LIBRARY)
 
 
 def emulated_library_path():
