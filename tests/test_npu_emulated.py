@@ -341,6 +341,7 @@ def _kernel_failure_on_one_rank(rank, world, library, seed, timeout_s="30"):
         check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "call after the failure")
         torch_gemm_ar.check_errors()
     finally:
+        emu.replays_skip_counter(False)
         os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
     return bool(torch.isnan(failed).all()), raised_next, raised_check
 
@@ -517,12 +518,13 @@ def test_dead_peer_named_within_the_bound(emulated_npu):
     assert took < 60, f"the survivors took {took:.0f} s, far beyond the 3 s bound"
 
 
-def _captured_replays(rank, world, library, seed, replays):
+def _captured_replays(rank, world, library, seed, replays, skip_counter=False):
     """A captured sequence of fused calls (two gemm_allreduce shapes, one with bias, and a gemm_reduce_scatter)
     replayed `replays` times with new inputs written in place before each replay: every replay is correct on every
     rank, which needs a fresh epoch each time (the replays repeat the KernelArgs bytes; the kernels take the epoch from
     the device counter the replay increments). Then rank 1's kernels of one replay are dropped: the peer's output of
-    that call is NaN and check_errors() names rank 1; the replay after it is correct again."""
+    that call is NaN and check_errors() names rank 1; the replay after it is correct again. `skip_counter`: the
+    negative control, replays without their counter increments (emu.replays_skip_counter)."""
     import os
 
     import torch_gemm_ar
@@ -574,6 +576,7 @@ def _captured_replays(rank, world, library, seed, replays):
         outs = queue_calls()
         graph = emu.end_capture()
         assert not emu.capturing()
+        emu.replays_skip_counter(skip_counter)
         assert graph.launches() == 6, f"rank {rank}: the graph holds {graph.launches()} launches, not 6"
         for replay in range(1, replays + 1):
             new_inputs(replay)
@@ -604,6 +607,7 @@ def _captured_replays(rank, world, library, seed, replays):
         torch_gemm_ar.check_errors()
         emu.set_stream(0)
     finally:
+        emu.replays_skip_counter(False)
         os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
     return bool(torch.isnan(failed).all()), raised
 
@@ -614,6 +618,24 @@ def test_captured_sequence_replayed_with_fresh_epochs(emulated_npu):
     nan_everywhere, raised = results[0]
     assert nan_everywhere, "rank 0: the output of the call whose peer kernels were dropped in a replay is not all NaN"
     assert "rank 1" in raised, f"rank 0: check_errors() after the failed replay did not name rank 1: {raised!r}"
+
+
+def test_negative_control_replays_reuse_the_capture_epoch(emulated_npu):
+    """With the replayed counter increments doing nothing, every call of every replay runs with one epoch: the replay
+    test must fail."""
+    from rank_pool import RankFailure, RankPool
+
+    library, _ = emulated_npu
+    pool = RankPool(2)
+    try:
+        pool.run(_captured_replays, library, SEED + 53, 3, True, timeout_s=180)
+        failure = ""
+    except RankFailure as error:
+        failure = str(error)
+    finally:
+        pool.close(force=True)
+    assert failure, "replays that reused the capture's epoch went unnoticed by the replay test"
+    assert "replay" in failure, f"failed for another reason: {failure}"
 
 
 # One rank process of test_failure_reported_at_interpreter_exit: a fused call, then (with `fail`) one whose kernels

@@ -53,6 +53,9 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
       "drop_next_launches", [](int64_t count) { gemm_ar::emu::drop_next_launches(count); },
       "Negative control: the next `count` kernel launches of this process never run.");
   m.def(
+      "replays_skip_counter", [](bool skip) { gemm_ar::emu::set_replays_skip_counter(skip); },
+      "Negative control: replayed epoch counter increments do nothing (every replay reuses the capture's epoch).");
+  m.def(
       "contexts_built",
       [] {
         py::dict d;

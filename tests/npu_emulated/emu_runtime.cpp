@@ -125,7 +125,14 @@ class EmulatedQueue final : public DeviceQueue {
     return out;
   }
   void increment_counter(const c10::Stream& stream, const at::Tensor& counter) override {
-    worker_of(stream).enqueue([counter] { emu::cpu_alias(counter).add_(1); });
+    emu::Worker& worker = worker_of(stream);
+    if (worker.capturing()) {  // a node of the graph: runs only in replays
+      worker.enqueue([counter] {
+        if (!emu::replays_skip_counter()) emu::cpu_alias(counter).add_(1);
+      });
+      return;
+    }
+    worker.enqueue([counter] { emu::cpu_alias(counter).add_(1); });
   }
   void launch(const c10::Stream& stream, Kernel kernel, uint32_t blocks, void* args_device) override {
     const int id = static_cast<int>(kernel);

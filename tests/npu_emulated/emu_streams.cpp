@@ -240,6 +240,14 @@ bool take_dropped_launch() {
   return false;
 }
 
+namespace {
+// Relaxed: set by the test while no replay runs, read by the replayed tasks after the host queued them.
+std::atomic<bool> skip_counter_in_replays{false};
+}  // namespace
+
+void set_replays_skip_counter(bool skip) { skip_counter_in_replays.store(skip, std::memory_order_relaxed); }
+bool replays_skip_counter() { return skip_counter_in_replays.load(std::memory_order_relaxed); }
+
 void count_context(bool mesh) { (mesh ? mesh_contexts : ring_contexts).fetch_add(1, std::memory_order_relaxed); }
 int64_t contexts_built(bool mesh) { return (mesh ? mesh_contexts : ring_contexts).load(std::memory_order_relaxed); }
 

@@ -96,6 +96,10 @@ uint64_t host_synchronisations();
 // runtime never ran or killed at once.
 void drop_next_launches(int64_t count);
 bool take_dropped_launch();
+// Negative control (tests only): the epoch counter increments recorded in a graph do nothing when replayed, so
+// every replay's kernels see the epoch of the capture.
+void set_replays_skip_counter(bool skip);
+bool replays_skip_counter();
 
 // Which contexts the emulated HCCL built in this process (MESH, RING).
 void count_context(bool mesh);
