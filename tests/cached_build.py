@@ -24,9 +24,10 @@ def toolchain():
     return f"{platform.python_version()}|{torch.__version__}|{cxx}|{version.splitlines()[:1]}"
 
 
-def inputs_hash(paths):
-    """A hash of the files under `paths` (files or directories, relative to the repository root) and the toolchain."""
-    digest = hashlib.sha256(toolchain().encode())
+def inputs_hash(paths, flags=""):
+    """A hash of the files under `paths` (files or directories, relative to the repository root), the toolchain and
+    `flags` (compiler flags from the environment)."""
+    digest = hashlib.sha256((toolchain() + "|" + flags).encode())
     files = []
     for path in paths:
         full = os.path.join(ROOT, path)
@@ -42,12 +43,12 @@ def inputs_hash(paths):
     return digest.hexdigest()[:16]
 
 
-def cached_build(name, input_paths, build):
-    """The directory holding `name`'s build for the current inputs; `build(directory)` fills a fresh one when there
-    is none yet (raising on failure, which leaves nothing behind)."""
+def cached_build(name, input_paths, build, flags=""):
+    """The directory holding `name`'s build for the current inputs (and `flags`); `build(directory)` fills a fresh one
+    when there is none yet (raising on failure, which leaves nothing behind)."""
     base = os.path.join(ROOT, "build", "tests")
     os.makedirs(base, exist_ok=True)
-    target = os.path.join(base, f"{name}-{inputs_hash(input_paths)}")
+    target = os.path.join(base, f"{name}-{inputs_hash(input_paths, flags)}")
     with open(os.path.join(base, f"{name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isdir(target):

@@ -50,7 +50,8 @@ def _build_engine_observation():
 
 @pytest.fixture(scope="session")
 def simulator():
-    """The kernel simulator (tests/kernel_sim_build.py), built once for every simulator test file of the session."""
+    """The kernel simulator (tests/kernel_sim_build.py), built once for every simulator test file of the session; its
+    kernel objects are cached under build/tests/ and shared with the emulated NPU runtime (`emulated_npu`)."""
     from kernel_sim_build import build_simulator
 
     tmp = tempfile.mkdtemp(prefix="gemm_ar_sim_")

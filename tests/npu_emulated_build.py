@@ -1,7 +1,7 @@
 """Builds the NPU host code on the emulated Ascend runtime (docs/decisions/0019-emulated-npu-runtime.md): one shared
 object holding the product's host sources unchanged (build_npu.host_logic_sources: everything of torch_gemm_ar._C_npu
-but the runtime behind the seam), the emulated runtime (tests/npu_emulated/), and the strict simulator's kernels
-compiled with the simulator's flags (tests/kernel_sim_build.py). Cached under build/tests/ (tests/cached_build.py).
+but the runtime behind the seam), the emulated runtime (tests/npu_emulated/), and the strict simulator's kernel objects
+(tests/kernel_sim_build.py, the same objects the simulator tests link). Cached under build/tests/ (tests/cached_build.py).
 
 The object is loaded twice in a rank process, after torch_gemm_ar: as torch_gemm_ar._C_npu (its PyInit__C_npu,
 npu_module.cpp) and as gemm_ar_emu (the emulator's controls, tests/npu_emulated/emu_python.cpp)."""
@@ -19,10 +19,9 @@ import kernel_sim_build  # noqa: E402
 
 EMULATED_DIR = os.path.join("tests", "npu_emulated")
 INPUTS = ["csrc", EMULATED_DIR, "tests/npu_emulated_build.py", "tests/kernel_sim_build.py", "build_npu.py"]
-KERNEL_INPUTS = ["csrc/kernels", "csrc/include", "tests/npu_emulated/sim_kernels.cpp", "tests/npu_emulated/sim_kernels.h",
-                 "tests/npu_emulated_build.py", "tests/kernel_sim_build.py", "build_npu.py"]
-KERNEL_SOURCES = [src for _, src, _ in build_npu.KERNELS]
-SIM_SOURCES = [os.path.join(EMULATED_DIR, "sim_kernels.cpp")]
+BRIDGE_INPUTS = ["csrc/kernels", "csrc/include", "tests/npu_emulated/sim_kernels.cpp", "tests/npu_emulated/sim_kernels.h",
+                 "tests/npu_emulated_build.py", "tests/kernel_sim_build.py"]
+BRIDGE_SOURCE = os.path.join(EMULATED_DIR, "sim_kernels.cpp")
 LIBRARY = "gemm_ar_emu.so"
 
 
@@ -78,85 +77,32 @@ def _finish(job):
         raise RuntimeError(f"compiling for the emulated NPU runtime failed:\n{' '.join(cmd)}\n{output[-8000:]}")
 
 
-# pto-isa's simulator makes a global-memory atomic add atomic with a process-local mutex (pto/cpu/atomic.hpp), which
-# serialises the ranks of one simulator process but not rank processes adding into a shared-memory window at once:
-# their adds would be lost now and then. The emulated build's copies of the headers that add make each add one
-# compare-and-swap on the aligned word holding the element instead, atomic across processes.
-CROSS_PROCESS_ADD = """
-namespace pto::cpu {
-// Emulated NPU runtime (tests/npu_emulated_build.py): an add into memory other processes add into as well. The
-// element is updated inside the aligned 4- or 8-byte word that holds it, with one compare-and-swap, acquire-release
-// as the mutex it replaces; the word is raw device memory, read and written only through these builtins here.
-template <typename T>
-inline void CrossProcessAdd(T* element, const T& summand)
-{
-    static_assert(sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "unsupported element size");
-    using Word = std::conditional_t<sizeof(T) <= 4, uint32_t, uint64_t>;
-    const uintptr_t address = reinterpret_cast<uintptr_t>(element);
-    Word* word = reinterpret_cast<Word*>(address & ~static_cast<uintptr_t>(sizeof(Word) - 1));
-    const size_t at = address - reinterpret_cast<uintptr_t>(word);
-    Word seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    for (;;) {
-        T value;
-        std::memcpy(&value, reinterpret_cast<const unsigned char*>(&seen) + at, sizeof(T));
-        value = static_cast<T>(value + summand);
-        Word next = seen;
-        std::memcpy(reinterpret_cast<unsigned char*>(&next) + at, &value, sizeof(T));
-        if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return;
-    }
-}
-} // namespace pto::cpu
-"""
-ATOMIC_ADD_PATCHES = {
-    "pto/cpu/atomic.hpp": [("} // namespace pto::cpu\n", "} // namespace pto::cpu\n" + CROSS_PROCESS_ADD),
-                           ("#include <mutex>\n", "#include <mutex>\n#include <cstdint>\n#include <cstring>\n"
-                                                  "#include <type_traits>\n")],
-    "pto/common/pto_tile.hpp": [("data()[offset] += summand;", "cpu::CrossProcessAdd(&data()[offset], summand);")],
-    "pto/cpu/common.hpp": [("dst[dstIdx] += converted;", "cpu::CrossProcessAdd(&dst[dstIdx], converted);")],
-}
+def _kernel_objects():
+    """The kernels' and the launch bridge's objects. The kernels are the simulator's own build
+    (kernel_sim_build.kernel_objects_dir: cross-process atomic adds, -fPIC), shared with the simulator tests; the
+    bridge, which includes the kernels' entry points, is compiled with the same flags and cached on its own, so that
+    an edit of the host or the emulator rebuilds neither."""
+    product = sorted(src for _, src, _ in build_npu.KERNELS)
+    if product != sorted(kernel_sim_build.KERNEL_SOURCES):
+        raise RuntimeError(f"build_npu.KERNELS {product} differ from kernel_sim_build.KERNEL_SOURCES")
+    kernel_dir = kernel_sim_build.kernel_objects_dir()
+
+    def build(directory):
+        cxx, flags, _ = kernel_sim_build.kernel_flags(directory)
+        kernel_sim_build._compile_all(cxx, flags + [f"-I{os.path.join(ROOT, EMULATED_DIR)}"], [BRIDGE_SOURCE],
+                                      directory)
+
+    bridge_dir = cached_build("emulated-bridge", BRIDGE_INPUTS, build,
+                              flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+    return ([os.path.join(kernel_dir, kernel_sim_build.object_name(src)) for src in kernel_sim_build.KERNEL_SOURCES] +
+            [os.path.join(bridge_dir, kernel_sim_build.object_name(BRIDGE_SOURCE))])
 
 
-def _cross_process_add_includes(directory):
-    """Copies of pto-isa's headers with ATOMIC_ADD_PATCHES applied (each must apply), never written into pto-isa."""
-    out = os.path.join(directory, "pto_cross_process_add")
-    for header, replacements in ATOMIC_ADD_PATCHES.items():
-        with open(os.path.join(kernel_sim_build.PTO_ISA_ROOT, "include", header)) as f:
-            text = f.read()
-        for old, new in replacements:
-            if old not in text:
-                raise RuntimeError(f"{header} of pto-isa changed: {old!r} not found (tests/npu_emulated_build.py)")
-            text = text.replace(old, new)
-        os.makedirs(os.path.dirname(os.path.join(out, header)), exist_ok=True)
-        with open(os.path.join(out, header), "w") as f:
-            f.write(text)
-    return out
-
-
-def _kernel_objects(directory, defines):
-    """The kernels and the launch bridge, with the simulator's flags (the slowest units, cached on their own so that
-    an edit of the host or the emulator does not rebuild them) and cross-process atomic adds."""
-    cxx, sim_flags, _ = kernel_sim_build._compile_flags(directory)
-    sim_flags = (["-isystem", _cross_process_add_includes(directory)] + sim_flags +
-                 ["-fPIC", f"-I{os.path.join(ROOT, EMULATED_DIR)}", *[f"-D{d}" for d in defines]])
-    _run_jobs([[cxx, *sim_flags, "-c", os.path.join(ROOT, src), "-o", os.path.join(directory, _object_name(src))]
-               for src in KERNEL_SOURCES + SIM_SOURCES])
-
-
-def _kernel_dir_name():
-    from cached_build import inputs_hash
-
-    return f"emulated-kernels-{inputs_hash(KERNEL_INPUTS)}"
-
-
-def _object_name(src):
-    return "sim_" + os.path.basename(src) + ".o"
-
-
-def _build(directory, defines, kernel_dir):
+def _build(directory, defines, kernel_objects):
     host = _host_flags(defines)
     cxx, _, sim_extra = kernel_sim_build._compile_flags(directory)
     host_sources = _host_units(directory)
-    jobs, objects = [], [os.path.join(kernel_dir, _object_name(src)) for src in KERNEL_SOURCES + SIM_SOURCES]
+    jobs, objects = [], list(kernel_objects)
     for src in host_sources:
         obj = os.path.join(directory, "host_" + os.path.basename(src) + ".o")
         jobs.append([cxx, *host, "-c", src, "-o", obj])
@@ -165,10 +111,14 @@ def _build(directory, defines, kernel_dir):
     _link(cxx, objects, os.path.join(directory, LIBRARY), sim_extra)
 
 
-def _link(cxx, objects, output, extra):
+def _link_flags(extra):
     torch_lib = os.path.join(os.path.dirname(__import__("torch").__file__), "lib")
-    _run_jobs([[cxx, "-shared", *objects, "-o", output, f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10",
-                "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lrt", "-pthread", *extra]])
+    return [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-lrt",
+            "-pthread", *extra]
+
+
+def _link(cxx, objects, output, extra):
+    _run_jobs([[cxx, "-shared", *objects, "-o", output, *_link_flags(extra)]])
 
 
 # Negative controls of the host code (csrc/host/npu/fused_call_sequence.h's test-build switches, the ones
@@ -179,23 +129,30 @@ CONTROLS = {"no_group_order": "GEMM_AR_TEST_CONTROL_NO_GROUP_ORDER",
 CONTROLLED_SOURCE = "csrc/host/npu/fused_npu.cpp"
 
 
-def _build_control(directory, define, base_dir):
+def _build_controls(directory, base_dir):
+    """Every control at once, each in a subdirectory named after it: the controlled unit's compilations run in
+    parallel (the first control a session asks for builds the others too)."""
     cxx, _, sim_extra = kernel_sim_build._compile_flags(directory)
-    obj = os.path.join(directory, "host_" + os.path.basename(CONTROLLED_SOURCE) + ".o")
-    _run_jobs([[cxx, *_host_flags([define]), "-c", os.path.join(ROOT, CONTROLLED_SOURCE), "-o", obj]])
-    replaced = os.path.join(base_dir, os.path.basename(obj))
-    objects = [o for o in glob.glob(os.path.join(base_dir, "*.o")) if o != replaced] + [obj]
-    kernel_dir = os.path.join(os.path.dirname(base_dir), _kernel_dir_name())
-    objects += [os.path.join(kernel_dir, _object_name(src)) for src in KERNEL_SOURCES + SIM_SOURCES]
-    _link(cxx, objects, os.path.join(directory, LIBRARY), sim_extra)
+    name = "host_" + os.path.basename(CONTROLLED_SOURCE) + ".o"
+    jobs = []
+    for control, define in CONTROLS.items():
+        os.makedirs(os.path.join(directory, control))
+        jobs.append([cxx, *_host_flags([define]), "-c", os.path.join(ROOT, CONTROLLED_SOURCE), "-o",
+                     os.path.join(directory, control, name)])
+    _run_jobs(jobs)
+    shared = [o for o in glob.glob(os.path.join(base_dir, "*.o")) if os.path.basename(o) != name] + _kernel_objects()
+    _run_jobs([[cxx, "-shared", *shared, os.path.join(directory, control, name), "-o",
+                os.path.join(directory, control, LIBRARY), *_link_flags(sim_extra)] for control in CONTROLS])
 
 
 def emulated_control_path(control):
     """The shared object of negative control `control` (a key of CONTROLS): the product build with fused_npu.cpp
-    compiled with the control's switch (about a minute once the product build exists)."""
+    compiled with the control's switch (about a minute for all of them once the product build exists)."""
+    assert control in CONTROLS, control
     base = os.path.dirname(emulated_library_path())
-    return os.path.join(cached_build(f"emulated-control-{control}", INPUTS,
-                                     lambda d: _build_control(d, CONTROLS[control], base)), LIBRARY)
+    directory = cached_build("emulated-controls", INPUTS, lambda d: _build_controls(d, base),
+                             flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+    return os.path.join(directory, control, LIBRARY)
 
 
 def emulated_library_path():
@@ -203,7 +160,7 @@ def emulated_library_path():
     when only the host code or the emulator changed (the kernels are cached on their own)."""
     if not os.environ.get("PTO_ISA_ROOT"):
         raise RuntimeError("PTO_ISA_ROOT is not set: the emulated runtime runs pto-isa's simulator kernels")
-    kernel_dir = cached_build("emulated-kernels", KERNEL_INPUTS, lambda d: _kernel_objects(d, []))
-    assert os.path.basename(kernel_dir) == _kernel_dir_name()
-    directory = cached_build("npu-emulated", INPUTS, lambda d: _build(d, [], kernel_dir))
+    kernel_objects = _kernel_objects()
+    directory = cached_build("npu-emulated", INPUTS, lambda d: _build(d, [], kernel_objects),
+                             flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
     return os.path.join(directory, LIBRARY)

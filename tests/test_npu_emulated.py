@@ -341,6 +341,7 @@ def _kernel_failure_on_one_rank(rank, world, library, seed, timeout_s="30"):
         check(torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused"), "call after the failure")
         torch_gemm_ar.check_errors()
     finally:
+        emu.replays_skip_counter(False)
         os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
     return bool(torch.isnan(failed).all()), raised_next, raised_check
 
@@ -515,3 +516,184 @@ def test_dead_peer_named_within_the_bound(emulated_npu):
         assert nan_everywhere, f"rank {rank}: the call without rank 2 did not leave NaN"
         assert "rank 2" in raised, f"rank {rank}: the failure does not name the dead rank: {raised!r}"
     assert took < 60, f"the survivors took {took:.0f} s, far beyond the 3 s bound"
+
+
+def _captured_replays(rank, world, library, seed, replays, skip_counter=False):
+    """A captured sequence of fused calls (two gemm_allreduce shapes, one with bias, and a gemm_reduce_scatter)
+    replayed `replays` times with new inputs written in place before each replay: every replay is correct on every
+    rank, which needs a fresh epoch each time (the replays repeat the KernelArgs bytes; the kernels take the epoch from
+    the device counter the replay increments). Then rank 1's kernels of one replay are dropped: the peer's output of
+    that call is NaN and check_errors() names rank 1; the replay after it is correct again. `skip_counter`: the
+    negative control, replays without their counter increments (emu.replays_skip_counter)."""
+    import os
+
+    import torch_gemm_ar
+
+    emu = npu_emulated_ranks.load(library)
+    group = npu_emulated_ranks.group(library, "mesh", key="graph")
+    dtype = torch.float16
+    u = _unit(dtype, emu.bf16_native())
+    shapes = [(37, 45, 70, False, False), (50, 30, 33, True, True)]  # m, k, n, transposed, bias
+    rs_m, rs_k, rs_n = 6 * world, 40, 36
+    ops = []
+    for i, (m, k, n, transposed, with_bias) in enumerate(shapes):
+        shards, b, bias, b_npu = _operands(rank, world, seed + i, m, k, n, dtype, transposed, with_bias)
+        ops.append((shards[rank].to("npu"), b, b_npu, bias, None if bias is None else bias.to("npu")))
+    rs_shards, rs_b, _, rs_b_npu = _operands(rank, world, seed + 9, rs_m, rs_k, rs_n, dtype, False, False)
+    rs_a = rs_shards[rank].to("npu")
+
+    def queue_calls():
+        outs = [torch_gemm_ar.gemm_allreduce(a, b_npu, group, bias=bias_npu, algorithm="fused")
+                for a, _, b_npu, _, bias_npu in ops]
+        return outs + [torch_gemm_ar.gemm_reduce_scatter(rs_a, rs_b_npu, group, algorithm="fused")]
+
+    def check(outs, replay, what):
+        for i, (m, k, n, _, _) in enumerate(shapes):
+            shards = [inputs.shard(seed + 100 * replay + i, r, m, k, dtype) for r in range(world)]
+            _assert_close(outs[i].cpu(), shards, ops[i][1], ops[i][3], dtype, emu.bf16_native(),
+                          f"rank {rank} {what} call {i}")
+        shards = [inputs.shard(seed + 100 * replay + 9, r, rs_m, rs_k, dtype) for r in range(world)]
+        rows = slice(rank * rs_m // world, (rank + 1) * rs_m // world)
+        magnitude = sum(a.double().abs() @ rs_b.double().abs() for a in shards)[rows]
+        _bound_check(outs[2].cpu(), inputs.reference(shards, rs_b)[rows], (world + 2) * u * magnitude + 1e-6,
+                     f"rank {rank} {what} gemm_reduce_scatter")
+
+    def new_inputs(replay):
+        for i, (m, k, _, _, _) in enumerate(shapes):
+            ops[i][0].copy_(inputs.shard(seed + 100 * replay + i, rank, m, k, dtype))
+        rs_a.copy_(inputs.shard(seed + 100 * replay + 9, rank, rs_m, rs_k, dtype))
+
+    # The kernels' wait bound is in the captured KernelArgs: short, for the failing replay below.
+    os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+    try:
+        new_inputs(0)
+        check(queue_calls(), 0, "warm-up")  # the group's first call agrees over the process group: not capturable
+        stream = emu.new_stream()
+        emu.set_stream(stream)
+        assert not emu.capturing()
+        emu.begin_capture()
+        assert emu.capturing() and torch_gemm_ar.check_errors is not None
+        outs = queue_calls()
+        graph = emu.end_capture()
+        assert not emu.capturing()
+        emu.replays_skip_counter(skip_counter)
+        assert graph.launches() == 6, f"rank {rank}: the graph holds {graph.launches()} launches, not 6"
+        for replay in range(1, replays + 1):
+            new_inputs(replay)
+            graph.replay()
+            check(outs, replay, f"replay {replay}")
+        torch_gemm_ar.check_errors()
+        _model_clean(emu, f"rank {rank} replays")
+
+        failing = replays + 1
+        new_inputs(failing)
+        if rank == 1:
+            emu.drop_next_launches(2)  # the first call's compute and comm kernels of this replay
+        graph.replay()
+        failed = outs[0].cpu()
+        try:
+            torch_gemm_ar.check_errors()
+            raised = ""
+        except RuntimeError as error:
+            raised = str(error).splitlines()[0]
+        emu.drop_next_launches(0)
+        # The failed call's timeout delays the calls after it in that replay, by a different time on each rank: the
+        # ranks meet (on CPU, outside the stream) once their devices finished it, so that the next replay does not
+        # start within one timeout of a peer still busy with the failed one.
+        torch.distributed.all_reduce(torch.zeros(1), group=group)
+        new_inputs(failing + 1)
+        graph.replay()
+        check(outs, failing + 1, "replay after the failed one")
+        torch_gemm_ar.check_errors()
+        emu.set_stream(0)
+    finally:
+        emu.replays_skip_counter(False)
+        os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "30"
+    return bool(torch.isnan(failed).all()), raised
+
+
+def test_captured_sequence_replayed_with_fresh_epochs(emulated_npu):
+    library, pools = emulated_npu
+    results = pools(2).run(_captured_replays, library, SEED + 53, 100)
+    nan_everywhere, raised = results[0]
+    assert nan_everywhere, "rank 0: the output of the call whose peer kernels were dropped in a replay is not all NaN"
+    assert "rank 1" in raised, f"rank 0: check_errors() after the failed replay did not name rank 1: {raised!r}"
+
+
+def test_negative_control_replays_reuse_the_capture_epoch(emulated_npu):
+    """With the replayed counter increments doing nothing, every call of every replay runs with one epoch: the replay
+    test must fail."""
+    from rank_pool import RankFailure, RankPool
+
+    library, _ = emulated_npu
+    pool = RankPool(2)
+    try:
+        pool.run(_captured_replays, library, SEED + 53, 3, True, timeout_s=180)
+        failure = ""
+    except RankFailure as error:
+        failure = str(error)
+    finally:
+        pool.close(force=True)
+    assert failure, "replays that reused the capture's epoch went unnoticed by the replay test"
+    assert "replay" in failure, f"failed for another reason: {failure}"
+
+
+# One rank process of test_failure_reported_at_interpreter_exit: a fused call, then (with `fail`) one whose kernels
+# rank 1 drops, and the process ends without another call or check_errors().
+_EXIT_RANK = """
+import os, sys
+import torch
+import torch.distributed as dist
+import inputs, npu_emulated_ranks
+rank, world, library, store, fail = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+os.environ["TORCH_GEMM_AR_TIMEOUT_S"] = "3"
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+import torch_gemm_ar
+emu = npu_emulated_ranks.load(library)
+group = npu_emulated_ranks.group(library, "mesh")
+a = inputs.shard(7, rank, 33, 40, torch.float16).to("npu")
+b = inputs.weight(7, 40, 24, torch.float16, False).to("npu")
+torch_gemm_ar.gemm_allreduce(a, b, group, algorithm="fused").cpu()
+if fail and rank == 1:
+    emu.drop_next_launches(2)
+out = torch_gemm_ar.gemm_allreduce(a, b, group, algorithm="fused")
+print("queued", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_failure_reported_at_interpreter_exit(emulated_npu, tmp_path, fail):
+    """A rank process that ends after a failed call it never asked about reports the failure at exit (the host's
+    exit-time check, torch_gemm_ar/errors.py): the message on stderr naming the peer, exit status 1. Without the
+    failure, the same processes exit with 0 and say nothing."""
+    import os
+    import subprocess
+    import sys
+
+    library, _ = emulated_npu
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "exit_rank.py"
+    script.write_text(_EXIT_RANK)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.path.dirname(tests_dir),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), library, str(tmp_path / "store"),
+                               "1" if fail else "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in range(2)]
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+        results.append((proc.returncode, out, err))
+    for rank, (code, out, err) in enumerate(results):
+        assert "queued" in out, f"rank {rank} did not get to queue its calls (exit {code}):\n{err[-3000:]}"
+    assert not glob.glob("/dev/shm/gemm_ar_emu_*"), "a window's shared memory was left in /dev/shm"
+    code, _, err = results[0]
+    if not fail:
+        for rank, (code, _, err) in enumerate(results):
+            assert code == 0 and "never reported" not in err, f"rank {rank} exit {code} without a failure:\n{err}"
+        return
+    assert code == 1, f"rank 0 exited with {code} after a failure it never asked about:\n{err[-3000:]}"
+    reported = [line for line in err.splitlines() if "a failed call was never reported before exit" in line]
+    assert reported and "rank 1" in reported[0], f"rank 0's exit did not report rank 1's failure:\n{err[-3000:]}"

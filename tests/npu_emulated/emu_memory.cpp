@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "emu_graph.h"
 #include "emu_streams.h"
 
 namespace gemm_ar::emu {
@@ -33,10 +34,10 @@ class Reaper {
   Reaper() : thread_([this] { run(); }) { thread_.detach(); }
 
   void release(Block* block) {
-    std::vector<std::shared_ptr<Event>> events{stream(block->stream).record()};
+    std::vector<std::shared_ptr<Event>> events{stream(block->stream).marker()};
     {
       std::lock_guard<std::mutex> lock(block->mutex);
-      for (int64_t id : block->recorded) events.push_back(stream(id).record());
+      for (int64_t id : block->recorded) events.push_back(stream(id).marker());
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -79,7 +80,12 @@ Reaper& reaper() {
   return *r;
 }
 
-void free_block(void* context) { reaper().release(static_cast<Block*>(context)); }
+// A block freed while a graph is being captured stays allocated until the graph goes: its replays use it again.
+void free_block(void* context) {
+  auto* block = static_cast<Block*>(context);
+  if (hold_while_capturing([block] { reaper().release(block); })) return;
+  reaper().release(block);
+}
 
 struct EmulatedAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t bytes) override {

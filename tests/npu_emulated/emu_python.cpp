@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/extension.h>
 
+#include "emu_graph.h"
 #include "emu_hccl.h"
 #include "emu_streams.h"
 #include "sim_kernels.h"
@@ -31,12 +32,29 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
   m.def(
       "synchronize", [] { gemm_ar::emu::synchronize_all(); }, py::call_guard<py::gil_scoped_release>(),
       "Waits for every stream (bounded) and raises a device error.");
+  py::class_<gemm_ar::emu::Graph, std::shared_ptr<gemm_ar::emu::Graph>>(m, "Graph")
+      .def(
+          "replay", [](const gemm_ar::emu::Graph& g) { g.replay(gemm_ar::emu::current_stream_id()); },
+          "Queues the captured work again on the current stream (and the streams that joined the capture).")
+      .def("launches", &gemm_ar::emu::Graph::launches, "How many kernel launches the graph holds.");
+  m.def(
+      "begin_capture", [] { gemm_ar::emu::begin_capture(gemm_ar::emu::current_stream_id()); },
+      "Starts capturing the current stream into a graph.");
+  m.def(
+      "end_capture", [] { return gemm_ar::emu::end_capture(gemm_ar::emu::current_stream_id()); },
+      "Ends the current stream's capture: the graph.");
+  m.def(
+      "capturing", [] { return gemm_ar::emu::stream(gemm_ar::emu::current_stream_id()).capturing(); },
+      "Whether the current stream is being captured.");
   m.def(
       "host_synchronisations", [] { return gemm_ar::emu::host_synchronisations(); },
       "How many host synchronisations the host code asked for so far (DeviceControl's waits, c10d collectives).");
   m.def(
       "drop_next_launches", [](int64_t count) { gemm_ar::emu::drop_next_launches(count); },
       "Negative control: the next `count` kernel launches of this process never run.");
+  m.def(
+      "replays_skip_counter", [](bool skip) { gemm_ar::emu::set_replays_skip_counter(skip); },
+      "Negative control: replayed epoch counter increments do nothing (every replay reuses the capture's epoch).");
   m.def(
       "contexts_built",
       [] {

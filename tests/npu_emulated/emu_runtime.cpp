@@ -95,7 +95,7 @@ class EmulatedQueue final : public DeviceQueue {
   c10::Stream native_stream(NativeStream stream, int32_t) override {
     return c10::Stream(c10::Stream::UNSAFE, the_device(), static_cast<emu::Worker*>(stream)->id());
   }
-  bool capturing() override { return false; }
+  bool capturing() override { return emu::stream(emu::current_stream_id()).capturing(); }
 
   at::Tensor empty(c10::IntArrayRef sizes, const at::TensorOptions& options) override {
     return at::empty(sizes, options);
@@ -125,13 +125,19 @@ class EmulatedQueue final : public DeviceQueue {
     return out;
   }
   void increment_counter(const c10::Stream& stream, const at::Tensor& counter) override {
-    worker_of(stream).enqueue([counter] { emu::cpu_alias(counter).add_(1); });
+    emu::Worker& worker = worker_of(stream);
+    if (worker.capturing()) {  // a node of the graph: runs only in replays
+      worker.enqueue([counter] {
+        if (!emu::replays_skip_counter()) emu::cpu_alias(counter).add_(1);
+      });
+      return;
+    }
+    worker.enqueue([counter] { emu::cpu_alias(counter).add_(1); });
   }
   void launch(const c10::Stream& stream, Kernel kernel, uint32_t blocks, void* args_device) override {
     const int id = static_cast<int>(kernel);
     TORCH_CHECK(id >= 0 && id < emu::sim::kKernelCount, "unknown kernel ", id);
-    if (emu::take_dropped_launch()) return;
-    worker_of(stream).enqueue([id, blocks, args_device] {
+    worker_of(stream).enqueue_launch([id, blocks, args_device] {
       CorePool& pool = cores_for(id);
       const std::vector<emu::sim::Core*> cores = pool.acquire(blocks);
       emu::sim::run_kernel(id, blocks, cores.data(), args_device);
@@ -145,14 +151,12 @@ class EmulatedQueue final : public DeviceQueue {
     return event;
   }
   void stream_waits_for(const c10::Stream& stream, const DeviceEvent& event) override {
-    std::shared_ptr<emu::Event> awaited = event->event;
-    const int64_t id = stream.id();
-    worker_of(stream).enqueue([awaited, id] {
-      TORCH_CHECK(awaited->wait_for(emu::wait_bound()), "stream ", id, " waited for an event longer than ",
-                  emu::wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
-    });
+    worker_of(stream).wait_for(event->event);
   }
-  bool query(const DeviceEvent& event) override { return event->event->query(); }
+  bool query(const DeviceEvent& event) override {
+    TORCH_CHECK(event->event->slot < 0, "emulated NPU: an event recorded during a capture cannot be queried");
+    return event->event->query();
+  }
 };
 
 // Communicator names handed out by hccl_comm_name, and the backends they name.
@@ -269,6 +273,7 @@ class EmulatedControl final : public DeviceControl {
 
   void wait(const DeviceEvent& event) override {
     emu::count_host_synchronisation();
+    TORCH_CHECK(event->event->slot < 0, "emulated NPU: the host waits for an event recorded during a capture");
     TORCH_CHECK(event->event->wait_for(emu::wait_bound()), "emulated NPU: an event did not complete within ",
                 emu::wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
     emu::report_device_error();

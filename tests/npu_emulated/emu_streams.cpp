@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "emu_graph.h"
+
 #include <atomic>
 #include <cstdlib>
 
@@ -43,15 +45,85 @@ Worker::Worker(int64_t id) : id_(id), thread_([this] { run(); }) {
 void Worker::enqueue(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (capture_) {
+      capture_->add(GraphNode{GraphNode::Kind::kTask, id_, std::move(task), -1});
+      return;
+    }
     tasks_.push_back(std::move(task));
   }
   ready_.notify_one();
 }
 
+void Worker::enqueue_launch(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (capture_) {
+      capture_->add(GraphNode{GraphNode::Kind::kLaunch, id_, std::move(task), -1});
+      return;
+    }
+  }
+  if (take_dropped_launch()) return;
+  enqueue(std::move(task));
+}
+
 std::shared_ptr<Event> Worker::record() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (capture_) {
+      auto event = std::make_shared<Event>();
+      event->slot = capture_->add_record(id_);
+      event->capture = capture_;
+      return event;
+    }
+  }
+  return marker();
+}
+
+std::shared_ptr<Event> Worker::marker() {
   auto event = std::make_shared<Event>();
-  enqueue([event] { event->complete(); });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back([event] { event->complete(); });
+  }
+  ready_.notify_one();
   return event;
+}
+
+void Worker::wait_for(const std::shared_ptr<Event>& event) {
+  if (event->slot >= 0) {
+    std::shared_ptr<Capture> capture = event->capture.lock();
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(capture != nullptr && capture_underway(), "emulated NPU: stream ", id_,
+                " waits for an event recorded in a capture that ended");
+    TORCH_CHECK(!capture_ || capture_ == capture, "emulated NPU: stream ", id_, " waits for another capture's event");
+    if (!capture_) {
+      capture_ = capture;
+      capture_->join(id_);
+    }
+    capture_->add(GraphNode{GraphNode::Kind::kWait, id_, nullptr, event->slot});
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    // As on the device: a capture holds no dependency on work outside it.
+    TORCH_CHECK(!capture_, "emulated NPU: stream ", id_,
+                " is being captured and waits for an event recorded outside the capture");
+  }
+  const int64_t id = id_;
+  enqueue([event, id] {
+    TORCH_CHECK(event->wait_for(wait_bound()), "stream ", id, " waited for an event longer than ",
+                wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
+  });
+}
+
+bool Worker::capturing() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return capture_ != nullptr;
+}
+
+void Worker::set_capture(std::shared_ptr<Capture> capture) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  capture_ = std::move(capture);
 }
 
 bool Worker::idle() {
@@ -168,6 +240,14 @@ bool take_dropped_launch() {
   return false;
 }
 
+namespace {
+// Relaxed: set by the test while no replay runs, read by the replayed tasks after the host queued them.
+std::atomic<bool> skip_counter_in_replays{false};
+}  // namespace
+
+void set_replays_skip_counter(bool skip) { skip_counter_in_replays.store(skip, std::memory_order_relaxed); }
+bool replays_skip_counter() { return skip_counter_in_replays.load(std::memory_order_relaxed); }
+
 void count_context(bool mesh) { (mesh ? mesh_contexts : ring_contexts).fetch_add(1, std::memory_order_relaxed); }
 int64_t contexts_built(bool mesh) { return (mesh ? mesh_contexts : ring_contexts).load(std::memory_order_relaxed); }
 
@@ -175,15 +255,20 @@ void count_host_synchronisation() { synchronisations.fetch_add(1, std::memory_or
 uint64_t host_synchronisations() { return synchronisations.load(std::memory_order_relaxed); }
 
 void synchronize(Worker& worker) {
-  const std::shared_ptr<Event> done = worker.record();
+  TORCH_CHECK(!worker.capturing(), "emulated NPU: stream ", worker.id(),
+              " is being captured into a graph: it cannot be synchronised");
+  const std::shared_ptr<Event> done = worker.marker();
   TORCH_CHECK(done->wait_for(wait_bound()), "emulated NPU: stream ", worker.id(), " did not drain within ",
               wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
   report_device_error();
 }
 
 void synchronize_all() {
+  TORCH_CHECK(!capture_underway(),
+              "emulated NPU: a stream is being captured into a graph: the device cannot be "
+              "synchronised");
   for (Worker* worker : all_streams()) {
-    const std::shared_ptr<Event> done = worker->record();
+    const std::shared_ptr<Event> done = worker->marker();
     TORCH_CHECK(done->wait_for(wait_bound()), "emulated NPU: stream ", worker->id(), " did not drain within ",
                 wait_bound().count() / 1000, " s (GEMM_AR_EMU_WAIT_S)");
   }

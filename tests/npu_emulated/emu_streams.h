@@ -1,7 +1,8 @@
 // Streams and events of the emulated Ascend runtime (docs/decisions/0019-emulated-npu-runtime.md): every stream is a
 // worker thread running a FIFO of tasks; an event completes when its stream's worker reaches it; a cross-stream wait
 // blocks only the waiting stream's worker, for a bounded time. A task that fails (an exception, a wait that timed
-// out) leaves a sticky device error, raised by the next synchronisation, as the runtime's sticky errors are.
+// out) leaves a sticky device error, raised by the next synchronisation, as the runtime's sticky errors are. A stream
+// being captured (emu_graph.h) records what is queued on it instead of running it.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -20,7 +21,14 @@ namespace gemm_ar::emu {
 // than the kernels' own bound, so that a kernel's timeout is what a test sees first.
 std::chrono::milliseconds wait_bound();
 
+class Capture;
+
 struct Event {
+  // An event recorded during a capture is a node of the graph (slot >= 0), never completed itself: only waits of
+  // the same capture may name it.
+  int64_t slot = -1;
+  std::weak_ptr<Capture> capture;
+
   std::mutex mutex;
   std::condition_variable done_cv;
   bool done = false;
@@ -40,8 +48,16 @@ class Worker {
 
   int64_t id() const { return id_; }
   void enqueue(std::function<void()> task);
-  // An event completed when every task queued so far has run.
+  // A kernel launch: dropped at queuing time when drop_next_launches says so (when captured: at each replay).
+  void enqueue_launch(std::function<void()> task);
+  // An event completed when every task queued so far has run (a node of the graph while capturing).
   std::shared_ptr<Event> record();
+  // This stream runs nothing more until `event` completed (bounded). Waiting for an event of a capture joins it.
+  void wait_for(const std::shared_ptr<Event>& event);
+  // As record, never captured: for the runtime's own bookkeeping (synchronisation, the allocator).
+  std::shared_ptr<Event> marker();
+  bool capturing();
+  void set_capture(std::shared_ptr<Capture> capture);
   // Whether every task queued so far has run.
   bool idle();
 
@@ -52,7 +68,8 @@ class Worker {
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<std::function<void()>> tasks_;
-  size_t running_ = 0;  // 1 while a task runs
+  std::shared_ptr<Capture> capture_;  // while capturing
+  size_t running_ = 0;                // 1 while a task runs
   std::thread thread_;
 };
 
@@ -79,6 +96,10 @@ uint64_t host_synchronisations();
 // runtime never ran or killed at once.
 void drop_next_launches(int64_t count);
 bool take_dropped_launch();
+// Negative control (tests only): the epoch counter increments recorded in a graph do nothing when replayed, so
+// every replay's kernels see the epoch of the capture.
+void set_replays_skip_counter(bool skip);
+bool replays_skip_counter();
 
 // Which contexts the emulated HCCL built in this process (MESH, RING).
 void count_context(bool mesh);
