@@ -74,7 +74,7 @@ def packed_unless_capped(rank, world):
     return counts
 
 
-@pytest.mark.skipif(not observe.packed_b_available(),
+@pytest.mark.skipif("not observe.packed_b_available()",
                     reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
 def test_the_memory_cap_and_unsuitable_strides_keep_at_mm(ranks):
     # 2 panels of 512 columns for N=777; none under a zero cap; none for an expanded a (declined before packing).
@@ -82,7 +82,7 @@ def test_the_memory_cap_and_unsuitable_strides_keep_at_mm(ranks):
         assert counts == [2, 0, 0], counts
 
 
-@pytest.mark.skipif(not observe.packed_b_available(),
+@pytest.mark.skipif("not observe.packed_b_available()",
                     reason="torch's BLAS here has no packed GEMM (not a oneMKL build): the engine keeps at::mm")
 @engine_grid
 def test_packed_panels_match_float64_on_every_rank(ranks, world, dtype, owner_last):

@@ -15,7 +15,7 @@ PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torc
 WIDTHS = [1, 15, 16, 17, 31, 33, 257, 999]
 SENTINEL = -12288.0  # exact in bf16 and fp32: what the columns and rows around the region hold before and after
 
-needs_avx512 = pytest.mark.skipif(not observe.has_avx512_reduce(),
+needs_avx512 = pytest.mark.skipif("not observe.has_avx512_reduce()",  # evaluated when the test runs
                                   reason="this CPU has no AVX-512 F/BW/VL: the reduction runs the portable loop only")
 
 

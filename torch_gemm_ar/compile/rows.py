@@ -114,6 +114,10 @@ def _evaluate(node: fx.Node, env: Dict[fx.Node, object]):
         return rows.permute(dims[:-1])
     if target is aten.transpose.int:
         return rows.transpose(_dim(args[1], len(shape), node), _dim(args[2], len(shape), node))
+    if target is aten.copy.default and (static_shape(source) != shape
+                                        or _val(source).dtype != _val(node).dtype):
+        # A broadcasting or casting copy is not its source's rows: replacing it would change a shape or dtype.
+        raise NotRows(f"{node.name} broadcasts or casts its source")
     if target in (aten.clone.default, aten.copy.default):
         return rows
     raise NotRows(f"{node.name} is not a row move")

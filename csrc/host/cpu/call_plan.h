@@ -1,6 +1,7 @@
 // Which data flow a call of the CPU engine takes, as a value: a pure function of the agreed call, the call's
 // geometry and the engine's options, so that every rank reaches the same plan (they agree on all of its inputs but
-// the output slot, which only says where this rank's own rows go) and tests check it as a table (tests/engine_observation: plan_call).
+// the output slot, which only says where this rank's own rows go) and tests check it as a table
+// (tests/engine_observation: plan_call).
 // The flows: docs/architecture.md §3.3, "Data flows".
 #pragma once
 #include <c10/core/ScalarType.h>
