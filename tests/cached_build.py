@@ -9,6 +9,21 @@ import shutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def root_script(name):
+    """Imports the repository-root script `name`.py (build_npu, ...) by its path. Never by putting the root on sys.path:
+    that would shadow the installed torch_gemm_ar (no compiled _C in a clean clone) in this process and every rank
+    it spawns."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def toolchain():
     """What a build also depends on besides its sources: Python, torch and the C++ compiler."""
     import platform

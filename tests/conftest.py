@@ -12,6 +12,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rank_pool  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
 
+_REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _root_entries():
+    return sum(1 for entry in sys.path if os.path.abspath(entry or os.curdir) == _REPOSITORY_ROOT)
+
+
+# How often the repository root is on sys.path when the run starts (PYTHONPATH, the working directory): a test or
+# helper that adds it makes this process and every rank it spawns import torch_gemm_ar from the source tree, which in
+# CI's clean clone has no compiled _C (tests/cached_build.root_script imports root scripts without it).
+_ROOT_ENTRIES_AT_START = _root_entries()
+
+
+def _check_root_not_added(when):
+    if _root_entries() > _ROOT_ENTRIES_AT_START:
+        # Removed again, so that only the test that added it fails.
+        while _root_entries() > _ROOT_ENTRIES_AT_START:
+            sys.path.remove(next(e for e in sys.path if os.path.abspath(e or os.curdir) == _REPOSITORY_ROOT))
+        raise AssertionError(f"{when} put the repository root on sys.path: ranks would import torch_gemm_ar from "
+                             "the source tree, not the installed package (use cached_build.root_script)")
+
 # The `auto` tuner's decisions of a test run stay in the run (rank processes inherit this), not in ~/.cache.
 if "TORCH_GEMM_AR_TUNE_CACHE" not in os.environ:
     _tune_dir = tempfile.mkdtemp(prefix="tgar-tune-")
@@ -152,10 +173,17 @@ def lane_of(item) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
+    _check_root_not_added("collecting the tests")
     for item in items:
         lane = lane_of(item)
         if item.get_closest_marker(lane) is None:
             item.add_marker(lane)
+
+
+@pytest.fixture(autouse=True)
+def _repository_root_stays_off_sys_path(request):
+    yield
+    _check_root_not_added(request.node.nodeid)
 
 
 @pytest.fixture(autouse=True)

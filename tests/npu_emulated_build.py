@@ -8,14 +8,12 @@ npu_module.cpp) and as gemm_ar_emu (the emulator's controls, tests/npu_emulated/
 import glob
 import os
 import subprocess
-import sys
 import sysconfig
 
-from cached_build import ROOT, cached_build
+import kernel_sim_build
+from cached_build import ROOT, cached_build, root_script
 
-sys.path.insert(0, ROOT)
-import build_npu  # noqa: E402
-import kernel_sim_build  # noqa: E402
+build_npu = root_script("build_npu")
 
 EMULATED_DIR = os.path.join("tests", "npu_emulated")
 INPUTS = ["csrc", EMULATED_DIR, "tests/npu_emulated_build.py", "tests/kernel_sim_build.py", "build_npu.py"]

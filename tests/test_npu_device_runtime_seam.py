@@ -110,10 +110,9 @@ def test_negative_control_torch_npu_include_does_not_preprocess(gxx, tmp_path):
 def test_build_runtime_sources_are_the_seam_implementation():
     """build_npu.RUNTIME_SOURCES (what the emulated build leaves out, tests/npu_emulated_build.py) are exactly the
     implementation's sources: a new runtime file missing there would be linked into the emulated build."""
-    import sys
+    from cached_build import root_script
 
-    sys.path.insert(0, ROOT)
-    import build_npu
+    build_npu = root_script("build_npu")
 
     runtime = {os.path.basename(s) for s in build_npu.RUNTIME_SOURCES}
     assert runtime == {f for f in RUNTIME_IMPLEMENTATION if f.endswith(".cpp")}
