@@ -147,12 +147,8 @@ EXPECTED = {"sum": "gemm_allreduce", "reduce-scatter": "gemm_reduce_scatter", "a
             "max": None, "other-user": None, "bias-every-rank": None}
 
 
-def functional_graph(rank, world, seed, case):
-    torch._dynamo.reset()
-    fn = _funcol_model(case, dist.group.WORLD.group_name, world)
-    g = torch.Generator().manual_seed(seed + rank)  # each rank's own shard
-    rows = 6 * world  # divisible by the world size for reduce-scatter; odd shapes otherwise
-    x, w, bias = torch.randn(rows, 7, generator=g), torch.randn(7, 5, generator=g), torch.randn(5, generator=g)
+def _compiled_recording_graphs(fn):
+    """fn compiled with the rewrite (after a reset of its report), and the list its graphs' code is appended to."""
     graphs = []
 
     def recording_inner(gm, example_inputs):
@@ -160,7 +156,16 @@ def functional_graph(rank, world, seed, case):
         return gm.forward
 
     torch_gemm_ar.compile.reset()
-    compiled = torch.compile(fn, backend=torch_gemm_ar.compile.backend(inner=recording_inner), fullgraph=True)
+    return torch.compile(fn, backend=torch_gemm_ar.compile.backend(inner=recording_inner), fullgraph=True), graphs
+
+
+def functional_graph(rank, world, seed, case):
+    torch._dynamo.reset()
+    fn = _funcol_model(case, dist.group.WORLD.group_name, world)
+    g = torch.Generator().manual_seed(seed + rank)  # each rank's own shard
+    rows = 6 * world  # divisible by the world size for reduce-scatter; odd shapes otherwise
+    x, w, bias = torch.randn(rows, 7, generator=g), torch.randn(7, 5, generator=g), torch.randn(5, generator=g)
+    compiled, graphs = _compiled_recording_graphs(fn)
     got, ref = compiled(x, w, bias), fn(x, w, bias)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     report = torch_gemm_ar.compile.report()
@@ -322,14 +327,7 @@ def _sequence_graph(rank, world, seed, case, dtype_name):
     batch = world * world  # the batch is split in "scatter-other-dim", and the split cat along dim 0 again
     x = torch.randn(batch, 5 if case.startswith("gather") else 5 * world, 7, generator=g)
     w, w3 = torch.randn(7, 9, generator=g), torch.randn(7, 3, generator=g)
-    graphs = []
-
-    def recording_inner(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
-    torch_gemm_ar.compile.reset()
-    compiled = torch.compile(fn, backend=torch_gemm_ar.compile.backend(inner=recording_inner), fullgraph=True)
+    compiled, graphs = _compiled_recording_graphs(fn)
     got, exact = compiled(x.to(dtype), w.to(dtype), w3.to(dtype)), fn(x.double(), w.double(), w3.double())
     for out, want in zip(got if isinstance(got, tuple) else [got], exact if isinstance(exact, tuple) else [exact]):
         assert out.shape == want.shape and out.dtype == dtype, (out.shape, want.shape, out.dtype)
