@@ -129,9 +129,26 @@ def kernel_flags(directory):
     return cxx, ["-isystem", _cross_process_add_includes(directory)] + flags + ["-fPIC"], extra
 
 
+def cache_flags():
+    """What a cached simulator build depends on besides its sources and toolchain: GEMM_AR_SIM_CXXFLAGS and the
+    contents of pto-isa's headers (another checkout or an update rebuilds; the patched copies derive from them)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    include = os.path.join(PTO_ISA_ROOT, "include")
+    for base, dirs, names in sorted(os.walk(include)):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(base, name)
+            digest.update(os.path.relpath(path, include).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return f"{os.environ.get('GEMM_AR_SIM_CXXFLAGS', '')}|pto-isa {digest.hexdigest()}"
+
+
 def kernel_objects_dir():
     """The directory of the four kernels' objects (object_name), built with kernel_flags at the first use after a
-    change of their sources, toolchain or GEMM_AR_SIM_CXXFLAGS."""
+    change of their sources, toolchain, GEMM_AR_SIM_CXXFLAGS or pto-isa (cache_flags)."""
     if not PTO_ISA_ROOT:
         raise RuntimeError("PTO_ISA_ROOT is not set: the kernels build against pto-isa's CPU simulator")
 
@@ -139,7 +156,7 @@ def kernel_objects_dir():
         cxx, flags, _ = kernel_flags(directory)
         _compile_all(cxx, flags, KERNEL_SOURCES, directory)
 
-    return cached_build("sim-kernels", KERNEL_INPUTS, build, flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+    return cached_build("sim-kernels", KERNEL_INPUTS, build, flags=cache_flags())
 
 
 def _build(tmp):

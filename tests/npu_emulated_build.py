@@ -91,7 +91,7 @@ def _kernel_objects():
                                       directory)
 
     bridge_dir = cached_build("emulated-bridge", BRIDGE_INPUTS, build,
-                              flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+                              flags=kernel_sim_build.cache_flags())
     return ([os.path.join(kernel_dir, kernel_sim_build.object_name(src)) for src in kernel_sim_build.KERNEL_SOURCES] +
             [os.path.join(bridge_dir, kernel_sim_build.object_name(BRIDGE_SOURCE))])
 
@@ -149,16 +149,15 @@ def emulated_control_path(control):
     assert control in CONTROLS, control
     base = os.path.dirname(emulated_library_path())
     directory = cached_build("emulated-controls", INPUTS, lambda d: _build_controls(d, base),
-                             flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+                             flags=kernel_sim_build.cache_flags())
     return os.path.join(directory, control, LIBRARY)
 
 
 def emulated_library_path():
-    """The shared object for the current sources, built if needed: about 10 minutes on 2 cores from scratch, a few
-    when only the host code or the emulator changed (the kernels are cached on their own)."""
+    """The shared object for the current sources, built if needed (docs/testing.md, "Test lanes", says how long)."""
     if not os.environ.get("PTO_ISA_ROOT"):
         raise RuntimeError("PTO_ISA_ROOT is not set: the emulated runtime runs pto-isa's simulator kernels")
     kernel_objects = _kernel_objects()
     directory = cached_build("npu-emulated", INPUTS, lambda d: _build(d, [], kernel_objects),
-                             flags=os.environ.get("GEMM_AR_SIM_CXXFLAGS", ""))
+                             flags=kernel_sim_build.cache_flags())
     return os.path.join(directory, LIBRARY)

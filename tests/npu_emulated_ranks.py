@@ -2,7 +2,6 @@
 loads the emulated runtime into a rank of a RankPool, after torch_gemm_ar (which defines the pto schemas), and makes
 the groups whose "npu" backend is the emulated HCCL."""
 import importlib.util
-import os
 import sys
 import types
 
@@ -10,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "emulated_hccl"
+TOPOLOGIES = ("mesh", "ring")
 _loaded = {}
 _groups = {}
 
@@ -49,13 +49,18 @@ def load(library):
     torch_gemm_ar._C_npu = npu
     register_error_checker(npu.check_errors)
     emu = _load_as("gemm_ar_emu", library)
+    emu.check_settings()
     torch._register_device_module("npu", _device_module(emu))
 
-    def create(store, rank, size, timeout):
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
-        return emu.make_backend(store, rank, size, gloo)
+    def creator(mesh):
+        def create(store, rank, size, timeout):
+            gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+            return emu.make_backend(store, rank, size, gloo, mesh)
 
-    dist.Backend.register_backend(BACKEND, create, devices=["npu"])
+        return create
+
+    for topology in TOPOLOGIES:  # one backend per topology HCCL reports: a group's topology is its backend's
+        dist.Backend.register_backend(f"{BACKEND}_{topology}", creator(topology == "mesh"), devices=["npu"])
     _loaded.update(emu=emu, library=library)
     return emu
 
@@ -64,11 +69,11 @@ def group(library, topology="mesh", key=""):
     """A group of every rank with the emulated HCCL for "npu" tensors, one per (topology, key) in this process; its
     communicator is set up by its first fused call, with HCCL reporting `topology` ("mesh" or "ring")."""
     load(library)
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r}: one of {TOPOLOGIES}")
     if (topology, key) not in _groups:
-        g = dist.new_group(list(range(dist.get_world_size())), backend=f"cpu:gloo,npu:{BACKEND}")
+        g = dist.new_group(list(range(dist.get_world_size())), backend=f"cpu:gloo,npu:{BACKEND}_{topology}")
         _groups[(topology, key)] = g
-    # Read by the emulated HCCL when the group's communicator is set up (its first fused call).
-    os.environ["GEMM_AR_EMU_TOPOLOGY"] = topology
     return _groups[(topology, key)]
 
 

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "emu_memory.h"
+#include "emu_settings.h"
 #include "emu_streams.h"
 #include "gemm_ar/kernel_args.hpp"
 #include "npu/hccl_context_layout.h"
@@ -42,12 +43,8 @@ void begin_collective() {
   synchronize(stream(current_stream_id()));
 }
 
-// HCCL_BUFFSIZE (MB) as HCCL reads it; the emulation's default is small, since every byte is host memory.
-uint64_t window_bytes_from_env() {
-  const char* text = std::getenv("HCCL_BUFFSIZE");
-  const long mb = text != nullptr ? std::atol(text) : 8;
-  return static_cast<uint64_t>(std::max(1L, mb)) << 20;
-}
+// HCCL_BUFFSIZE (MB) as HCCL reads it.
+uint64_t window_bytes_from_env() { return static_cast<uint64_t>(settings::window_megabytes()) << 20; }
 
 std::string random_token() {
   std::random_device device;
@@ -90,17 +87,14 @@ bool tiling_is_batch_write(const void* tiling, const std::string& comm_name) {
 
 // Negative control (tests only): GEMM_AR_EMU_FAULT_WINDOW_SHIFT=B makes the context this rank gets name the next
 // rank's window B bytes past where it is, as a host that read HCCL's layout wrongly would.
-uint64_t fault_window_shift() {
-  const char* text = std::getenv("GEMM_AR_EMU_FAULT_WINDOW_SHIFT");
-  return text != nullptr ? static_cast<uint64_t>(std::atoll(text)) : 0;
-}
+uint64_t fault_window_shift() { return static_cast<uint64_t>(settings::fault_window_shift()); }
 
 }  // namespace
 
 EmulatedHccl::EmulatedHccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                           c10::intrusive_ptr<c10d::Backend> gloo)
+                           c10::intrusive_ptr<c10d::Backend> gloo, bool mesh)
     : c10d::Backend(rank, size), store_(c10::make_intrusive<c10d::PrefixStore>("emulated_hccl", store)),
-      gloo_(std::move(gloo)) {}
+      gloo_(std::move(gloo)), mesh_(mesh) {}
 
 // The windows stay mapped: kernels queued before the group was destroyed may still write into them, as HCCL keeps
 // its windows until the communicator is gone.
@@ -168,8 +162,7 @@ int32_t EmulatedHccl::map_windows(std::string* error) {
   if (mine == nullptr) return kHcclInternal;
   // Whatever an earlier user of the memory left: HCCL's windows are never zeroed for us. GEMM_AR_EMU_WINDOW_FILL=zero
   // leaves them zeroed instead (to tell stale bytes from other causes).
-  const char* fill = std::getenv("GEMM_AR_EMU_WINDOW_FILL");
-  if (fill == nullptr || std::string(fill) != "zero") {
+  if (!settings::zero_windows()) {
     std::mt19937_64 rng(std::random_device{}());
     auto* words = static_cast<uint64_t*>(mine);
     for (uint64_t i = 0; i < window_bytes_ / sizeof(uint64_t); ++i) words[i] = rng();
@@ -206,7 +199,7 @@ int32_t EmulatedHccl::map_windows(std::string* error) {
   return status;
 }
 
-int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const void* tiling, bool mesh, void** context) {
+int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const void* tiling, void** context) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!tiling_is_batch_write(tiling, comm_name)) return kHcclBadParameter;
   if (context_ != nullptr) {
@@ -225,7 +218,7 @@ int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const vo
   const auto address = [&](int peer) {
     return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(windows_[peer])) + (peer == shifted ? shift : 0);
   };
-  if (mesh) {
+  if (mesh_) {
     // MESH: the context the kernels read, in device memory HCCL owns.
     CommContext ctx{};
     ctx.rank_id = static_cast<uint32_t>(rank);
@@ -265,7 +258,7 @@ int32_t EmulatedHccl::alloc_comm_resource(const std::string& comm_name, const vo
     }
     context_ = block;
   }
-  count_context(mesh);
+  count_context(mesh_);
   *context = context_;
   return kHcclSuccess;
 }

@@ -19,8 +19,9 @@ constexpr int32_t kHcclInternal = 4;      // HCCL_E_INTERNAL
 
 class EmulatedHccl final : public c10d::Backend {
  public:
-  EmulatedHccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-               c10::intrusive_ptr<c10d::Backend> gloo);
+  // `mesh`: the level-0 topology HCCL reports for this communicator (MESH, or RING as on A3).
+  EmulatedHccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
+               bool mesh);
   ~EmulatedHccl() override;
 
   const std::string getBackendName() const override { return "emulated_hccl"; }
@@ -43,13 +44,15 @@ class EmulatedHccl final : public c10d::Backend {
 
   // HcclAllocComResourceByTiling: maps every rank's window (collective over the group, through the store) and
   // returns the MESH context or the RING op-resource block. Later calls return the same resources.
-  int32_t alloc_comm_resource(const std::string& comm_name, const void* tiling, bool mesh, void** context);
+  int32_t alloc_comm_resource(const std::string& comm_name, const void* tiling, void** context);
+  bool mesh() const { return mesh_; }
 
  private:
   int32_t map_windows(std::string* error);
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  const bool mesh_;
   std::mutex mutex_;
   uint64_t window_bytes_ = 0;
   std::vector<void*> windows_;  // every rank's window as mapped in this process

@@ -6,6 +6,7 @@
 
 #include "emu_graph.h"
 #include "emu_hccl.h"
+#include "emu_settings.h"
 #include "emu_streams.h"
 #include "sim_kernels.h"
 
@@ -18,10 +19,10 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
   m.def(
       "make_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-         const c10::intrusive_ptr<c10d::Backend>& gloo) {
-        return c10::make_intrusive<gemm_ar::emu::EmulatedHccl>(store, rank, size, gloo);
-      },
-      "The emulated HCCL backend of one group, running its collectives with `gloo` on CPU aliases.");
+         const c10::intrusive_ptr<c10d::Backend>& gloo,
+         bool mesh) { return c10::make_intrusive<gemm_ar::emu::EmulatedHccl>(store, rank, size, gloo, mesh); },
+      "The emulated HCCL backend of one group, running its collectives with `gloo` on CPU aliases; `mesh`: the "
+      "topology it reports (False: RING).");
   m.def(
       "new_stream", [] { return gemm_ar::emu::new_stream().id(); }, "A new emulated stream's id.");
   m.def(
@@ -56,6 +57,9 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
       "replays_skip_counter", [](bool skip) { gemm_ar::emu::set_replays_skip_counter(skip); },
       "Negative control: replayed epoch counter increments do nothing (every replay reuses the capture's epoch).");
   m.def(
+      "overlapping_calls", [] { return gemm_ar::emu::overlapping_calls(); },
+      "How many kernels started while a kernel of another call of the same communicator ran, in this process.");
+  m.def(
       "contexts_built",
       [] {
         py::dict d;
@@ -77,5 +81,8 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
         return d;
       },
       "What the simulator's cache and ordering model counted in this process.");
+  m.def(
+      "check_settings", [] { gemm_ar::emu::settings::check_all(); },
+      "Reads every GEMM_AR_EMU_* setting (and HCCL_BUFFSIZE): raises naming one the emulator cannot take.");
   m.def("bf16_native", &gemm_ar::emu::sim::bf16_native, "Whether the simulator stores bfloat16 natively.");
 }

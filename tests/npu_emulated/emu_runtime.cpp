@@ -15,7 +15,9 @@
 
 #include "emu_hccl.h"
 #include "emu_memory.h"
+#include "emu_settings.h"
 #include "emu_streams.h"
+#include "gemm_ar/kernel_args.hpp"
 #include "npu/device_runtime.h"
 #include "sim_kernels.h"
 
@@ -30,16 +32,9 @@ namespace {
 constexpr int32_t kAclSuccess = 0;
 constexpr int32_t kAclStreamSyncFailed = 507000;  // any nonzero runtime status: the host reports it as it is
 
-int64_t env_count(const char* name, int64_t fallback) {
-  const char* text = std::getenv(name);
-  const long long value = text != nullptr ? std::atoll(text) : 0;
-  return value > 0 ? value : fallback;
-}
-
-// The emulated device's cores (GEMM_AR_EMU_CUBE_CORES, GEMM_AR_EMU_VECTOR_CORES): few, since every block is a thread
-// of a machine shared by every rank.
-int64_t cube_cores() { return env_count("GEMM_AR_EMU_CUBE_CORES", 2); }
-int64_t vector_cores() { return env_count("GEMM_AR_EMU_VECTOR_CORES", 4); }
+// The emulated device's cores (emu_settings.h): few, since every block is a thread of a machine shared by every rank.
+int64_t cube_cores() { return emu::settings::cube_cores(); }
+int64_t vector_cores() { return emu::settings::vector_cores(); }
 
 // The device's cores of one type, handed to launches: a kernel's blocks each get a core of their own for the whole
 // launch (concurrent kernels never share one), and each core keeps its cache lines across launches.
@@ -71,6 +66,82 @@ class CorePool {
   std::condition_variable freed_;
   std::vector<emu::sim::Core*> free_;
   size_t total_ = 0;
+};
+
+// A launch's cores, given back when the launch ends, also when the kernel threw.
+class CoreLease {
+ public:
+  CoreLease(CorePool& pool, uint32_t blocks) : pool_(pool), cores_(pool.acquire(blocks)) {}
+  ~CoreLease() { pool_.release(cores_); }
+  CoreLease(const CoreLease&) = delete;
+  CoreLease& operator=(const CoreLease&) = delete;
+  emu::sim::Core* const* data() const { return cores_.data(); }
+
+ private:
+  CorePool& pool_;
+  const std::vector<emu::sim::Core*> cores_;
+};
+
+// The simulator names the kernels by number (sim_kernels.h, plain types for its C++20 side): the same numbers.
+static_assert(static_cast<int>(Kernel::kGemmCompute) == emu::sim::kGemmCompute &&
+                  static_cast<int>(Kernel::kGemmComm) == emu::sim::kGemmComm &&
+                  static_cast<int>(Kernel::kRsCompute) == emu::sim::kRsCompute &&
+                  static_cast<int>(Kernel::kRsComm) == emu::sim::kRsComm &&
+                  static_cast<int>(Kernel::kAgCompute) == emu::sim::kAgCompute &&
+                  static_cast<int>(Kernel::kAgComm) == emu::sim::kAgComm && emu::sim::kKernelCount == 6,
+              "sim_kernels.h's KernelId must follow npu::Kernel (device_runtime.h)");
+
+// Watches that a communicator's calls never run at once: the kernels of one call (which share their KernelArgs) may,
+// the kernels of two calls naming the same CommContext may not. Read at kernel start, as the kernels read them.
+class CallOverlapWatch {
+ public:
+  // The launch's communicator context, from the KernelArgs in device memory.
+  static uint64_t context_of(const void* args_device) {
+    KernelArgs args;
+    std::memcpy(&args, args_device, sizeof(args));
+    return args.comm_ctx;
+  }
+  void start(uint64_t context, const void* call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Running& running = running_[context];
+    if (running.kernels > 0 && running.call != call) {
+      emu::count_overlapping_call();
+    } else {
+      running.call = call;
+    }
+    ++running.kernels;
+  }
+  void end(uint64_t context) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--running_[context].kernels == 0) running_.erase(context);
+  }
+
+ private:
+  struct Running {
+    const void* call = nullptr;
+    int kernels = 0;
+  };
+  std::mutex mutex_;
+  std::map<uint64_t, Running> running_;
+};
+
+CallOverlapWatch& call_overlap_watch() {
+  static auto* watch = new CallOverlapWatch();
+  return *watch;
+}
+
+// A running kernel, in the watch from its start to its end (also when it threw).
+class WatchedKernel {
+ public:
+  explicit WatchedKernel(const void* args_device) : context_(CallOverlapWatch::context_of(args_device)) {
+    call_overlap_watch().start(context_, args_device);
+  }
+  ~WatchedKernel() { call_overlap_watch().end(context_); }
+  WatchedKernel(const WatchedKernel&) = delete;
+  WatchedKernel& operator=(const WatchedKernel&) = delete;
+
+ private:
+  const uint64_t context_;
 };
 
 CorePool& cores_for(int kernel) {
@@ -138,10 +209,9 @@ class EmulatedQueue final : public DeviceQueue {
     const int id = static_cast<int>(kernel);
     TORCH_CHECK(id >= 0 && id < emu::sim::kKernelCount, "unknown kernel ", id);
     worker_of(stream).enqueue_launch([id, blocks, args_device] {
-      CorePool& pool = cores_for(id);
-      const std::vector<emu::sim::Core*> cores = pool.acquire(blocks);
+      const WatchedKernel watched(args_device);
+      const CoreLease cores(cores_for(id), blocks);
       emu::sim::run_kernel(id, blocks, cores.data(), args_device);
-      pool.release(cores);
     });
   }
 
@@ -180,12 +250,6 @@ c10::intrusive_ptr<emu::EmulatedHccl> emulated_hccl(c10d::ProcessGroup& group, s
   return hccl;
 }
 
-// GEMM_AR_EMU_TOPOLOGY=ring: HCCL reports a RING level-0 topology (A3) and hands out op-resource blocks.
-bool topology_is_mesh() {
-  const char* text = std::getenv("GEMM_AR_EMU_TOPOLOGY");
-  return text == nullptr || std::string(text) != "ring";
-}
-
 class EmulatedControl final : public DeviceControl {
  public:
   bool has_hccl_backend(c10d::ProcessGroup& group, std::string* backend_name) override {
@@ -202,8 +266,9 @@ class EmulatedControl final : public DeviceControl {
   std::string hccl_one_sided_missing() override { return ""; }
   int32_t hccl_topology_is_mesh(const std::string& comm_name, bool* mesh) override {
     std::lock_guard<std::mutex> lock(comm_mutex());
-    if (comms().count(comm_name) == 0) return emu::kHcclBadParameter;
-    *mesh = topology_is_mesh();
+    auto found = comms().find(comm_name);
+    if (found == comms().end()) return emu::kHcclBadParameter;
+    *mesh = found->second->mesh();
     return emu::kHcclSuccess;
   }
   int32_t hccl_comm_handle(const std::string& comm_name, HcclCommHandle* comm) override {
@@ -224,7 +289,7 @@ class EmulatedControl final : public DeviceControl {
       }
     }
     if (comm_name.empty()) return emu::kHcclBadParameter;
-    return hccl->alloc_comm_resource(comm_name, tiling, topology_is_mesh(), context);
+    return hccl->alloc_comm_resource(comm_name, tiling, context);
   }
 
   int32_t device_info(int32_t device, DeviceAttribute attribute, int64_t* value) override {
@@ -237,7 +302,7 @@ class EmulatedControl final : public DeviceControl {
     return kAclSuccess;
   }
   bool op_execute_timeout_ms(int64_t* ms) override {
-    *ms = env_count("GEMM_AR_EMU_AICORE_TIMEOUT_MS", 68000);
+    *ms = emu::settings::aicore_timeout_ms();
     return true;
   }
   int32_t create_stream(NativeStream* stream) override {

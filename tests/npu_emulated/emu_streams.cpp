@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include "emu_graph.h"
+#include "emu_settings.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -10,11 +11,7 @@
 namespace gemm_ar::emu {
 
 std::chrono::milliseconds wait_bound() {
-  static const std::chrono::milliseconds bound = [] {
-    const char* text = std::getenv("GEMM_AR_EMU_WAIT_S");
-    const long seconds = text != nullptr ? std::atol(text) : 120;
-    return std::chrono::milliseconds(std::max(1L, seconds) * 1000);
-  }();
+  static const std::chrono::milliseconds bound(settings::wait_seconds() * 1000);
   return bound;
 }
 
@@ -247,6 +244,14 @@ std::atomic<bool> skip_counter_in_replays{false};
 
 void set_replays_skip_counter(bool skip) { skip_counter_in_replays.store(skip, std::memory_order_relaxed); }
 bool replays_skip_counter() { return skip_counter_in_replays.load(std::memory_order_relaxed); }
+
+namespace {
+// Relaxed: a count the tests read after synchronising every stream.
+std::atomic<uint64_t> overlaps{0};
+}  // namespace
+
+void count_overlapping_call() { overlaps.fetch_add(1, std::memory_order_relaxed); }
+uint64_t overlapping_calls() { return overlaps.load(std::memory_order_relaxed); }
 
 void count_context(bool mesh) { (mesh ? mesh_contexts : ring_contexts).fetch_add(1, std::memory_order_relaxed); }
 int64_t contexts_built(bool mesh) { return (mesh ? mesh_contexts : ring_contexts).load(std::memory_order_relaxed); }

@@ -101,6 +101,11 @@ bool take_dropped_launch();
 void set_replays_skip_counter(bool skip);
 bool replays_skip_counter();
 
+// Kernels that started while a kernel of another call of the same communicator ran (emu_runtime.cpp): a group's
+// calls must not overlap on the device, while one call's compute and comm kernels do.
+void count_overlapping_call();
+uint64_t overlapping_calls();
+
 // Which contexts the emulated HCCL built in this process (MESH, RING).
 void count_context(bool mesh);
 int64_t contexts_built(bool mesh);
