@@ -55,7 +55,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--compile", choices=["none", "inductor", "eager"], default="none",
                         help="compare torchtitan's model compiled without and with the rewrite (no conversion)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.compile != "none" and args.algorithm != "auto":
+        parser.error(f"--algorithm {args.algorithm} with --compile {args.compile}: --algorithm applies to the "
+                     "converted layers (--compile none); the compile rewrite's ops run with auto")
+    return args
 
 
 def main(argv=None) -> int:

@@ -434,3 +434,38 @@ def test_a_clearly_slower_candidate_leaves_the_race(hooked_ranks, tmp_path):
         assert decision["candidate_runs"]["sequential"] == 4 and decision["algorithm"] != "sequential", decision
         assert any("sequential" in m and "in 4 runs (out of the race)" in m for m in messages), messages
     assert results[0][2][0]["algorithm"] == results[1][2][0]["algorithm"]
+
+
+def _warm_up_where_one_rank_still_tunes(rank, world, busy_calls):
+    """Rank 0's tuner reports a bucket in progress for its first `busy_calls` questions, the others' report none (as
+    ranks whose groups meet different shapes would): every rank must run the same number of steps, or a step's
+    collective would wait for a rank that stopped."""
+    import torch.distributed as dist
+
+    asked = [0]
+    real_in_progress = tuning.in_progress
+
+    def in_progress(group=None):
+        asked[0] += 1
+        return rank == 0 and asked[0] <= busy_calls
+
+    steps = []
+
+    def step():
+        flag = torch.ones(1)
+        dist.all_reduce(flag)  # a collective, as a model's step has
+        steps.append(int(flag.item()))
+
+    tuning.in_progress = in_progress
+    try:
+        ran = tuning.warm_up_until_tuned(step, min_steps=1)
+    finally:
+        tuning.in_progress = real_in_progress
+    return ran, steps
+
+
+def test_warm_up_stops_on_every_rank_together(ranks):
+    busy_calls = 3
+    results = ranks(2).run(_warm_up_where_one_rank_still_tunes, busy_calls)
+    assert results[0] == results[1], f"the ranks ran different steps: {results}"
+    assert results[0][0] == 1 + busy_calls, results

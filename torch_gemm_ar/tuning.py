@@ -91,15 +91,34 @@ def in_progress(group: GroupLike = None) -> bool:
     return _C._tuner_in_progress(group_name_of(group, "tuning.in_progress") if group is not None else "")
 
 
+def _any_rank_tuning(group: GroupLike) -> bool:
+    """in_progress(group) on any rank of the default group: the ranks agree to stop together. A rank's own answer can
+    differ (group=None covers every group of the process; pipeline stages meet different shapes), and a rank that
+    stopped while another runs `step()` again would leave that one waiting in a collective."""
+    import torch.distributed as dist
+
+    busy = in_progress(group)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return busy
+    # The device the default group's collectives take (CPU with gloo; the accelerator when it has only that).
+    device_type = dist.distributed_c10d._get_object_coll_device()
+    device = torch.device(device_type) if device_type == "cpu" else torch.device(
+        device_type, torch.get_device_module(device_type).current_device())
+    flag = torch.tensor([1 if busy else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def warm_up_until_tuned(step, min_steps: int = 1, group: GroupLike = None) -> int:
-    """Runs `step()` min_steps times, then until `auto` has decided every shape bucket the step meets (at most
-    calls_to_decide() more times). Returns how many steps ran. Collective: call it on every rank."""
+    """Runs `step()` min_steps times, then until `auto` has decided every shape bucket the step meets on every rank
+    (at most calls_to_decide() more times). Returns how many steps ran, the same on every rank. Collective over the
+    default group: call it on every rank."""
     ran = 0
     for _ in range(min_steps):
         step()
         ran += 1
     for _ in range(calls_to_decide()):
-        if not in_progress(group):
+        if not _any_rank_tuning(group):
             break
         step()
         ran += 1
