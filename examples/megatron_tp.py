@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "benchmarks"))
 
 from benchkit.dist_env import cpu_model  # noqa: E402
 from megatron_cpu import stub_triton_only_module  # noqa: E402
+from tp_transformer import interleaved_times, speedup_text  # noqa: E402  (the benchmarks' timing)
 
 def build_mlp(seed, hidden, ffn, config):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -71,27 +71,13 @@ def build_gpt(seed, hidden, ffn, tokens, vocab=1024):
     return model, lambda net, x: net(x, positions, causal)
 
 
-def median_ms(fns, reps):
-    """Median ms per call of each fn, the fns interleaved round-robin after one warm-up each."""
-    times = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            times[i].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(t) for t in times]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=512, help="sequence length (batch 1)")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=20, help="timed iterations per variant")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -151,17 +137,18 @@ def main() -> int:
             optimizer.zero_grad()
         return call
 
-    # `auto` times its candidates in the first calls of each shape: decide every bucket before timing.
-    torch_gemm_ar.tuning.warm_up_until_tuned(forward(converted))
-    torch_gemm_ar.tuning.warm_up_until_tuned(train_step(converted))
-    fwd = median_ms([forward(megatron_mlp), forward(converted)], args.reps)
-    train = median_ms([train_step(megatron_mlp), train_step(converted)], args.reps)
+    # The benchmarks' timing (interleaved; the warm-up lasts until `auto` decided every shape the step meets).
+    fwd_s = interleaved_times([forward(megatron_mlp), forward(converted)], 1, args.reps, None)
+    train_s = interleaved_times([train_step(megatron_mlp), train_step(converted)], 1, args.reps, None)
     if rank == 0:
         print(f"CPU: {cpu_model()}; {world} ranks x {torch.get_num_threads()} threads; {args.model}, tokens "
               f"{args.tokens}, hidden {args.hidden}, ffn {args.ffn}")
         print(f"largest output difference from Megatron: {diff:.3g}; weights after one SGD step: {step_diff:.3g}")
-        print(f"forward:    Megatron {fwd[0]:.2f} ms, converted {fwd[1]:.2f} ms ({fwd[0] / fwd[1]:.2f}x)")
-        print(f"train step: Megatron {train[0]:.2f} ms, converted {train[1]:.2f} ms ({train[0] / train[1]:.2f}x)")
+        for what, (megatron_s, converted_s) in (("forward:   ", fwd_s), ("train step:", train_s)):
+            print(f"{what} Megatron {statistics.median(megatron_s) * 1e3:.2f} ms, converted "
+                  f"{statistics.median(converted_s) * 1e3:.2f} ms, speedup {speedup_text(megatron_s, converted_s)}")
+        print(f"(median of {args.reps} iterations per variant, interleaved; speedup = Megatron / converted per "
+              "iteration, with its 95% interval)")
         print("OK" if ok else "FAILED: a difference beyond fp32 tolerance")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
