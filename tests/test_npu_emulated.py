@@ -743,8 +743,10 @@ def test_failure_reported_at_interpreter_exit(emulated_npu, tmp_path, fail):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "exit_rank.py"
     script.write_text(_EXIT_RANK)
-    # The tests' helpers only: torch_gemm_ar is the one this run imports (the installed package in CI).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    # The tests' helpers only: torch_gemm_ar is the one this run imports (the installed package in CI). No empty
+    # entry: it would put the working directory, the source tree, on the path.
+    paths = [tests_dir, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), library, str(tmp_path / "store"),
                                "1" if fail else "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in range(2)]
