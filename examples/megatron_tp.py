@@ -5,7 +5,8 @@ Megatron runs it and converted by torch_gemm_ar.nn.replace_megatron (found by ty
 
 `--model gpt`: a 2-layer GPTModel (SwiGLU, RMSNorm, Megatron's local layer spec) instead of the MLP.
 Prints the converted modules, the largest output difference, the weights after one SGD step compared, and the
-median time per forward and per train step of both (interleaved round-robin), with the CPU's name. Exits non-zero
+median times per forward and per train step of both and their paired speedup with its 95% interval
+(the benchmarks' interleaved timing), with the CPU's name. Exits non-zero
 when a difference is beyond fp32 tolerance. Needs megatron-core 0.19.2 (`pip install --no-deps
 --ignore-requires-python megatron-core==0.19.2`; it runs on Python 3.11). On CPU: Megatron imports a triton-only MoE
 module at import time, stubbed here (the MLP never calls it); weights initialized on CPU; no
@@ -93,13 +94,13 @@ def main() -> int:
     if args.model == "mlp":
         config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                                    use_cpu_initialization=True, gradient_accumulation_fusion=False)
-        megatron_mlp = build_mlp(0, args.hidden, args.ffn, config)
+        megatron_model = build_mlp(0, args.hidden, args.ffn, config)
         converted = build_mlp(0, args.hidden, args.ffn, config)
         x = torch.randn(args.tokens, 1, args.hidden, generator=g)
         upstream = torch.randn(args.tokens, 1, args.hidden, generator=g)
         forward_of = run
     else:
-        (megatron_mlp, forward_of), (converted, _) = (build_gpt(0, args.hidden, args.ffn, args.tokens),
+        (megatron_model, forward_of), (converted, _) = (build_gpt(0, args.hidden, args.ffn, args.tokens),
                                                       build_gpt(0, args.hidden, args.ffn, args.tokens))
         x = torch.randint(0, 1024, (1, args.tokens), generator=g)
         upstream = torch.randn(1, args.tokens, 1024 // world, generator=torch.Generator().manual_seed(2 + rank))
@@ -112,34 +113,34 @@ def main() -> int:
 
     ok = True
     with torch.no_grad():
-        diff = (forward_of(converted, x) - forward_of(megatron_mlp, x)).abs().max().item()
+        diff = (forward_of(converted, x) - forward_of(megatron_model, x)).abs().max().item()
     ok &= diff <= 1e-4
-    for mlp in (megatron_mlp, converted):  # one SGD step each on the same batch
-        (run_input(mlp, x) * upstream).sum().backward()
-        torch.optim.SGD(mlp.parameters(), lr=1e-3).step()
-        mlp.zero_grad()
-    weights = dict(megatron_mlp.named_parameters())
+    for net in (megatron_model, converted):  # one SGD step each on the same batch
+        (run_input(net, x) * upstream).sum().backward()
+        torch.optim.SGD(net.parameters(), lr=1e-3).step()
+        net.zero_grad()
+    weights = dict(megatron_model.named_parameters())
     step_diff = max((p - weights[n]).abs().max().item() for n, p in converted.named_parameters())
     ok &= step_diff <= 1e-5
 
-    def forward(mlp):
+    def forward(net):
         def call():
             with torch.no_grad():
-                forward_of(mlp, x)
+                forward_of(net, x)
         return call
 
-    def train_step(mlp):
-        optimizer = torch.optim.SGD(mlp.parameters(), lr=0.0)  # lr 0: the weights stay comparable
+    def train_step(net):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # lr 0: the weights stay comparable
 
         def call():
-            (run_input(mlp, x) * upstream).sum().backward()
+            (run_input(net, x) * upstream).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
         return call
 
     # The benchmarks' timing (interleaved; the warm-up lasts until `auto` decided every shape the step meets).
-    fwd_s = interleaved_times([forward(megatron_mlp), forward(converted)], 1, args.reps, None)
-    train_s = interleaved_times([train_step(megatron_mlp), train_step(converted)], 1, args.reps, None)
+    fwd_s = interleaved_times([forward(megatron_model), forward(converted)], 1, args.reps, None)
+    train_s = interleaved_times([train_step(megatron_model), train_step(converted)], 1, args.reps, None)
     if rank == 0:
         print(f"CPU: {cpu_model()}; {world} ranks x {torch.get_num_threads()} threads; {args.model}, tokens "
               f"{args.tokens}, hidden {args.hidden}, ffn {args.ffn}")

@@ -113,7 +113,7 @@ def hooked_ranks():
 @pytest.fixture(scope="session")
 def emulated_npu():
     """(path, pools): the NPU host code on the emulated Ascend runtime (tests/npu_emulated_build.py), built once per
-    change of its sources (several minutes on 2 cores, cached under build/), and rank pools of their own, whose
+    change of its sources (docs/testing.md says how long; cached under build/), and rank pools of their own, whose
     processes load it (tests/npu_emulated_ranks.py). Skips without PTO_ISA_ROOT (the kernels are the simulator's)."""
     if not os.environ.get("PTO_ISA_ROOT"):
         pytest.skip("PTO_ISA_ROOT is not set: the emulated NPU runtime runs pto-isa's simulator kernels")

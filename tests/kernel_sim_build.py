@@ -136,8 +136,7 @@ def cache_flags():
 
     digest = hashlib.sha256()
     include = os.path.join(PTO_ISA_ROOT, "include")
-    for base, dirs, names in sorted(os.walk(include)):
-        dirs.sort()
+    for base, _, names in sorted(os.walk(include)):
         for name in sorted(names):
             path = os.path.join(base, name)
             digest.update(os.path.relpath(path, include).encode())

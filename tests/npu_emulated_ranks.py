@@ -8,7 +8,7 @@ import types
 import torch
 import torch.distributed as dist
 
-BACKEND = "emulated_hccl"
+BACKEND_PREFIX = "emulated_hccl"  # + "_mesh" / "_ring": one registered backend per topology
 TOPOLOGIES = ("mesh", "ring")
 _loaded = {}
 _groups = {}
@@ -60,7 +60,7 @@ def load(library):
         return create
 
     for topology in TOPOLOGIES:  # one backend per topology HCCL reports: a group's topology is its backend's
-        dist.Backend.register_backend(f"{BACKEND}_{topology}", creator(topology == "mesh"), devices=["npu"])
+        dist.Backend.register_backend(f"{BACKEND_PREFIX}_{topology}", creator(topology == "mesh"), devices=["npu"])
     _loaded.update(emu=emu, library=library)
     return emu
 
@@ -72,7 +72,7 @@ def group(library, topology="mesh", key=""):
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology={topology!r}: one of {TOPOLOGIES}")
     if (topology, key) not in _groups:
-        g = dist.new_group(list(range(dist.get_world_size())), backend=f"cpu:gloo,npu:{BACKEND}_{topology}")
+        g = dist.new_group(list(range(dist.get_world_size())), backend=f"cpu:gloo,npu:{BACKEND_PREFIX}_{topology}")
         _groups[(topology, key)] = g
     return _groups[(topology, key)]
 

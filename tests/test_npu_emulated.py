@@ -414,7 +414,7 @@ def _two_threads_two_streams(rank, world, library, seed, calls, timeout_s=None):
     torch_gemm_ar.gemm_allreduce(a_npu, b_npu, group, algorithm="fused").cpu()  # the agreed first call
     streams = [emu.new_stream(), emu.new_stream()]
     outs, errors = [[], []], []
-    overlaps = emu.overlapping_calls()
+    overlaps = emu.overlapping_kernels()
 
     def work(t):
         try:
@@ -438,7 +438,7 @@ def _two_threads_two_streams(rank, world, library, seed, calls, timeout_s=None):
     if errors:
         raise errors[0]
     emu.synchronize()
-    overlaps = emu.overlapping_calls() - overlaps
+    overlaps = emu.overlapping_kernels() - overlaps
     assert overlaps == 0, f"rank {rank} thread 0/1: {overlaps} kernels of one group's calls ran at once on the device"
     for t in range(2):
         for c, out in enumerate(outs[t]):

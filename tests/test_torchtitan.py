@@ -230,7 +230,8 @@ def titan_compiled_vs_tp(rank, world, spmd_backend, sequence_parallel, fuse_qkv,
 
 # Inductor once (its code generation is slow on a 2-core machine), AOT's graphs as they are for the rest.
 COMPILED = [(2, True, "spmd_types", True, "eager"), (2, True, "partial_dtensor", False, "eager"),
-            (2, False, "spmd_types", True, "eager"), (3, True, "spmd_types", False, "eager"),
+            (2, False, "spmd_types", True, "eager"), (2, False, "partial_dtensor", True, "eager"),
+            (3, True, "spmd_types", False, "eager"),
             (2, True, "spmd_types", True, "inductor")]
 
 
@@ -253,8 +254,8 @@ def test_compiled_llama3_is_rewritten_and_matches_torchtitan_tp(ranks, world, se
         assert rewritten.get("gemm_reduce_scatter", 0) >= 2 * 4 + 1, text
         assert rewritten.get("allgather_gemm", 0) == 2 * 5 + 4, text
     else:
-        # spmd_types: mm, clone, all_reduce (the clone followed): wo and w2 in both forwards (with the residual add
-        # and the next RMSNorm at inference), and in backward the input gradient all-reduces of one GEMM.
+        # wo and w2 in both forwards (spmd_types: mm, clone, all_reduce, the clone followed), with the residual add
+        # and the next RMSNorm at inference; in backward the input-gradient all-reduces of one GEMM (spmd_types).
         assert rewritten.get("gemm_allreduce_add_rmsnorm", 0) == 4 and rewritten.get("gemm_allreduce", 0) >= 4, text
     # What is left alone is counted with its reason: the embedding's collective is not after a GEMM.
     assert any("not a GEMM" in reason for reason in skipped), text

@@ -57,7 +57,7 @@ PYBIND11_MODULE(gemm_ar_emu, m) {
       "replays_skip_counter", [](bool skip) { gemm_ar::emu::set_replays_skip_counter(skip); },
       "Negative control: replayed epoch counter increments do nothing (every replay reuses the capture's epoch).");
   m.def(
-      "overlapping_calls", [] { return gemm_ar::emu::overlapping_calls(); },
+      "overlapping_kernels", [] { return gemm_ar::emu::overlapping_kernels(); },
       "How many kernels started while a kernel of another call of the same communicator ran, in this process.");
   m.def(
       "contexts_built",

@@ -105,7 +105,7 @@ class CallOverlapWatch {
     std::lock_guard<std::mutex> lock(mutex_);
     Running& running = running_[context];
     if (running.kernels > 0 && running.call != call) {
-      emu::count_overlapping_call();
+      emu::count_overlapping_kernel();
     } else {
       running.call = call;
     }

@@ -250,8 +250,8 @@ namespace {
 std::atomic<uint64_t> overlaps{0};
 }  // namespace
 
-void count_overlapping_call() { overlaps.fetch_add(1, std::memory_order_relaxed); }
-uint64_t overlapping_calls() { return overlaps.load(std::memory_order_relaxed); }
+void count_overlapping_kernel() { overlaps.fetch_add(1, std::memory_order_relaxed); }
+uint64_t overlapping_kernels() { return overlaps.load(std::memory_order_relaxed); }
 
 void count_context(bool mesh) { (mesh ? mesh_contexts : ring_contexts).fetch_add(1, std::memory_order_relaxed); }
 int64_t contexts_built(bool mesh) { return (mesh ? mesh_contexts : ring_contexts).load(std::memory_order_relaxed); }

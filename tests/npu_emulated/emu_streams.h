@@ -103,8 +103,8 @@ bool replays_skip_counter();
 
 // Kernels that started while a kernel of another call of the same communicator ran (emu_runtime.cpp): a group's
 // calls must not overlap on the device, while one call's compute and comm kernels do.
-void count_overlapping_call();
-uint64_t overlapping_calls();
+void count_overlapping_kernel();
+uint64_t overlapping_kernels();
 
 // Which contexts the emulated HCCL built in this process (MESH, RING).
 void count_context(bool mesh);
